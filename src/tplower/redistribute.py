@@ -1,0 +1,269 @@
+"""Plans bound to a live mesh, and the general entry point :func:`redistribute_local`.
+
+A :class:`MeshLowerer` belongs to one ``DeviceMesh``: it checks once that each
+axis's process group orders its ranks as the mesh does, keeps a cache of
+bound programs keyed on ``(src, dst, grad, shape, device)``, and runs them.
+Everything it cannot lower goes to DTensor's ``redistribute`` (forward and
+backward), logged at debug level with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.placement_types import Placement
+
+from . import collectives as C
+from .errors import TPLowerError
+from .placements import REDUCE_OPS, PlacementsLike, format_placements, parse_placements, replicate_partials
+from .transitions import Step, TransitionPlan, global_shape_from_local, plan_transition
+
+__all__ = ["MeshLowerer", "Program", "bind_step", "mesh_lowerer", "redistribute_local"]
+
+log = logging.getLogger("tplower")
+
+
+def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
+              force_all_reduce_shard: bool = False) -> C.BoundStep:
+    """The collective function that carries ``step`` on ``group``, arguments bound.
+
+    The remap for a backend without a native collective is chosen here,
+    once, from ``caps``: ``reduce_scatter`` becomes ``all_reduce`` + chunk,
+    ``all_to_all`` becomes ``all_gather`` + chunk, ``avg`` becomes sum + divide.
+    ``group`` may be ``None`` only for steps that do not communicate.
+    """
+    n, r, ls, d = step.group_size, step.rank, step.logical_shape, step.tensor_dim
+    op = step.reduce_op or "sum"
+    kind = step.kind
+    if kind == "chunk":
+        assert d is not None
+        return functools.partial(C.chunk, n=n, rank=r, dim=d)
+    if kind == "partition":
+        return functools.partial(C.partition, n=n, op=op)
+    if kind == "zero_fill":
+        assert d is not None
+        return functools.partial(C.zero_fill, n=n, rank=r, dim=d, size=ls[d], op=op)
+    assert group is not None, f"step {step} needs a process group"
+    native_avg = "avg" in caps.all_reduce_ops
+    if kind == "all_gather":
+        assert d is not None
+        return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d])
+    if kind == "all_reduce":
+        return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops)
+    if kind == "reduce_scatter":
+        assert d is not None
+        if not force_all_reduce_shard and op in caps.reduce_scatter_ops:
+            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op)
+        if not force_all_reduce_shard and op == "avg" and "sum" in caps.reduce_scatter_ops:
+            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, native_avg=False)
+        return functools.partial(C.all_reduce_chunk, group=group, n=n, rank=r, dim=d, op=op, native_avg=native_avg)
+    if kind == "all_to_all":
+        j = step.dst_dim
+        assert d is not None and j is not None
+        fn = C.all_to_all if caps.all_to_all else C.all_to_all_via_gather
+        return functools.partial(fn, group=group, n=n, rank=r, src_dim=d, dst_dim=j, src_size=ls[d], dst_size=ls[j])
+    raise AssertionError(f"unknown step kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Program:
+    """A transition ready to run on one rank: bound forward and backward steps, or a fallback.
+
+    Attributes:
+        plan: the pure plan (``None`` when falling back).
+        forward, backward: bound steps.
+        fallback_reason: why DTensor runs this transition, or ``None``.
+    """
+
+    plan: TransitionPlan | None
+    forward: tuple[C.BoundStep, ...]
+    backward: tuple[C.BoundStep, ...]
+    fallback_reason: str | None = None
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        """Run forward; differentiable through :class:`~tplower.collectives.LoweredTransition`."""
+        if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
+            return self.forward[0](local)
+        if local.requires_grad and torch.is_grad_enabled():
+            out: torch.Tensor = C.LoweredTransition.apply(local, self.forward, self.backward)
+            return out
+        return C.run_steps(local, self.forward)
+
+
+def _key(spec: Any) -> Hashable:
+    if spec is None or isinstance(spec, str):
+        return spec
+    if isinstance(spec, dict):
+        return ("map", tuple(spec.items()))
+    return tuple(spec)
+
+
+def _check_partials(ps: Sequence[Placement], arg: str) -> None:
+    ops = {p.reduce_op for p in ps if isinstance(p, Partial)}
+    if len(ops) > 1:
+        raise TPLowerError(f"{arg}={format_placements(ps)!r} mixes Partial reduce ops {sorted(ops)}; "
+                           "use one reduce op per tensor (as DTensor requires)")
+
+
+class MeshLowerer:
+    """Lowers transitions on one ``DeviceMesh`` for this rank; owns the plan cache.
+
+    Args:
+        mesh: the device mesh; this rank must be part of it.
+
+    Attributes:
+        names: mesh axis names (``dim0``, ``dim1``, ... when the mesh has none).
+        shape: ranks per axis.
+        coord: this rank's mesh coordinate.
+        groups: the process group of each axis.
+        ordered: per axis, whether the group's rank order equals the mesh's
+            order along that axis (a permuted axis is never lowered).
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        coord = mesh.get_coordinate()
+        if coord is None:
+            raise TPLowerError(f"mesh={mesh!r}: this rank ({dist.get_rank()}) is not part of the mesh")
+        self.mesh = mesh
+        self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+        self.shape: tuple[int, ...] = tuple(mesh.shape)
+        self.coord: tuple[int, ...] = tuple(coord)
+        self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
+        self.ordered: tuple[bool, ...] = tuple(self._axis_ordered(i) for i in range(mesh.ndim))
+        self._cache: dict[Hashable, Program] = {}
+
+    def _axis_ordered(self, axis: int) -> bool:
+        index = list(self.coord)
+        index[axis] = slice(None)  # type: ignore[call-overload]
+        mesh_ranks = self.mesh.mesh[tuple(index)].tolist()
+        return bool(mesh_ranks == dist.get_process_group_ranks(self.groups[axis]))
+
+    def parse(self, spec: PlacementsLike, tensor_ndim: int, arg: str) -> tuple[Placement, ...]:
+        """Placements of this mesh from any accepted form, shard dims normalised."""
+        return parse_placements(spec, self.names, tensor_ndim=tensor_ndim, arg=arg)
+
+    def program(self, src: PlacementsLike, dst: PlacementsLike, local_shape: Sequence[int], device_type: str, *,
+                grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None) -> Program:
+        """The cached program for a transition of a local tensor of ``local_shape`` (see :func:`redistribute_local`)."""
+        key = (_key(src), _key(dst), _key(grad), None if global_shape is None else tuple(global_shape),
+               tuple(local_shape), device_type)
+        prog = self._cache.get(key)
+        if prog is None:
+            prog = self._build(src, dst, grad, tuple(local_shape), global_shape, device_type)
+            self._cache[key] = prog
+        return prog
+
+    def _build(self, src_spec: PlacementsLike, dst_spec: PlacementsLike, grad_spec: PlacementsLike | None,
+               lshape: tuple[int, ...], global_shape: Sequence[int] | None, device_type: str) -> Program:
+        nd = len(lshape)
+        src = self.parse(src_spec, nd, "src")
+        dst = self.parse(dst_spec, nd, "dst")
+        grad = replicate_partials(dst) if grad_spec is None else self.parse(grad_spec, nd, "grad")
+        for ps, arg in ((src, "src"), (dst, "dst"), (grad, "grad")):
+            _check_partials(ps, arg)
+        if global_shape is None:
+            gshape = global_shape_from_local(lshape, src, self.shape)
+        else:
+            gshape = tuple(int(s) for s in global_shape)
+            if len(gshape) != nd:
+                raise TPLowerError(f"global_shape={gshape} has {len(gshape)} dims but the local tensor has {nd}")
+        reason = self._fallback_reason(src, dst, grad)
+        if reason is not None:
+            log.debug("tplower: %s -> %s falls back to DTensor: %s", format_placements(src),
+                      format_placements(dst), reason)
+            return Program(None, (functools.partial(self._dtensor, src=src, dst=dst, grad=grad, gshape=gshape),),
+                           (), reason)
+        plan = plan_transition(src, dst, gshape, self.shape, self.coord, grad)
+        if plan.in_shape != lshape:
+            raise TPLowerError(
+                f"local tensor has shape {lshape} but {format_placements(src)!r} of global shape {gshape} on mesh "
+                f"{dict(zip(self.names, self.shape, strict=True))} gives {plan.in_shape} at coordinate {self.coord}; "
+                "pass global_shape= for uneven shards")
+        caps = [C.backend_caps(C.backend_name_for(g, device_type)) for g in self.groups]
+        fwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis]) for s in plan.forward)
+        bwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis]) for s in plan.backward)
+        return Program(plan, fwd, bwd)
+
+    def _fallback_reason(self, src: Sequence[Placement], dst: Sequence[Placement],
+                         grad: Sequence[Placement]) -> str | None:
+        for ps in (src, dst, grad):
+            for p in ps:
+                if isinstance(p, Partial) and p.reduce_op not in REDUCE_OPS:
+                    return f"Partial({p.reduce_op!r}) is not lowered"
+                if type(p).__name__ not in ("Shard", "Replicate", "Partial"):
+                    return f"placement {p!r} is not lowered"
+        for axis, ok in enumerate(self.ordered):
+            moves = src[axis] != dst[axis] or grad[axis] != replicate_partials(src)[axis]
+            if not ok and moves and self.shape[axis] > 1:
+                return (f"axis {self.names[axis]!r}: its process group orders ranks "
+                        f"{dist.get_process_group_ranks(self.groups[axis])} unlike the mesh")
+        return None
+
+    def _dtensor(self, local: torch.Tensor, *, src: tuple[Placement, ...], dst: tuple[Placement, ...],
+                 grad: tuple[Placement, ...], gshape: tuple[int, ...]) -> torch.Tensor:
+        stride = torch.empty(gshape, device="meta").stride()
+        dt = DTensor.from_local(local, self.mesh, src, run_check=False, shape=torch.Size(gshape), stride=stride)
+        return dt.redistribute(self.mesh, dst).to_local(grad_placements=grad)
+
+
+_LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyDictionary()
+
+
+def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
+    """The :class:`MeshLowerer` of ``mesh`` (one per live mesh object, made on first use)."""
+    lowerer = _LOWERERS.get(mesh)
+    if lowerer is None or lowerer.mesh is not mesh:
+        lowerer = MeshLowerer(mesh)
+        _LOWERERS[mesh] = lowerer
+    return lowerer
+
+
+def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLike, dst: PlacementsLike, *,
+                       grad: PlacementsLike | None = None,
+                       global_shape: Sequence[int] | None = None) -> torch.Tensor:
+    """Move this rank's local tensor from ``src`` to ``dst`` placements on ``mesh``.
+
+    Args:
+        local: this rank's local tensor (any dtype the backend carries;
+            non-contiguous is fine; never modified).
+        mesh: the device mesh; ``src``/``dst``/``grad`` have one placement
+            per mesh axis.
+        src, dst: placements in any form :func:`~tplower.parse_placements`
+            accepts (``"S(0),R"``, ``[Shard(0), Replicate()]``,
+            ``{"tp": "S(1)"}``).
+        grad: placement of the gradient arriving at the output in backward;
+            default ``dst`` with every ``Partial`` read as ``Replicate`` (the
+            gradient of a partial sum is the full gradient on every rank;
+            DTensor's ``to_local`` default in torch 2.13). Backward moves it
+            to ``src`` with ``Partial`` read as ``Replicate``.
+        global_shape: logical shape of the whole tensor; needed when shards
+            are uneven (``torch.chunk`` semantics). Without it every shard is
+            assumed even and the global shape is inferred from ``local``.
+
+    Returns:
+        The local tensor of ``dst``: a new tensor, except that an identity
+        transition outside autograd returns ``local`` itself.
+
+    Raises:
+        TPLowerError: bad placements, a pair with no correct lowering
+            (``P(x) -> P(y)``), a ``grad`` that does not fit the output, or a
+            ``local`` whose shape does not match ``src`` and ``global_shape``.
+
+    Lowered to direct collectives when :mod:`tplower.transitions` can plan
+    it; otherwise (placements other than Shard/Replicate/Partial of
+    sum/avg/max/min, or a mesh axis whose group orders ranks unlike the
+    mesh) DTensor's ``redistribute`` runs it, forward and backward.
+    """
+    prog = mesh_lowerer(mesh).program(src, dst, local.shape, local.device.type, grad=grad,
+                                      global_shape=global_shape)
+    return prog(local)

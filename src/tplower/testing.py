@@ -1,0 +1,197 @@
+"""Harnesses that run one body on many ranks: real processes, or threads.
+
+Both call ``fn(rank, world_size, *args)`` on every rank after the default
+process group is up and return the per-rank results in rank order. Both
+end every rank they started, and raise :class:`RankFailure` naming the
+failed ranks when any rank raises, dies or outlives ``timeout`` (seconds).
+
+* :func:`run_processes`: ``torch.multiprocessing`` spawn, gloo by default,
+  a ``FileStore`` rendezvous in a temporary folder (no port to collide on),
+  ``OMP_NUM_THREADS=1`` in each rank. ``fn`` and ``args`` must pickle.
+* :func:`run_threaded`: PyTorch's threaded test process group
+  (``torch.testing._internal``), many ranks in one process in about a
+  second, with a watchdog: a failing rank wakes the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailure", "run_processes", "run_threaded"]
+
+RankFn = Callable[..., Any]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out; ``failures`` maps rank to its report."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        lines = [f"rank {r} failed:\n{msg}" for r, msg in self.failures.items()]
+        super().__init__(f"{len(self.failures)} rank(s) failed: {sorted(self.failures)}\n" + "\n".join(lines))
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _process_entry(rank: int, world_size: int, backend: str, init_file: str, timeout: float,
+                   results: Any, fn: RankFn, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo",
+                  timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    Args:
+        world_size: number of ranks (1 or more).
+        fn: a module-level function (it must pickle).
+        backend: ``gloo`` (CPU) or ``nccl``.
+        timeout: seconds for the whole run, and the process group's timeout.
+
+    Returns:
+        ``fn``'s return values, in rank order.
+
+    Raises:
+        RankFailure: a rank raised (its traceback is included), died, or the
+            run outlived ``timeout``; every process is ended first.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="tplower-") as tmp, _env(OMP_NUM_THREADS="1"):
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_process_entry, daemon=True,
+                             args=(r, world_size, backend, init_file, timeout, results, fn, args))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(out) + len(failures) < world_size:
+                left = (deadline - datetime.datetime.now()).total_seconds()
+                if left <= 0:
+                    for r in range(world_size):
+                        if r not in out and r not in failures:
+                            failures[r] = f"no result within {timeout:.0f} s"
+                    break
+                try:
+                    rank, ok, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    for r, p in enumerate(procs):
+                        if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
+                            failures[r] = f"process exited with code {p.exitcode}"
+                    if failures:  # the others may wait forever on the dead rank
+                        deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
+                    continue
+                if ok:
+                    out[rank] = value
+                else:
+                    failures[rank] = value
+                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=10))
+        finally:
+            for p in procs:
+                p.join(timeout=2 if not failures else 0.1)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            results.close()
+            results.join_thread()
+    if failures:
+        raise RankFailure(failures)
+    return [out[r] for r in range(world_size)]
+
+
+def run_threaded(world_size: int, fn: RankFn, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads of one process.
+
+    Uses PyTorch's threaded process group (backend name ``threaded``): real
+    collective semantics, no data leaves the process. One rank at a time
+    may be inside a collective per group; a rank that raises wakes the
+    others, which then end too.
+
+    Raises:
+        RankFailure: a rank raised, or a rank outlived ``timeout`` seconds.
+    """
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    c10d: Any = torch._C._distributed_c10d
+
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    c10d._set_thread_isolation_mode(True)
+    world = mtpg._install_threaded_pg()
+    store = c10d.HashStore()
+    out: list[Any] = [None] * world_size
+    failures: dict[int, str] = {}
+
+    def worker(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            out[rank] = fn(rank, world_size, *args)
+        except BaseException as exc:
+            if not (isinstance(exc, SystemExit) and failures):  # woken by another rank's failure
+                failures[rank] = traceback.format_exc()
+            mtpg.ProcessLocalGroup.exception_handle(exc)
+        finally:
+            if world == dist.distributed_c10d._world:
+                dist.destroy_process_group()
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        for rank, t in enumerate(threads):
+            t.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+            if t.is_alive():
+                failures.setdefault(rank, f"no result within {timeout:.0f} s")
+        if any(t.is_alive() for t in threads):
+            mtpg.ProcessLocalGroup.exception_handle(TimeoutError("tplower.testing watchdog"))
+            for t in threads:
+                t.join(5)
+    finally:
+        mtpg.ProcessLocalGroup.reset()
+        mtpg._uninstall_threaded_pg()
+        c10d._set_thread_isolation_mode(False)
+    if failures:
+        raise RankFailure(failures)
+    return out
