@@ -1,0 +1,34 @@
+"""Shared test set-up: quiet DTensor's own CPU-fallback warnings, one thread per rank."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tplower.conformance import quiet_dtensor_logs  # noqa: E402
+
+quiet_dtensor_logs()
+
+
+import pytest  # noqa: E402
+
+_COUNTS: dict[str, dict[str, int]] = {}
+
+
+@pytest.fixture
+def conformance_counts() -> dict[str, dict[str, int]]:
+    """Where conformance tests leave their case counts for the end-of-run summary."""
+    return _COUNTS
+
+
+def pytest_terminal_summary(terminalreporter):  # type: ignore[no-untyped-def]
+    if not _COUNTS:
+        return
+    terminalreporter.section("tplower conformance against DTensor")
+    total = 0
+    for label, counts in _COUNTS.items():
+        total += counts["cases"]
+        detail = ", ".join(f"{k}={v}" for k, v in counts.items() if k != "cases")
+        terminalreporter.write_line(f"{label}: {counts['cases']} cases ({detail})")
+    terminalreporter.write_line(f"total: {total} cases checked forward and backward on every rank")
