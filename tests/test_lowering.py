@@ -181,3 +181,42 @@ def test_create_lowerer_sub_mesh_missing_axis_and_permuted(caplog):
         assert none is None and perm is None
         assert (named, kind) == ("mpi", "all_reduce_shard")
     assert "orders ranks" in caplog.text
+
+
+def _minimal_backend_body(rank, world):
+    # A backend name tplower does not know gets the safe minimum: no native reduce_scatter,
+    # all_to_all or avg. Every op must still equal DTensor (run on the real threaded group).
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plain = create_tp_collective_lowerer(mesh, ("tp",), replicated_grad="replicate")
+    assert plain is not None
+    lowerer = TPCollectiveLowerer(("tp",), plain.group, world, rank, "someother", "replicate")
+    out = []
+    for kind, dim, op, src, dst, shape in [
+        ("reduce_scatter", 0, "avg", Partial("avg"), Shard(0), (2 * world + 1, 3)),
+        ("all_reduce", None, "avg", Partial("avg"), Replicate(), (3, 2)),
+        ("all_to_all", 0, "sum", Shard(0), Shard(1), (2, 2 * world)),
+    ]:
+        top = lowerer.execution_op(kind, dim, op, dst_dim=1 if kind == "all_to_all" else None)
+        x = _seeded(shape, 70 + rank)
+        y = x.clone().requires_grad_(True)
+        got = top.execute(y)
+        again = top.execute(y)  # second call: the cached program
+        g = _seeded(got.shape, 90 + rank)
+        got.backward(g)
+        want, want_grad = _dtensor(mesh, x, src, dst, dst, g)
+        fn = top._programs[(x.shape, "cpu")].forward[0]
+        out.append((top.kind, fn.func.__name__, torch.allclose(got, want, atol=1e-6),
+                    torch.allclose(y.grad, want_grad, atol=1e-6), torch.equal(got, again)))
+    try:
+        lowerer.execution_op("all_gather", 2).execute(torch.ones(3, 3))
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_unknown_backend_gets_correct_remaps():
+    for res in run_threaded(4, _minimal_backend_body):
+        assert res[0] == ("all_reduce_shard", "all_reduce_chunk", True, True, True)
+        assert res[1] == ("all_reduce", "all_reduce", True, True, True)
+        assert res[2] == ("all_to_all", "all_to_all_via_gather", True, True, True)
+        assert "tensor_dim=2 is out of range for a 2-d tensor" in res[3]

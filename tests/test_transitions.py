@@ -98,3 +98,14 @@ def test_backward_is_the_transition_from_grad_to_src():
 def test_grad_must_fit_output():
     with pytest.raises(TPLowerError, match="does not fit the output"):
         plan_transition((R,), (Shard(0),), (8, 6), (2,), (0,), grad=(R,))
+
+
+def test_backend_for_device_splits_multi_device_backends():
+    from tplower.collectives import backend_caps, backend_for_device
+
+    assert backend_for_device("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert backend_for_device("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert backend_for_device("cpu:gloo,cuda:nccl", "xpu") == "gloo"
+    assert backend_for_device("nccl", "cuda") == "nccl"
+    assert "max" in backend_caps("NCCL").reduce_scatter_ops
+    assert backend_caps("newthing").reduce_scatter_ops == frozenset()
