@@ -1,0 +1,358 @@
+"""Install a plan on an ``nn.Module``: shard parameters in place, lower each boundary once.
+
+:func:`parallelize` walks the model's modules, finds each one's plan entry
+(:func:`tplower.plans.match_plan`), classifies its boundary
+(:func:`tplower.boundaries.classify_boundary_form`) and then, per module:
+
+* shards every declared parameter to this rank's shard (``torch.chunk``
+  pieces in mesh-axis order, as DTensor; the parameter object is kept, its
+  data replaced, so no full copy stays);
+* divides ``local_attrs`` (local head counts of attention);
+* registers a gradient hook on parameters whose local gradient is partial;
+* replaces ``forward`` on the instance (never the class or its source) with
+  a boundary that moves the declared inputs, runs the local compute, moves
+  the declared outputs and adds a deferred bias.
+
+Run modes: a ``tp_collective`` or ``region`` boundary runs the bound
+programs of :class:`tplower.MeshLowerer` (direct collectives, no DTensor);
+a ``generic`` one runs DTensor's ``redistribute``. Install re-validates a
+lowerable boundary against the live mesh (rank order of each moved axis,
+a backend tplower knows); where it disagrees, the boundary runs generic and
+a warning names the module and the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from . import collectives as C
+from .boundaries import BoundaryForm, BoundaryOp, Placements, classify_boundary_form, parse_spec
+from .errors import TPLowerError
+from .placements import parse_placements, replicate_partials
+from .plans import BoundaryEntry, PlanValue, load_plan, match_plan, resolve_entry
+from .redistribute import MeshLowerer, mesh_lowerer, redistribute_local
+from .transitions import global_shape_from_local
+
+__all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
+
+_KINDS: tuple[tuple[type[nn.Module], str], ...] = ((nn.Linear, "linear"), (nn.Embedding, "embedding"))
+
+
+def _kind(module: nn.Module) -> str:
+    return next((k for t, k in _KINDS if isinstance(module, t)), "other")
+
+
+@dataclass(frozen=True)
+class _Move:
+    slot: int | str  # input: position or keyword; output: index
+    keyword: str | None
+    name: str
+    src: Placements
+    dst: Placements
+    grad: Placements
+
+
+def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
+    return lowerer.program(mv.src, mv.dst, t.shape, t.device.type, grad=mv.grad)(t)
+
+
+def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
+    src, dst, grad = (parse_placements(p, tensor_ndim=t.ndim) for p in (mv.src, mv.dst, mv.grad))
+    gshape = global_shape_from_local(t.shape, src, lowerer.shape)
+    stride = torch.empty(gshape, device="meta").stride()
+    dt = DTensor.from_local(t, lowerer.mesh, src, run_check=False, shape=torch.Size(gshape), stride=stride)
+    return dt.redistribute(lowerer.mesh, dst).to_local(grad_placements=grad)
+
+
+@dataclass(frozen=True)
+class InstalledBoundary:
+    """What :func:`parallelize` installed on one module.
+
+    Attributes:
+        module: the module's qualified name.
+        form: the classified boundary.
+        mode: how it runs: ``lowered`` (direct collectives) or ``dtensor``.
+        reason: why a lowerable boundary runs ``dtensor``, or ``None``.
+        deferred_bias: the parameter added after the output transition, or ``None``.
+    """
+
+    module: str
+    form: BoundaryForm
+    mode: str
+    reason: str | None
+    deferred_bias: str | None
+
+
+class _Boundary:
+    """The instance ``forward``: move inputs, run local compute, move outputs, add the deferred bias."""
+
+    def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
+                 ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer) -> None:
+        self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
+        self.lowerer = lowerer
+        self.move = _lowered if info.mode == "lowered" else _dtensor
+
+    def _apply(self, value: Any, mv: _Move) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"module {self.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
+        return self.move(value, self.lowerer, mv)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args_l = list(args)
+        for mv in self.ins:
+            if mv.keyword is not None and mv.keyword in kwargs:
+                kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
+            elif isinstance(mv.slot, int) and mv.slot < len(args_l):
+                args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
+        bias_name = self.info.deferred_bias
+        if bias_name is None:
+            return self._outputs(self.compute(*args_l, **kwargs))
+        params = self.owner._parameters
+        bias = params[bias_name]
+        params[bias_name] = None
+        try:
+            out = self.compute(*args_l, **kwargs)
+        finally:
+            params[bias_name] = bias
+        return self._outputs(out, bias)
+
+    def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
+        is_seq = isinstance(out, tuple | list)
+        items = list(out) if is_seq else [out]
+        for mv in self.outs:
+            assert isinstance(mv.slot, int)
+            if mv.slot >= len(items):
+                raise TPLowerError(f"module {self.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
+                                   f"returned {len(items)} value(s)")
+            items[mv.slot] = self._apply(items[mv.slot], mv)
+        if bias is not None:
+            items[0] = items[0] + bias
+        if not is_seq:
+            return items[0]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+
+def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str) -> tuple[_Move, ...]:
+    params = [p for p in inspect.signature(fwd).parameters.values() if p.kind != p.VAR_KEYWORD]
+    has_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fwd).parameters.values())
+    moves = []
+    for op in ops:
+        if op.identity:
+            continue
+        if op.name.isdigit():
+            i = int(op.name)
+            if i >= len(params):
+                raise TPLowerError(f"plan[{module!r}].in: input {op.name!r} is past forward's {len(params)} params")
+            p = params[i]
+        else:
+            p = next((q for q in params if q.name == op.name), None)  # type: ignore[assignment]
+            if p is None and not has_kwargs:
+                raise TPLowerError(f"plan[{module!r}].in: forward has no input {op.name!r}; it has "
+                                   f"{[q.name for q in params]} (or positions '0', '1', ...)")
+        pos = params.index(p) if p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                                p.VAR_POSITIONAL) else None
+        kw = op.name if p is None else (p.name if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) else None)
+        moves.append(_Move(pos if pos is not None else -1, kw, op.name, op.src, op.dst, op.grad))
+    return tuple(moves)
+
+
+def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str) -> tuple[_Move, ...]:
+    moves = []
+    for op in ops:
+        if op.identity:
+            continue
+        if op.name == "out" or op.name.isdigit():
+            idx = 0 if op.name == "out" else int(op.name)
+        elif entry.out_names is not None and op.name in entry.out_names:
+            idx = entry.out_names.index(op.name)
+        else:
+            raise TPLowerError(f"plan[{module!r}].out: output {op.name!r} is not 'out', a position or one of "
+                               f"out_names={entry.out_names}")
+        moves.append(_Move(idx, None, op.name, op.src, op.dst, op.grad))
+    return tuple(moves)
+
+
+def _param_specs(module: nn.Module, specs: Mapping[str, Any], field: str, qual: str) -> dict[str, Any]:
+    own = dict(module.named_parameters(recurse=False))
+    out: dict[str, Any] = {}
+    for name, spec in specs.items():
+        if name == "*":
+            out.update({n: spec for n in own if n not in specs})
+        elif name in own:
+            out[name] = spec
+        elif name not in module._parameters:  # a declared but absent bias (None) is fine
+            raise TPLowerError(f"plan[{qual!r}].{field}: module has no parameter {name!r}; it has {list(own)}")
+    return out
+
+
+def _shard_params(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str,
+                  seen: dict[int, Placements]) -> None:
+    for name, spec in _param_specs(module, entry.params, "params", qual).items():
+        p = module._parameters[name]
+        assert p is not None
+        ps = parse_spec(spec, lowerer.names, (axis,), f"plan[{qual!r}].params[{name!r}]", tensor_ndim=p.ndim)
+        if any(isinstance(q, Partial) for q in ps):
+            raise TPLowerError(f"plan[{qual!r}].params[{name!r}]: a parameter cannot be Partial; use R or S(d)")
+        if id(p) in seen:
+            if seen[id(p)] != ps:
+                raise TPLowerError(f"plan[{qual!r}].params[{name!r}]: a shared parameter gets two placements")
+            continue
+        local = p.detach()
+        for i, q in enumerate(ps):
+            if isinstance(q, Shard):
+                size, n = local.size(q.dim), lowerer.shape[i]
+                if size % n:
+                    raise TPLowerError(f"plan[{qual!r}].params[{name!r}]: dim {q.dim} of size {size} does not "
+                                       f"divide over {n} ranks of axis {lowerer.names[i]!r}")
+                local = local.narrow(q.dim, lowerer.coord[i] * (size // n), size // n)
+        with torch.no_grad():
+            p.data = local.clone(memory_format=torch.contiguous_format)
+        seen[id(p)] = ps
+
+
+def _reduce_grad(g: torch.Tensor, *, mesh: DeviceMesh, src: Placements, dst: Placements) -> torch.Tensor:
+    return redistribute_local(g, mesh, src, dst)
+
+
+def _grad_hooks(module: nn.Module, grads: Mapping[str, Any], lowerer: MeshLowerer, axis: str, qual: str) -> None:
+    for name, spec in _param_specs(module, grads, "param_grads", qual).items():
+        p = module._parameters[name]
+        assert p is not None
+        src = parse_spec(spec, lowerer.names, (axis,), f"plan[{qual!r}].param_grads[{name!r}]", tensor_ndim=p.ndim)
+        if src != replicate_partials(src):
+            p.register_hook(functools.partial(_reduce_grad, mesh=lowerer.mesh, src=src, dst=replicate_partials(src)))
+
+
+def _localize_attrs(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str) -> None:
+    n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
+    for attr in entry.local_attrs:  # the only rule is "divide"
+        value = getattr(module, attr, None)
+        if not isinstance(value, int) or value % n:
+            raise TPLowerError(f"plan[{qual!r}].local_attrs[{attr!r}]: {value!r} is not an integer that divides "
+                               f"over {n} ranks of axis {axis!r}")
+        setattr(module, attr, value // n)
+
+
+def _deferred_bias(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm, qual: str) -> str | None:
+    name = entry.deferred_bias
+    partial_out = [o for o in form.outputs if any(isinstance(p, Partial) for p in o.src)]
+    if name is None and partial_out and module._parameters.get("bias") is not None:
+        if any(isinstance(p, Partial) for o in partial_out for p in o.dst):
+            raise TPLowerError(f"module {qual!r}: its output stays Partial, so its bias would be added on every "
+                               "rank; use a style that reduces the output (rowwise) or a module without bias")
+        name = "bias"
+    return name if name is not None and module._parameters.get(name) is not None else None
+
+
+def _live_reason(lowerer: MeshLowerer, form: BoundaryForm) -> str | None:
+    for op in form.inputs + form.outputs:
+        for i in sorted(set(_axes_moved(op))):
+            if lowerer.shape[i] > 1 and not lowerer.ordered[i]:
+                return (f"axis {lowerer.names[i]!r}: its process group orders ranks "
+                        f"{dist.get_process_group_ranks(lowerer.groups[i])} unlike the mesh")
+            backend = C.backend_for_device(str(dist.get_backend(lowerer.groups[i])), lowerer.mesh.device_type)
+            if not C.backend_caps(backend).all_to_all:  # the safe minimum: a backend tplower does not know
+                return f"axis {lowerer.names[i]!r}: backend {backend!r} is unknown to tplower"
+    return None
+
+
+def _axes_moved(op: BoundaryOp) -> list[int]:
+    home = replicate_partials(op.src)
+    return [i for i in range(len(op.src)) if op.src[i] != op.dst[i] or op.grad[i] != home[i]]
+
+
+def _load_compute(module: nn.Module, path: str, qual: str) -> Callable[..., Any]:
+    mod_name, _, fn_name = path.replace(":", ".").rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise TPLowerError(f"plan[{qual!r}].local_compute: {path!r} cannot be imported: {exc}") from None
+    return functools.partial(fn, module)
+
+
+def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str,
+             seen: dict[int, Placements]) -> InstalledBoundary | None:
+    form = classify_boundary_form(entry, lowerer.names, axes=(axis,), module=qual)
+    _shard_params(module, entry, lowerer, axis, qual, seen)
+    _localize_attrs(module, entry, lowerer, axis, qual)
+    bias = _deferred_bias(module, entry, form, qual)
+    grads: dict[str, Any] = dict(entry.param_grads)
+    if bias is not None and bias not in grads and form.outputs:  # a bias added to a shard has a partial grad
+        main = form.outputs[0].dst
+        grads[bias] = {lowerer.names[i]: "P(sum)" for i, p in enumerate(main) if isinstance(p, Shard)}
+    _grad_hooks(module, grads, lowerer, axis, qual)
+    if form.form == "identity" and bias is None:
+        return None
+    reason = _live_reason(lowerer, form) if form.form in ("tp_collective", "region") else None
+    if reason is not None:
+        warnings.warn(f"tplower: module {qual!r} runs its boundary on DTensor: {reason}", stacklevel=3)
+    mode = "lowered" if form.form in ("tp_collective", "region", "identity") and reason is None else "dtensor"
+    info = InstalledBoundary(qual, form, mode, reason, bias)
+    orig = module.forward
+    compute = _load_compute(module, entry.local_compute, qual) if entry.local_compute else orig
+    ins = _input_moves(form.inputs, orig, qual)
+    module.forward = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer)
+    return info
+
+
+def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
+    """What :func:`parallelize` installed on ``module`` (``None`` when its boundary is a plain identity)."""
+    fwd = module.__dict__.get("forward")
+    return fwd.info if isinstance(fwd, _Boundary) else None
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
+                axis: str = "tp") -> nn.Module:
+    """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
+
+    Args:
+        model: the full model (every parameter holds its full value; each
+            rank must hold the same values).
+        mesh: the device mesh; this rank must be in it.
+        plan: ``{module name or glob: HF style or entry}`` or a path to a
+            YAML/JSON file of the same (see :mod:`tplower.plans`).
+        axis: the tensor-parallel mesh axis HF styles shard on.
+
+    Returns:
+        ``model`` itself: parameters hold this rank's shards (plain
+        ``nn.Parameter``, not DTensor), and matched modules run their
+        boundaries. Inputs the plan declares take local tensors (``None``
+        passes through); outputs are local tensors.
+
+    Raises:
+        TPLowerError: a plan error (naming the module, field and value), a
+            module already parallelized, a parameter dim that does not divide
+            over its axis, or a bias that a partial output would add per rank.
+
+    Warns:
+        UserWarning: per module whose boundary runs on DTensor because the
+        live mesh disagrees with the plan (rank order, backend).
+    """
+    plan = load_plan(plan)
+    lowerer = mesh_lowerer(mesh)
+    if axis not in lowerer.names:
+        warnings.warn(f"tplower: mesh axes {lowerer.names} have no {axis!r}; HF styles shard nothing", stacklevel=2)
+    modules = dict(model.named_modules())
+    seen: dict[int, Placements] = {}
+    for qual, key in match_plan(plan, modules).items():
+        module = modules[qual]
+        if isinstance(module.__dict__.get("forward"), _Boundary):
+            raise TPLowerError(f"module {qual!r} is already parallelized")
+        entry = resolve_entry(plan[key], key, kind=_kind(module), axis=axis)
+        _install(module, qual, entry, lowerer, axis, seen)
+    return model

@@ -1,0 +1,230 @@
+"""parallelize: a two-layer MLP and a transformer block, sharded by a plan, against two oracles.
+
+Oracle 1: the same model on one process (outputs, input gradient, and each
+parameter gradient cut to this rank's shard). Oracle 2: the same block
+sharded by PyTorch's own ``parallelize_module`` (ColwiseParallel /
+RowwiseParallel on DTensor). Each checks the plain TP plan and a
+sequence-parallel plan, on real gloo at world 2 and the threaded group at
+world 4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from tplower import TPLowerError
+from tplower.parallelize import installed_boundary, parallelize
+from tplower.testing import run_processes, run_threaded
+
+B, T, D, H, HEADS = 2, 8, 16, 32, 4
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Attention(nn.Module):
+    """Reshapes by its head count, as BERT's self-attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.n_heads, self.head_dim = HEADS, D // HEADS
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(a.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+_SP_IN = {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}}  # all_gather the sequence, reduce_scatter back
+_SP_OUT = {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}  # reduce_scatter the sequence
+PLANS = {
+    "mlp": {"up": "colwise", "down": "rowwise"},
+    "mlp_sp": {"up": _SP_IN, "down": _SP_OUT},
+    "block": {"attn": {"local_attrs": {"n_heads": "divide"}}, "attn.*": "colwise", "attn.o": "rowwise",
+              "mlp.up": "colwise", "mlp.down": "rowwise"},
+    "block_sp": {"ln*": "sequence_parallel",
+                 "attn": {"in_src": {"x": {"tp": "S(1)"}}, "in_dst": {"x": {"tp": "R"}},
+                          "in_grad": {"x": {"tp": "P(sum)"}}, "local_attrs": {"n_heads": "divide"}},
+                 "attn.*": "local_colwise", "attn.o": _SP_OUT, "mlp.up": _SP_IN, "mlp.down": _SP_OUT},
+}
+# Expected shard dim of each parameter, written from the Megatron layout (None: replicated).
+SHARD_DIMS = {"up.weight": 0, "up.bias": 0, "down.weight": 1, "q.weight": 0, "q.bias": 0, "k.weight": 0,
+              "k.bias": 0, "v.weight": 0, "v.bias": 0, "o.weight": 1}
+CASES = [("mlp", MLP, False), ("mlp_sp", MLP, True), ("block", Block, False), ("block_sp", Block, True)]
+
+
+def _seeded(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _make(cls: type[nn.Module]) -> nn.Module:
+    """The model with weights from its own generator (threads share torch's global one)."""
+    model = cls()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def _shard(full: torch.Tensor, name: str, world: int, rank: int) -> torch.Tensor:
+    dim = SHARD_DIMS.get(".".join(name.split(".")[-2:]))
+    return full if dim is None else full.chunk(world, dim)[rank]
+
+
+@contextlib.contextmanager
+def _no_dtensor() -> Iterator[None]:
+    boom = AssertionError("a DTensor was built on the tp_collective path")
+    with mock.patch.object(DTensor, "from_local", side_effect=boom), \
+            mock.patch.object(DTensor, "redistribute", side_effect=boom):
+        yield
+
+
+def _run(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (out * g).sum().backward()
+    assert x.grad is not None
+    return out.detach(), x.grad
+
+
+def _check_case(label: str, make: type[nn.Module], sp: bool, mesh: DeviceMesh, rank: int, world: int,
+                guard: bool) -> nn.Module:
+    ref = _make(make)
+    model = parallelize(copy.deepcopy(ref), mesh, PLANS[label])
+    x, g = _seeded(1, B, T, D), _seeded(2, B, T, D)
+    want_out, want_dx = _run(ref, x, g)
+    cut = (lambda t: t.chunk(world, 1)[rank]) if sp else (lambda t: t)
+    with _no_dtensor() if guard else contextlib.nullcontext():
+        out, dx = _run(model, cut(x), cut(g))
+    torch.testing.assert_close(out, cut(want_out), **TOL, msg=lambda m: f"{label} output: {m}")
+    torch.testing.assert_close(dx, cut(want_dx), **TOL, msg=lambda m: f"{label} input grad: {m}")
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert not isinstance(p, DTensor) and p.grad is not None, name
+        want = _shard(ref_params[name].grad, name, world, rank)
+        assert p.shape == want.shape, (label, name, p.shape, want.shape)
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
+    return model
+
+
+def _torch_oracle(mesh: DeviceMesh, world: int, ours: nn.Module) -> None:
+    theirs = _make(Block)
+    styles = {f"attn.{n}": ColwiseParallel() for n in "qkv"}
+    styles |= {"attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+    parallelize_module(theirs, mesh, styles)
+    theirs.attn.n_heads //= world
+    x, g = _seeded(1, B, T, D), _seeded(2, B, T, D)
+    out, dx = _run(theirs, x, g)
+    ours.zero_grad()
+    our_out, our_dx = _run(ours, x, g)
+    torch.testing.assert_close(our_out, out, **TOL)
+    torch.testing.assert_close(our_dx, dx, **TOL)
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        grad = theirs_params[name].grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        torch.testing.assert_close(p.grad, local, **TOL, msg=lambda m, n=name: f"torch oracle {n}: {m}")
+
+
+def _parity_body(rank: int, world: int, guard: bool) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    forms = {}
+    for label, make, sp in CASES:
+        model = _check_case(label, make, sp, mesh, rank, world, guard)
+        if label == "block":
+            _torch_oracle(mesh, world, model)
+        info = installed_boundary(model.mlp.down if label.startswith("block") else model.down)
+        forms[label] = f"{info.form.form}/{info.mode}" if info else "none"
+    return forms
+
+
+def test_parity_gloo_world2() -> None:
+    for forms in run_processes(2, _parity_body, True):
+        assert set(forms.values()) == {"tp_collective/lowered"}
+
+
+def test_parity_threaded_world4() -> None:
+    for forms in run_threaded(4, _parity_body, False):
+        assert set(forms.values()) == {"tp_collective/lowered"}
+
+
+def _permuted_body(rank: int, world: int) -> tuple[str | None, list[str]]:
+    mesh = DeviceMesh("cpu", list(reversed(range(world))), mesh_dim_names=("tp",))
+    ref = _make(MLP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = parallelize(copy.deepcopy(ref), mesh, PLANS["mlp"])
+    x, g = _seeded(1, B, T, D), _seeded(2, B, T, D)
+    torch.testing.assert_close(_run(model, x, g)[0], _run(ref, x, g)[0], **TOL)
+    info = installed_boundary(model.down)
+    assert info is not None and info.mode == "dtensor"
+    return info.reason, [str(w.message) for w in caught]
+
+
+def test_live_mesh_disagreement_runs_dtensor_with_a_warning() -> None:
+    for reason, caught in run_processes(2, _permuted_body):
+        assert reason is not None and "orders ranks" in reason
+        assert any("'down'" in m and "DTensor" in m for m in caught), caught
+
+
+class _TwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), x
+
+
+def _edges_body(rank: int, world: int) -> list[str]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = []
+    m = parallelize(_TwoOut(), mesh, {"": {"in_src": {"extra": {"tp": "S(0)"}}, "in_dst": {"extra": {"tp": "R"}},
+                                           "out_src": {"3": {"tp": "S(0)"}}, "out_dst": {"3": {"tp": "R"}}}})
+    try:
+        m(torch.ones(2, D), None)  # a missing optional input passes through; output 3 does not exist
+    except TPLowerError as exc:
+        out.append(str(exc))
+    with pytest.raises(TPLowerError, match="bias would be added on every rank"):
+        parallelize(MLP(), mesh, {"down": "local_rowwise"})
+    with pytest.raises(TPLowerError, match="does not divide"):
+        parallelize(nn.Linear(D, 3), mesh, {"": "colwise"})
+    return out
+
+
+def test_missing_inputs_pass_and_bad_output_index_names_module() -> None:
+    for msgs in run_threaded(2, _edges_body):
+        assert len(msgs) == 1 and "module ''" in msgs[0] and "index 3" in msgs[0]
