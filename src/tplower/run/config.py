@@ -1,0 +1,153 @@
+"""What one ``tplower run`` does: :class:`RunConfig`, checked before any process starts."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import TPLowerError
+from ..models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
+
+__all__ = ["STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
+
+#: HF tp_plan styles ``tplower run`` runs on both paths (tplower and DTensor).
+STYLES: tuple[str, ...] = ("colwise", "rowwise")
+
+
+class RunError(TPLowerError):
+    """A run that cannot start or did not finish; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, fully resolved (see ``tplower run --help`` for each field).
+
+    Attributes:
+        model: a name in :data:`tplower.models.MODELS`.
+        world: number of ranks; ``tp * dp``.
+        tp, dp: ranks of the tensor-parallel and data-parallel mesh axes.
+        texts: the sentences; consecutive pairs are the training pairs.
+        plan: module name/glob -> HF style; ``None`` for the model's own.
+        steps: training steps (SGD, ``lr``).
+        batch_size: sentences per forward batch (split across ``dp``).
+        repeat: timed repeats per measurement (the median is reported).
+        tolerance: the largest allowed absolute difference from one process.
+        timeout: seconds for the whole run and for each collective.
+        backend: process-group backend when spawning (``gloo``).
+        progress: show a progress bar on rank 0.
+        kill_rank: debug: this rank exits abruptly after loading (``-1``: none).
+    """
+
+    model: str = "all-minilm-l6-v2"
+    world: int = 2
+    tp: int = 2
+    dp: int = 1
+    texts: tuple[str, ...] = field(default_factory=lambda: tuple(sentences()))
+    plan: Mapping[str, str] | None = None
+    steps: int = 2
+    batch_size: int = 16
+    lr: float = 0.1
+    repeat: int = 5
+    tolerance: float = 1e-5
+    timeout: float = 300.0
+    backend: str = "gloo"
+    progress: bool = True
+    kill_rank: int = -1
+
+    def resolved_plan(self) -> dict[str, str]:
+        """The plan this run applies: ``plan``, or the model's own."""
+        return dict(self.plan) if self.plan is not None else dict(model_spec(self.model).plan)
+
+    @property
+    def pairs(self) -> int:
+        """Training pairs: consecutive sentences ``(0, 1), (2, 3), ...``."""
+        return len(self.texts) // 2
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` when started by ``torchrun`` (its env vars are set), else ``None``."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(k in os.environ for k in keys):
+        return None
+    rank, world, local = (int(os.environ[k]) for k in keys)
+    return rank, world, local
+
+
+def load_plan(path: str | Path) -> dict[str, str]:
+    """Read a plan file: a JSON or YAML mapping of module name/glob -> style.
+
+    Raises:
+        RunError: the file cannot be read or parsed, is not a mapping of
+            strings, or names a style other than :data:`STYLES`.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RunError(f"--plan {str(path)!r} cannot be read: {exc}") from None
+    data: Any
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            yaml: Any = importlib.import_module("yaml")
+        except ImportError:
+            raise RunError(f"--plan {str(path)!r} is YAML, which needs PyYAML: pip install pyyaml") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise RunError(f"--plan {str(path)!r} is not valid YAML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise RunError(f"--plan {str(path)!r} is not valid JSON: {exc}") from None
+    if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
+        data = data["plan"]
+    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise RunError(f"--plan {str(path)!r} must hold a mapping of module name -> style, e.g. "
+                       '{"encoder.layer.*.intermediate.dense": "colwise"}')
+    bad = {k: v for k, v in data.items() if v not in STYLES}
+    if bad:
+        raise RunError(f"--plan {str(path)!r}: styles {bad} are not run here; allowed: {', '.join(STYLES)}")
+    return dict(data)
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Everything that can be checked before processes start.
+
+    Raises:
+        RunError: an unknown model, a missing package, sizes that do not
+            fit (``tp * dp != world``, ``tp`` not dividing heads), a plan key
+            naming no module, too few sentences, or a bad number.
+    """
+    try:
+        model_spec(cfg.model)
+    except TPLowerError as exc:
+        raise RunError(str(exc)) from None
+    for name, value, least in (("--steps", cfg.steps, 0), ("--batch-size", cfg.batch_size, 1),
+                               ("--repeat", cfg.repeat, 1), ("--tp", cfg.tp, 1), ("--dp", cfg.dp, 1)):
+        if value < least:
+            raise RunError(f"{name} {value} must be at least {least}")
+    if cfg.tp * cfg.dp != cfg.world:
+        raise RunError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the run has {cfg.world} "
+                       f"(--nproc or torchrun's WORLD_SIZE); make tp x dp equal the number of processes")
+    if cfg.pairs < cfg.dp:
+        raise RunError(f"{len(cfg.texts)} sentences give {cfg.pairs} training pairs, fewer than --dp {cfg.dp}; "
+                       "give more sentences (--input) or a smaller --dp")
+    try:
+        check_tp(cfg.model, cfg.tp)
+        check_plan_modules(skeleton(cfg.model), cfg.resolved_plan())
+    except TPLowerError as exc:
+        raise RunError(str(exc)) from None
+
+
+def texts_from(path: str | None) -> tuple[str, ...]:
+    """The sentences of ``--input`` (one a line), or the built-in ones."""
+    try:
+        return tuple(read_sentences(path)) if path else tuple(sentences())
+    except TPLowerError as exc:
+        raise RunError(str(exc)) from None

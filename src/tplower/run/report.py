@@ -1,0 +1,88 @@
+"""The end of a run: the boundary table, the summary and the verdict, as text or JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import RunConfig
+
+__all__ = ["boundary_table", "format_report", "full_report", "verdict", "write_json"]
+
+#: what each difference measures, in report order
+CHECKS: tuple[tuple[str, str], ...] = (
+    ("forward", "forward outputs"),
+    ("loss", "training losses"),
+    ("params", "updated parameters (gathered)"),
+)
+
+
+def verdict(report: Mapping[str, Any], tolerance: float) -> bool:
+    """Whether tplower's every difference from one process is within ``tolerance`` (absolute)."""
+    return all(float(report["diffs"]["tplower"][k]) <= tolerance for k, _ in CHECKS)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def boundary_table(rows: list[Mapping[str, Any]]) -> list[str]:
+    """Boundary rows grouped by plan pattern: module, form, forward op, backward op, bytes per rank per call."""
+    grouped: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        g = grouped.setdefault((r["pattern"], r["side"]), dict(r, count=0))
+        g["count"] += 1
+    head = ("module (plan key)", "style", "form (tp axis)", "forward op", "backward op", "bytes/rank fwd+bwd")
+    body = [(f"{g['pattern']} [{g['side']}] x{g['count']}", g["style"], g["form"], g["forward"], g["backward"],
+             f"{_bytes(g['fwd_bytes'])} + {_bytes(g['bwd_bytes'])}") for g in grouped.values()]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]
+
+
+def full_report(report: Mapping[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """``report`` with the run's settings and verdict added: what ``--json`` writes."""
+    return dict(report) | {
+        "model": cfg.model, "tp": cfg.tp, "dp": cfg.dp, "sentences": len(cfg.texts), "steps": cfg.steps,
+        "lr": cfg.lr, "batch_size": cfg.batch_size, "repeat": cfg.repeat, "tolerance": cfg.tolerance,
+        "plan": cfg.resolved_plan(), "ok": verdict(report, cfg.tolerance)}
+
+
+def format_report(report: Mapping[str, Any], cfg: RunConfig) -> str:
+    """The table of boundaries and the summary ``tplower run`` prints (verdict line first of the summary)."""
+    rows = report["boundaries"]
+    shape = "x".join(map(str, report["forward_shape"]))
+    lines = [f"tplower run: {cfg.model} on {report['world']} processes ({report['backend']}, {report['device']}), "
+             f"mesh dp={cfg.dp} x tp={cfg.tp}; {len(cfg.texts)} sentences, {cfg.steps} SGD steps (lr {cfg.lr})",
+             "", f"boundaries installed by tplower ({len(rows)}; bytes at the first batch, tokens {shape}):"]
+    lines += ["  " + ln for ln in boundary_table(rows)]
+    ok = verdict(report, cfg.tolerance)
+    d = report["diffs"]
+    lines += ["", f"PASS: tplower matches one process within {cfg.tolerance:g} (max abs difference, float32)"
+              if ok else f"FAIL: tplower differs from one process by more than {cfg.tolerance:g} (max abs difference)"]
+    for key, what in CHECKS:
+        t, dt = d["tplower"][key], d["dtensor"][key]
+        flag = "ok" if t <= cfg.tolerance else "EXCEEDS"
+        lines.append(f"  {what:<31} tplower {t:.2e} {flag:<7}  (DTensor {dt:.2e})")
+    lines.append(f"  parameters moved by training up to {report['param_update_max']:.2e}; "
+                 f"losses {', '.join(f'{x:.6f}' for x in report['losses']['reference'])} (one process)")
+    t = report["timing"]
+    lines += ["", f"time, median of {cfg.repeat} (ms)      forward   train step"]
+    names = (("tplower", "tplower"), ("dtensor", "DTensor parallelize_module"), ("one_process", "one process"))
+    for key, name in names:
+        if key in t:
+            lines.append(f"  {name:<30} {t[key]['forward_ms']:>8.1f}   {t[key]['train_step_ms']:>10.1f}")
+    if "dtensor" in t:
+        lines.append(f"  tplower vs DTensor: forward {t['dtensor']['forward_ms'] / t['tplower']['forward_ms']:.2f}x, "
+                     f"train step {t['dtensor']['train_step_ms'] / t['tplower']['train_step_ms']:.2f}x faster")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, report: Mapping[str, Any], cfg: RunConfig) -> None:
+    """Write :func:`full_report` to ``path`` as JSON."""
+    Path(path).write_text(json.dumps(full_report(report, cfg), indent=2, sort_keys=True) + "\n", encoding="utf-8")
