@@ -16,6 +16,8 @@ from collections.abc import Sequence
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tplower.cli_demo", "lower a few transitions on local gloo processes and check them against DTensor"),
+    "explain": ("tplower.cli_explain", "print the collectives a transition lowers to, with bytes per rank"),
+    "run": ("tplower.cli_run", "parallelize a real model on N processes and check it matches one process"),
 }
 #: the subcommand ``tplower`` runs without one
 DEFAULT = "demo"
