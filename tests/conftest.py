@@ -6,7 +6,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tplower.conformance import quiet_dtensor_logs  # noqa: E402
+from tplower.conformance import quiet_dtensor_logs
 
 quiet_dtensor_logs()
 

@@ -31,7 +31,7 @@ def test_parse_and_format_round_trip(text, placement):
 @pytest.mark.parametrize("bad", ["", "r", "S", "S()", "S(x)", "S(1", "P", "P()", "P(prod)", "P(SUM)", "Shard(0)",
                                  "S(0),R"])
 def test_bad_placement_strings_raise_naming_value(bad):
-    with pytest.raises(TPLowerError, match="allowed|reduce op"):
+    with pytest.raises(TPLowerError, match=r"allowed|reduce op"):
         parse_placement(bad)
 
 

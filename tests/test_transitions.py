@@ -109,3 +109,20 @@ def test_backend_for_device_splits_multi_device_backends():
     assert backend_for_device("nccl", "cuda") == "nccl"
     assert "max" in backend_caps("NCCL").reduce_scatter_ops
     assert backend_caps("newthing").reduce_scatter_ops == frozenset()
+
+
+def test_partial_axes_are_reduced_before_gathers():
+    # DTensor's greedy order would gather axis 1 first and all_reduce the full tensor.
+    steps = plan_steps((P, Shard(0)), (R, R), (8, 6), (2, 2), (0, 0))
+    assert [(s.axis, s.kind) for s in steps] == [(0, "all_reduce"), (1, "all_gather")]
+    assert steps[0].in_shape == (4, 6) and steps[0].send_elems == 2 * 1 * 24 // 2
+
+
+def test_local_chunks_run_before_collectives_on_other_dims():
+    # grad (R, S(1)) -> (S(0), R): chunk dim 0 on axis 0 first, so the gather on axis 1 moves half the data.
+    steps = plan_steps((R, Shard(1)), (Shard(0), R), (8, 8), (2, 4), (0, 0))
+    assert [(s.axis, s.kind) for s in steps] == [(0, "chunk"), (1, "all_gather")]
+    assert steps[1].in_shape == (4, 2)
+    # the same tensor dim: nesting decides, nothing moves
+    steps = plan_steps((R, Shard(0)), (Shard(0), R), (8, 8), (2, 4), (0, 0))
+    assert [(s.axis, s.kind) for s in steps] == [(1, "all_gather"), (0, "chunk")]

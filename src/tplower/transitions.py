@@ -11,7 +11,10 @@ Step order follows DTensor's greedy planner (torch 2.13,
 ``DTensorRedistributePlanner.generate_greedy_transform_infos``): when the
 source has any shard, axes are first visited inner to outer, replicating a
 shard whose nesting on the same tensor dim differs between source and
-target; then outer to inner for what is left. The logical shape an axis
+target; then outer to inner for what is left. Then local chunks and
+``all_reduce`` steps move ahead of collectives on other axes that they
+commute with (a chunk of another tensor dim; a reduction past a gather), so
+those collectives move less data. The logical shape an axis
 shards from is the global shape cut by the source's shards on the axes
 before it, as DTensor computes it, so uneven shards pad and unpad alike.
 """
@@ -52,6 +55,7 @@ KINDS: tuple[str, ...] = (
 )
 
 Shape = tuple[int, ...]
+Move = tuple[int, Placement, Placement]  # (mesh axis, src, dst)
 
 
 def chunk_size_and_offset(size: int, n: int, index: int) -> tuple[int, int]:
@@ -231,7 +235,7 @@ def _logical_shapes(global_shape: Shape, src: Sequence[Placement], mesh_shape: S
     return shapes
 
 
-def _greedy_order(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:
+def _greedy_order(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Move]:
     cur, moves = list(src), []
     if any(isinstance(p, Shard) for p in src):
         for i in reversed(range(len(cur))):
@@ -248,7 +252,37 @@ def _greedy_order(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tu
         if cur[i] != target:
             moves.append((i, cur[i], target))
             cur[i] = target
-    return moves
+    return _shrink_first(moves)
+
+
+
+def _dims(move: Move) -> set[int]:
+    return {p.dim for p in move[1:] if isinstance(p, Shard)}
+
+
+def _commutes_after(move: Move, prev: Move) -> bool:
+    """Whether ``move`` may run before ``prev`` (another axis) with the same result, and cheaper."""
+    src, dst = move[1], move[2]
+    prev_moves_data = isinstance(prev[1], Shard | Partial) and not isinstance(prev[2], Partial)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        # all_reduce is elementwise: it commutes with concatenation (all_gather, all_to_all).
+        return isinstance(prev[1], Shard) and not isinstance(prev[2], Partial)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        # a local chunk of dim d commutes with any collective on other dims of another axis.
+        return prev_moves_data and not (_dims(prev) & _dims(move))
+    return False
+
+
+def _shrink_first(moves: list[Move]) -> list[Move]:
+    # Local chunks and all_reduces move ahead of collectives on other axes they commute with,
+    # so those run on the smaller tensor. Values, and every reduction's order, are unchanged.
+    out: list[Move] = []
+    for move in moves:
+        i = len(out)
+        while i and out[i - 1][0] != move[0] and _commutes_after(move, out[i - 1]):
+            i -= 1
+        out.insert(i, move)
+    return out
 
 
 def plan_steps(src: Sequence[Placement], dst: Sequence[Placement], global_shape: Sequence[int],
