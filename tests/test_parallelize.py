@@ -14,6 +14,7 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -74,10 +75,7 @@ PLANS = {
     "mlp_sp": {"up": _SP_IN, "down": _SP_OUT},
     "block": {"attn": {"local_attrs": {"n_heads": "divide"}}, "attn.*": "colwise", "attn.o": "rowwise",
               "mlp.up": "colwise", "mlp.down": "rowwise"},
-    "block_sp": {"ln*": "sequence_parallel",
-                 "attn": {"in_src": {"x": {"tp": "S(1)"}}, "in_dst": {"x": {"tp": "R"}},
-                          "in_grad": {"x": {"tp": "P(sum)"}}, "local_attrs": {"n_heads": "divide"}},
-                 "attn.*": "local_colwise", "attn.o": _SP_OUT, "mlp.up": _SP_IN, "mlp.down": _SP_OUT},
+    "block_sp": str(Path(__file__).parent.parent / "examples" / "plans" / "block_sp.yaml"),
 }
 # Expected shard dim of each parameter, written from the Megatron layout (None: replicated).
 SHARD_DIMS = {"up.weight": 0, "up.bias": 0, "down.weight": 1, "q.weight": 0, "q.bias": 0, "k.weight": 0,

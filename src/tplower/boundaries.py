@@ -46,6 +46,7 @@ __all__ = [
     "BoundaryOp",
     "TPOperators",
     "classify_boundary_form",
+    "deferred_bias_grad",
     "explain_plan_lines",
     "parse_spec",
 ]
@@ -258,6 +259,18 @@ def classify_boundary_form(entry: BoundaryEntry | PlanValue, mesh_dim_names: Seq
         mesh_dim_names=names)
 
 
+def deferred_bias_grad(form: BoundaryForm) -> dict[str, str]:
+    """Named placement of a deferred bias's local gradient: ``P(sum)`` on every axis the first output shards.
+
+    A bias added to a shard of the output (``P -> S(1)``, sequence
+    parallelism) sees only this rank's rows, so its gradient is partial there.
+    """
+    if not form.outputs:
+        return {}
+    dst = form.outputs[0].dst
+    return {form.mesh_dim_names[i]: "P(sum)" for i, p in enumerate(dst) if isinstance(p, Shard)}
+
+
 def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names: Sequence[str], *,
                        axis: str = "tp") -> list[str]:
     """The annotated forms of a plan, two-space indented under each key.
@@ -289,7 +302,9 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
             if moved:
                 lines.append(f"  param {pname}: grad {', '.join(moved)} ==> backward all_reduce")
         if entry.deferred_bias:
-            lines.append(f"  param {entry.deferred_bias}: added once after the output transition")
+            grad = deferred_bias_grad(form)
+            tail = f"; grad {', '.join(f'{a} {p}' for a, p in grad.items())} ==> backward all_reduce" if grad else ""
+            lines.append(f"  param {entry.deferred_bias}: added once after the output transition{tail}")
     return lines
 
 

@@ -39,7 +39,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from . import collectives as C
-from .boundaries import BoundaryForm, BoundaryOp, Placements, classify_boundary_form, parse_spec
+from .boundaries import (
+    BoundaryForm,
+    BoundaryOp,
+    Placements,
+    classify_boundary_form,
+    deferred_bias_grad,
+    parse_spec,
+)
 from .errors import TPLowerError
 from .placements import parse_placements, replicate_partials
 from .plans import BoundaryEntry, PlanValue, load_plan, match_plan, resolve_entry
@@ -292,9 +299,8 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     _localize_attrs(module, entry, lowerer, axis, qual)
     bias = _deferred_bias(module, entry, form, qual)
     grads: dict[str, Any] = dict(entry.param_grads)
-    if bias is not None and bias not in grads and form.outputs:  # a bias added to a shard has a partial grad
-        main = form.outputs[0].dst
-        grads[bias] = {lowerer.names[i]: "P(sum)" for i, p in enumerate(main) if isinstance(p, Shard)}
+    if bias is not None and bias not in grads:
+        grads[bias] = deferred_bias_grad(form)
     _grad_hooks(module, grads, lowerer, axis, qual)
     if form.form == "identity" and bias is None:
         return None
