@@ -6,6 +6,7 @@ and backward, on plain local tensors.
 
 from __future__ import annotations
 
+from .boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
 from .errors import TPLowerError
 from .lowering import (
     TPCollectiveLowerer,
@@ -13,6 +14,7 @@ from .lowering import (
     classify_tp_transition,
     create_tp_collective_lowerer,
 )
+from .parallelize import parallelize
 from .placements import (
     format_placement,
     format_placements,
@@ -20,25 +22,33 @@ from .placements import (
     parse_placements,
     replicate_partials,
 )
+from .plans import BoundaryEntry, load_plan
 from .redistribute import MeshLowerer, mesh_lowerer, redistribute_local
 from .transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoundaryEntry",
+    "BoundaryForm",
     "MeshLowerer",
     "Step",
     "TPCollectiveLowerer",
     "TPExecutionOp",
     "TPLowerError",
+    "TPOperators",
     "TransitionPlan",
     "__version__",
     "classify_axis",
+    "classify_boundary_form",
     "classify_tp_transition",
     "create_tp_collective_lowerer",
+    "explain_plan_lines",
     "format_placement",
     "format_placements",
+    "load_plan",
     "mesh_lowerer",
+    "parallelize",
     "parse_placement",
     "parse_placements",
     "plan_steps",
