@@ -69,8 +69,10 @@ LLAMA_TINY = "llama-tiny"
 #: The TP plan tplower ships for all-MiniLM-L6-v2 (a ``BertModel``): Megatron's
 #: attention and MLP split. q/k/v column-parallel (each rank owns whole heads),
 #: attention output row-parallel (one all_reduce), intermediate column-parallel,
-#: output row-parallel (one all_reduce).
-MINILM_TP_PLAN: dict[str, str] = {
+#: output row-parallel (one all_reduce). The attention module's head counts are
+#: divided by tp (``local_attrs``, :func:`tplower.parallelize.parallelize`'s hook).
+MINILM_TP_PLAN: dict[str, Any] = {
+    "encoder.layer.*.attention.self": {"local_attrs": {"num_attention_heads": "divide", "all_head_size": "divide"}},
     "encoder.layer.*.attention.self.query": "colwise",
     "encoder.layer.*.attention.self.key": "colwise",
     "encoder.layer.*.attention.self.value": "colwise",
@@ -134,7 +136,7 @@ class ModelSpec:
     Attributes:
         name: the ``--model`` value.
         description: one line for help text and reports.
-        plan: module name/glob -> HF tp_plan style.
+        plan: module name/glob -> HF tp_plan style or boundary entry (:mod:`tplower.plans`).
         task: ``"embedding"`` (mean-pooled normalised embeddings, contrastive
             loss on pairs) or ``"causal_lm"`` (logits, next-token loss).
         packages: (import name, pip name) pairs the model needs.
@@ -142,7 +144,7 @@ class ModelSpec:
 
     name: str
     description: str
-    plan: Mapping[str, str]
+    plan: Mapping[str, Any]
     task: str
     packages: tuple[tuple[str, str], ...]
 

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import plans
 from ..errors import TPLowerError
 from ..models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
 
-__all__ = ["STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
-
-#: HF tp_plan styles ``tplower run`` runs on both paths (tplower and DTensor).
-STYLES: tuple[str, ...] = ("colwise", "rowwise")
-
+__all__ = ["RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
 
 class RunError(TPLowerError):
     """A run that cannot start or did not finish; the message says what to change."""
@@ -32,7 +27,7 @@ class RunConfig:
         world: number of ranks; ``tp * dp``.
         tp, dp: ranks of the tensor-parallel and data-parallel mesh axes.
         texts: the sentences; consecutive pairs are the training pairs.
-        plan: module name/glob -> HF style; ``None`` for the model's own.
+        plan: module name/glob -> HF style or boundary entry; ``None`` for the model's own.
         steps: training steps (SGD, ``lr``).
         batch_size: sentences per forward batch (split across ``dp``).
         repeat: timed repeats per measurement (the median is reported).
@@ -48,7 +43,7 @@ class RunConfig:
     tp: int = 2
     dp: int = 1
     texts: tuple[str, ...] = field(default_factory=lambda: tuple(sentences()))
-    plan: Mapping[str, str] | None = None
+    plan: Mapping[str, Any] | None = None
     steps: int = 2
     batch_size: int = 16
     lr: float = 0.1
@@ -59,7 +54,7 @@ class RunConfig:
     progress: bool = True
     kill_rank: int = -1
 
-    def resolved_plan(self) -> dict[str, str]:
+    def resolved_plan(self) -> dict[str, Any]:
         """The plan this run applies: ``plan``, or the model's own."""
         return dict(self.plan) if self.plan is not None else dict(model_spec(self.model).plan)
 
@@ -78,42 +73,19 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
-def load_plan(path: str | Path) -> dict[str, str]:
-    """Read a plan file: a JSON or YAML mapping of module name/glob -> style.
+def load_plan(path: str | Path) -> dict[str, Any]:
+    """Read a plan file (JSON or YAML): module name/glob -> HF style or boundary entry (:mod:`tplower.plans`).
 
     Raises:
-        RunError: the file cannot be read or parsed, is not a mapping of
-            strings, or names a style other than :data:`STYLES`.
+        RunError: the file cannot be read or parsed, or an entry breaks the
+            plan schema (the message names the key and field).
     """
-    p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RunError(f"--plan {str(path)!r} cannot be read: {exc}") from None
-    data: Any
-    if p.suffix.lower() in (".yaml", ".yml"):
-        try:
-            yaml: Any = importlib.import_module("yaml")
-        except ImportError:
-            raise RunError(f"--plan {str(path)!r} is YAML, which needs PyYAML: pip install pyyaml") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise RunError(f"--plan {str(path)!r} is not valid YAML: {exc}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise RunError(f"--plan {str(path)!r} is not valid JSON: {exc}") from None
-    if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
-        data = data["plan"]
-    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise RunError(f"--plan {str(path)!r} must hold a mapping of module name -> style, e.g. "
-                       '{"encoder.layer.*.intermediate.dense": "colwise"}')
-    bad = {k: v for k, v in data.items() if v not in STYLES}
-    if bad:
-        raise RunError(f"--plan {str(path)!r}: styles {bad} are not run here; allowed: {', '.join(STYLES)}")
-    return dict(data)
+        return plans.load_plan(Path(path))
+    except ImportError:
+        raise RunError(f"--plan {str(path)!r} is YAML, which needs PyYAML: pip install pyyaml") from None
+    except ValueError as exc:  # TPLowerError, and JSON/YAML syntax errors
+        raise RunError(f"--plan {str(path)!r}: {exc}") from None
 
 
 def check_config(cfg: RunConfig) -> None:

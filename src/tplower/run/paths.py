@@ -1,74 +1,56 @@
 """The two tensor-parallel paths a run compares, and how their parameters are gathered back.
 
-* :func:`parallelize_tplower`: tplower's path. Parameters become plain
-  local shards; every boundary runs tplower's lowered collectives
-  (:func:`tplower.redistribute_local`) and is recorded for the report.
+* :func:`parallelize_tplower`: :func:`tplower.parallelize.parallelize`.
+  Parameters become plain local shards; every boundary runs tplower's
+  lowered collectives. Each installed boundary is recorded on its first
+  call (local shapes, so the bytes it sends are known) for the report.
 * :func:`parallelize_dtensor`: PyTorch's own ``parallelize_module`` with
   ``ColwiseParallel``/``RowwiseParallel`` on the same plan.
-
-Until ``tplower.parallelize`` exists, :func:`parallelize_tplower` installs
-the two styles itself, Megatron's way, with the transitions of DESIGN.md:
-
-==========  ================  =====================  =====================
-style       weight shard      input boundary         output boundary
-==========  ================  =====================  =====================
-colwise     ``S(0)`` (bias    ``R -> R``, grad ``P``:  local ``S(-1)``
-            ``S(0)``)         identity / all_reduce
-rowwise     ``S(1)`` (bias    local ``S(-1)``        ``P -> R``, grad ``R``:
-            ``R``, added                             all_reduce / identity
-            after the sum)
-==========  ================  =====================  =====================
 """
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from ..boundaries import BoundaryOp, parse_spec
+from ..errors import TPLowerError
 from ..models import localize_heads
-from ..placements import format_placements
-from ..redistribute import mesh_lowerer
-from .config import STYLES, RunError
+from ..parallelize import installed_boundary, parallelize
+from ..placements import format_placement
+from ..plans import PlanValue, match_plan, resolve_entry
+from ..redistribute import MeshLowerer, mesh_lowerer
+from ..transitions import global_shape_from_local, plan_transition
+from .config import RunError
 
-__all__ = [
-    "BoundaryLog",
-    "BoundaryRecord",
-    "RowwiseLinear",
-    "gather_params",
-    "parallelize_dtensor",
-    "parallelize_tplower",
-    "shard_dims",
-]
+__all__ = ["BoundaryLog", "BoundaryRecord", "gather_params", "parallelize_dtensor", "parallelize_tplower",
+           "shard_dims"]
 
 # torch 2.13 warns on the old name; older releases only have it.
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-#: style -> (weight dim sharded, bias dim sharded or None)
-_SHARD_DIMS: dict[str, tuple[int, int | None]] = {"colwise": (0, 0), "rowwise": (1, None)}
-
 
 @dataclass
 class BoundaryRecord:
-    """One module boundary as it ran: placements on the tp axis, ops and bytes of one call.
+    """One transition of an installed boundary as it ran first: placements on the tp axis, ops, bytes.
 
-    ``fwd_bytes``/``bwd_bytes`` are bytes this rank sends in one forward /
-    backward call at the shape of the first call (``shape``).
+    ``fwd_bytes``/``bwd_bytes`` are bytes this rank sends in that forward /
+    backward call, at the local shape ``shape`` the transition met
+    (``-1`` when the tensor could not be found in the call).
     """
 
     module: str
     pattern: str
-    style: str
-    side: str
     form: str
+    side: str
+    transition: str
     forward: str
     backward: str
     fwd_bytes: int
@@ -87,142 +69,128 @@ class BoundaryLog:
         return list(self.records.values())
 
 
-def _modules_matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
-    parts = pattern.split(".")
-    return [(name, m) for name, m in model.named_modules()
-            if len(name.split(".")) == len(parts)
-            and all(fnmatch.fnmatchcase(a, b) for a, b in zip(name.split("."), parts, strict=True))]
+def _tensor_of(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any, side: str) -> Any:
+    if side == "out":
+        items = list(output) if isinstance(output, tuple | list) else [output]
+        i = 0 if name == "out" else int(name) if name.isdigit() else -1
+        return items[i] if 0 <= i < len(items) else None
+    if name.isdigit():
+        i = int(name)
+        return args[i] if i < len(args) else (next(iter(kwargs.values()), None) if i == 0 and not args else None)
+    return kwargs.get(name)
 
 
-def _matches(plan: Mapping[str, str], model: nn.Module) -> list[tuple[str, str, str, nn.Linear]]:
-    out: list[tuple[str, str, str, nn.Linear]] = []
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise RunError(f"plan entry {pattern!r}: style {style!r} is not run here; allowed: {', '.join(STYLES)}")
-        for name, module in _modules_matching(model, pattern):
-            if not isinstance(module, nn.Linear):
-                raise RunError(f"plan entry {pattern!r} -> {name} is a {type(module).__name__}; "
-                               f"{style} applies to nn.Linear modules")
-            out.append((pattern, style, name, module))
-    return out
+def _bytes(op: BoundaryOp, t: torch.Tensor, side: str, lowerer: MeshLowerer) -> tuple[int, int]:
+    """Bytes this rank sends for ``op`` on local tensor ``t`` (an input as it arrives, an output as it leaves)."""
+    nd = t.ndim
+    src, dst, grad = (lowerer.parse(p, nd, "placement") for p in (op.src, op.dst, op.grad))
+    gshape = global_shape_from_local(tuple(t.shape), src if side == "in" else dst, lowerer.shape)
+    plan = plan_transition(src, dst, gshape, lowerer.shape, lowerer.coord, grad)
+    size = t.element_size()
+    return (sum(s.send_elems for s in plan.forward) * size, sum(s.send_elems for s in plan.backward) * size)
 
 
-def _shard(p: torch.Tensor, dim: int, n: int, rank: int) -> nn.Parameter:
-    return nn.Parameter(p.detach().chunk(n, dim)[rank].clone(), requires_grad=p.requires_grad)
+class _Recorder:
+    """A forward hook that records a boundary's transitions on its first call."""
+
+    def __init__(self, log: BoundaryLog, lowerer: MeshLowerer, axis: str, qual: str, pattern: str) -> None:
+        self.log, self.lowerer, self.qual, self.pattern = log, lowerer, qual, pattern
+        self.axis = lowerer.names.index(axis) if axis in lowerer.names else 0
+        self.handle: Any = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        info = installed_boundary(module)
+        if info is None:
+            return
+        i = self.axis
+        for side, ops in (("in", info.form.inputs), ("out", info.form.outputs)):
+            for op in ops:
+                if op.identity:
+                    continue
+                t = _tensor_of(op.name, args, kwargs, output, side)
+                where = {"in": "input", "out": "output"}[side] + ("" if op.name in ("0", "out") else f" {op.name}")
+                fb = _bytes(op, t, side, self.lowerer) if isinstance(t, torch.Tensor) else (-1, -1)
+                self.log.records.setdefault((self.qual, where), BoundaryRecord(
+                    module=self.qual, pattern=self.pattern, form=info.form.form, side=where,
+                    transition=f"{format_placement(op.src[i])}->{format_placement(op.dst[i])} "
+                               f"grad {format_placement(op.grad[i])}",
+                    forward=op.forward, backward=op.backward, fwd_bytes=fb[0], bwd_bytes=fb[1],
+                    shape=tuple(t.shape) if isinstance(t, torch.Tensor) else ()))
+        self.handle.remove()
 
 
-class _Boundary:
-    """Runs one lowered transition on the tp axis and records it on first call."""
-
-    def __init__(self, mesh: DeviceMesh, axis: str, log: BoundaryLog, key: tuple[str, str], pattern: str,
-                 style: str, src: str, dst: str, grad: str) -> None:
-        self.lowerer = mesh_lowerer(mesh)
-        self.axis, self.log, self.key, self.pattern, self.style = axis, log, key, pattern, style
-        self.src, self.dst, self.grad = {axis: src}, {axis: dst}, {axis: grad}
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        prog = self.lowerer.program(self.src, self.dst, x.shape, x.device.type, grad=self.grad)
-        if self.key not in self.log.records and prog.plan is not None:
-            plan, size = prog.plan, x.element_size()
-            i = self.lowerer.names.index(self.axis)
-            self.log.records[self.key] = BoundaryRecord(
-                module=self.key[0], pattern=self.pattern, style=self.style, side=self.key[1],
-                form=f"{format_placements(plan.src[i:i + 1])}->{format_placements(plan.dst[i:i + 1])} "
-                     f"grad {format_placements(plan.grad[i:i + 1])}",
-                forward="; ".join(s.op_str() for s in plan.forward) or "identity",
-                backward="; ".join(s.op_str() for s in plan.backward) or "identity",
-                fwd_bytes=sum(s.send_elems for s in plan.forward) * size,
-                bwd_bytes=sum(s.send_elems for s in plan.backward) * size, shape=tuple(x.shape))
-        return prog(x)
-
-
-def _colwise_pre_hook(boundary: _Boundary) -> Any:
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (boundary(args[0]), *args[1:])
-    return hook
-
-
-class RowwiseLinear(nn.Module):
-    """A row-parallel ``nn.Linear``: ``y = all_reduce(x_shard @ W_shard.T) + b``, the bias added once, after the sum.
-
-    Keeps the replaced module's ``weight`` (this rank's ``S(1)`` shard) and
-    ``bias`` (whole) under the same names.
-    """
-
-    def __init__(self, linear: nn.Linear, boundary: _Boundary) -> None:
-        super().__init__()
-        self.weight, self.bias, self.boundary = linear.weight, linear.bias, boundary
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., in / tp]`` -> ``[..., out]``, replicated."""
-        y = self.boundary(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-
-def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str], *,
+def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue], *,
                         axis: str = "tp") -> BoundaryLog:
-    """Shard ``model`` in place on ``mesh``'s ``axis`` per ``plan``; boundaries run tplower's collectives.
-
-    Args:
-        model: the unsharded model (parameters are replaced by this rank's shards).
-        mesh: the device mesh; ``axis`` is the tensor-parallel axis.
-        plan: module name/glob -> ``"colwise"`` or ``"rowwise"`` (nn.Linear only).
+    """:func:`tplower.parallelize.parallelize` ``model`` in place on ``mesh`` by ``plan``; record its boundaries.
 
     Returns:
-        A :class:`BoundaryLog` that fills in as boundaries first run.
+        A :class:`BoundaryLog` that fills in as each boundary first runs.
 
     Raises:
-        RunError: a style other than colwise/rowwise, a non-Linear module,
-            or a size the ``axis`` does not divide.
+        RunError: anything :func:`~tplower.parallelize.parallelize` rejects
+            (its message names the module, field and value).
     """
-    names = tuple(mesh.mesh_dim_names or ())
-    if axis not in names:
-        raise RunError(f"axis={axis!r} is not a mesh axis; the mesh has {names}")
-    n, rank = mesh.size(names.index(axis)), mesh.get_local_rank(axis)
+    try:
+        parallelize(model, mesh, plan, axis=axis)
+        keys = match_plan(plan, [n for n, _ in model.named_modules()])
+    except TPLowerError as exc:
+        raise RunError(str(exc)) from None
     log = BoundaryLog()
-    for pattern, style, name, module in _matches(plan, model):
-        wdim, bdim = _SHARD_DIMS[style]
-        if module.weight.shape[wdim] % n:
-            raise RunError(f"{name}: {style} shards dim {wdim} of size {module.weight.shape[wdim]}, which "
-                           f"tp={n} does not divide; choose a tp that divides it")
-        module.weight = _shard(module.weight, wdim, n, rank)
-        if module.bias is not None and bdim is not None:
-            module.bias = _shard(module.bias, bdim, n, rank)
-        if style == "colwise":
-            b = _Boundary(mesh, axis, log, (name, "input"), pattern, style, "R", "R", "P(sum)")
-            module.register_forward_pre_hook(_colwise_pre_hook(b))
-        else:
-            b = _Boundary(mesh, axis, log, (name, "output"), pattern, style, "P(sum)", "R", "R")
-            model.set_submodule(name, RowwiseLinear(module, b))
-    localize_heads(model, n)
+    lowerer = mesh_lowerer(mesh)
+    for qual, module in model.named_modules():
+        if installed_boundary(module) is not None:
+            rec = _Recorder(log, lowerer, axis, qual, keys.get(qual, qual))
+            rec.handle = module.register_forward_hook(rec, with_kwargs=True)
     return log
 
 
-def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str], *, axis: str = "tp") -> None:
+def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue], *,
+                        axis: str = "tp") -> None:
     """PyTorch's ``parallelize_module`` on ``mesh[axis]`` with Colwise/RowwiseParallel per ``plan`` (in place).
 
+    Entries that only make attributes local (``{"local_attrs": ...}``) are
+    left to :func:`tplower.models.localize_heads`.
+
     Raises:
-        RunError: a style other than colwise/rowwise.
+        RunError: an entry other than ``"colwise"``/``"rowwise"`` or ``local_attrs``.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    bad = {k: v for k, v in plan.items() if v not in styles}
-    if bad:
-        raise RunError(f"plan entries {bad} have no DTensor style here; allowed: {', '.join(styles)}")
-    parallelize_module(model, mesh[axis], {k: styles[v]() for k, v in plan.items()})
+    dt_plan: dict[str, Any] = {}
+    for key, value in plan.items():
+        if isinstance(value, str) and value in styles:
+            dt_plan[key] = styles[value]()
+        elif not (isinstance(value, Mapping) and set(value) == {"local_attrs"}):
+            raise RunError(f"plan entry {key!r}: {value!r} has no DTensor counterpart for the comparison; "
+                           f"tplower run compares plans of {', '.join(styles)} (and local_attrs) entries")
+    parallelize_module(model, mesh[axis], dt_plan)
     localize_heads(model, mesh[axis].size())
 
 
-def shard_dims(model: nn.Module, plan: Mapping[str, str]) -> dict[str, int]:
-    """Parameter name -> the dim ``plan`` shards it on (parameters left out are replicated)."""
+def shard_dims(model: nn.Module, plan: Mapping[str, PlanValue], mesh: DeviceMesh, *,
+               axis: str = "tp") -> dict[str, int]:
+    """Parameter name -> the tensor dim ``plan`` shards it on along ``axis`` (others are replicated there).
+
+    Read from the plan's own entries (:func:`tplower.plans.resolve_entry`),
+    so a gather does not trust the sharded model's state.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    i = names.index(axis)
+    modules = dict(model.named_modules())
     out: dict[str, int] = {}
-    for pattern, style in plan.items():
-        wdim, bdim = _SHARD_DIMS[style]
-        for name, module in _modules_matching(model, pattern):
-            out[f"{name}.weight"] = wdim
-            if getattr(module, "bias", None) is not None and bdim is not None:
-                out[f"{name}.bias"] = bdim
+    for qual, key in match_plan(plan, modules).items():
+        kind = "linear" if isinstance(modules[qual], nn.Linear) else \
+            "embedding" if isinstance(modules[qual], nn.Embedding) else "other"
+        entry = resolve_entry(plan[key], key, kind=kind, axis=axis)
+        own = dict(modules[qual].named_parameters(recurse=False))
+        for pname, spec in entry.params.items():
+            for target in (own if pname == "*" else [pname] if pname in own else []):
+                p = own[target]
+                ps = parse_spec(spec, names, (axis,), f"plan[{key!r}].params[{pname!r}]", tensor_ndim=p.ndim)
+                q = ps[i]
+                if isinstance(q, Shard):
+                    out[f"{qual}.{target}"] = q.dim
     return out
 
 

@@ -37,8 +37,8 @@ def boundary_table(rows: list[Mapping[str, Any]]) -> list[str]:
     for r in rows:
         g = grouped.setdefault((r["pattern"], r["side"]), dict(r, count=0))
         g["count"] += 1
-    head = ("module (plan key)", "style", "form (tp axis)", "forward op", "backward op", "bytes/rank fwd+bwd")
-    body = [(f"{g['pattern']} [{g['side']}] x{g['count']}", g["style"], g["form"], g["forward"], g["backward"],
+    head = ("module (plan key)", "form", "tp transition", "forward op", "backward op", "bytes/rank fwd+bwd")
+    body = [(f"{g['pattern']} [{g['side']}] x{g['count']}", g["form"], g["transition"], g["forward"], g["backward"],
              f"{_bytes(g['fwd_bytes'])} + {_bytes(g['bwd_bytes'])}") for g in grouped.values()]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

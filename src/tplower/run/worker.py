@@ -191,8 +191,8 @@ class _Run:
 
     def params(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every copy's parameters, whole (a collective)."""
-        out = {"tplower": gather_params(self.models["tplower"], shard_dims(self.models["tplower"], self.plan),
-                                        self.mesh),
+        tp = self.models["tplower"]
+        out = {"tplower": gather_params(tp, shard_dims(tp, self.plan, self.mesh), self.mesh),
                "dtensor": gather_params(self.models["dtensor"], {}, self.mesh)}
         if "reference" in self.models:
             out["reference"] = {k: v.detach().cpu().clone() for k, v in self.models["reference"].named_parameters()}
