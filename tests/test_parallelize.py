@@ -226,3 +226,48 @@ def _edges_body(rank: int, world: int) -> list[str]:
 def test_missing_inputs_pass_and_bad_output_index_names_module() -> None:
     for msgs in run_threaded(2, _edges_body):
         assert len(msgs) == 1 and "module ''" in msgs[0] and "index 3" in msgs[0]
+
+
+# ---- transformers models, parallelized by their own plan vocabulary ------------------------------------
+HF_SHARD_DIMS = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "gate_proj.weight": 0,
+                 "up_proj.weight": 0, "o_proj.weight": 1, "down_proj.weight": 1, "query.weight": 0, "query.bias": 0,
+                 "key.weight": 0, "key.bias": 0, "value.weight": 0, "value.bias": 0, "intermediate.dense.weight": 0,
+                 "intermediate.dense.bias": 0, "output.dense.weight": 1}
+
+
+def _hf_body(rank: int, world: int, ref: nn.Module, plan: object) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(copy.deepcopy(ref), mesh, plan)  # type: ignore[arg-type]
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    g = _seeded(4, 2, 8, 32)
+    outs = []
+    for m in (ref, model) if rank == 0 else (model,):  # rank 0 also runs the reference (threads share ref)
+        out = m(input_ids=ids).last_hidden_state
+        (out * g).sum().backward()
+        outs.append(out.detach())
+    if rank != 0:
+        return
+    torch.testing.assert_close(outs[1], outs[0], **TOL)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        key = next((k for k in HF_SHARD_DIMS if name.endswith(k)), None)
+        want = ref_params[name].grad
+        want = want if key is None else want.chunk(world, HF_SHARD_DIMS[key])[rank]
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_transformers_models_threaded_world2(arch: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+        ref, plan = transformers.LlamaModel(config), dict(config.base_model_tp_plan)
+    else:
+        config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=64, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        ref = transformers.BertModel(config, add_pooling_layer=False)
+        plan = str(Path(__file__).parent.parent / "examples" / "plans" / "bert_tp.yaml")
+    run_threaded(2, _hf_body, ref.eval(), plan)
