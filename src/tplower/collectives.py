@@ -141,7 +141,17 @@ def _piece(size: int, n: int, rank: int) -> tuple[int, int]:
     return start, min(c, size - start)
 
 
-def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: int) -> torch.Tensor:
+def _blocks(t: torch.Tensor, n: int, order: Sequence[int] | None) -> torch.Tensor:
+    # Reorder the n equal blocks of dim 0: block k of the result is block order[k] of t.
+    if order is None or not t.numel():
+        return t
+    index = torch.tensor(order, device=t.device)
+    out: torch.Tensor = t.unflatten(0, (n, -1)).index_select(0, index).flatten(0, 1)
+    return out
+
+
+def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: int,
+               order: Sequence[int] | None = None) -> torch.Tensor:
     """``S(dim) -> R``: concatenate every rank's piece along ``dim``.
 
     ========  =====================  ==========================
@@ -151,7 +161,9 @@ def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: 
 
     ``size`` is the logical length of ``dim`` across the group; pieces are
     padded to ``ceil(size / n)``, gathered with one ``all_gather`` and the
-    padding is cut off. Backward: ``reduce_scatter`` (gradient ``P``) or
+    padding is cut off. ``order[c]``, when given, is the group rank of the
+    rank at mesh coordinate ``c`` (a group that orders ranks unlike the
+    mesh); pieces are put in mesh-coordinate order. Backward: ``reduce_scatter`` (gradient ``P``) or
     :func:`chunk` (gradient ``R``).
     """
     c = -(-size // n)
@@ -159,6 +171,7 @@ def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: 
     out = x.new_empty((n * c,) + tuple(x.shape[1:]))
     if out.numel():
         _all_gather_base(out, x, group=group)
+        out = _blocks(out, n, order)
     if n * c != size:
         out = out.narrow(0, 0, size)
     return out.movedim(0, dim).contiguous() if dim else out
@@ -181,7 +194,7 @@ def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native:
 
 
 def reduce_scatter(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, dim: int, op: str,
-                   native_avg: bool = True) -> torch.Tensor:
+                   native_avg: bool = True, order: Sequence[int] | None = None) -> torch.Tensor:
     """``P(op) -> S(dim)``: reduce, keep this rank's ``torch.chunk`` piece of ``dim``.
 
     ========  =====================  ==========================
@@ -190,11 +203,13 @@ def reduce_scatter(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, d
     ========  =====================  ==========================
 
     One native ``reduce_scatter`` over ``dim`` padded to ``n * ceil(L/n)``.
+    ``rank`` is the mesh coordinate; ``order`` as :func:`all_gather`.
     Backward: ``all_gather`` along ``dim``.
     """
     size = x.size(dim)
     c = -(-size // n)
     buf = _pad_to(x, dim, n * c).movedim(dim, 0).contiguous()
+    buf = _blocks(buf, n, None if order is None else _inverse(order))
     out = buf.new_empty((c,) + tuple(buf.shape[1:]))
     if out.numel():
         if op == "avg" and not native_avg:
@@ -221,8 +236,15 @@ def chunk(x: torch.Tensor, *, n: int, rank: int, dim: int) -> torch.Tensor:
     return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
 
 
+def _inverse(order: Sequence[int]) -> list[int]:
+    inv = [0] * len(order)
+    for coord, grank in enumerate(order):
+        inv[grank] = coord
+    return inv
+
+
 def all_to_all(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_dim: int, dst_dim: int,
-               src_size: int, dst_size: int) -> torch.Tensor:
+               src_size: int, dst_size: int, order: Sequence[int] | None = None) -> torch.Tensor:
     """``S(src_dim) -> S(dst_dim)``: one ``all_to_all_single`` trades pieces.
 
     ========  ==========================================================
@@ -231,15 +253,20 @@ def all_to_all(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_d
     ========  ==========================================================
 
     Both dims are padded to ``ceil(size / n)`` pieces so every rank sends
-    ``n`` equal blocks. Backward: ``all_to_all`` from ``dst_dim`` back to
+    ``n`` equal blocks. ``rank`` is the mesh coordinate; ``order`` as
+    :func:`all_gather`. Backward: ``all_to_all`` from ``dst_dim`` back to
     ``src_dim``.
     """
     ci, cj = -(-src_size // n), -(-dst_size // n)
     x = _pad_to(_pad_to(x, src_dim, ci), dst_dim, n * cj)
     send = x.unflatten(dst_dim, (n, cj)).movedim(dst_dim, 0).contiguous()
+    if order is not None:  # group rank k gets the piece of the coordinate it holds
+        send = send.index_select(0, torch.tensor(_inverse(order), device=send.device))
     recv = torch.empty_like(send)
     if send.numel():
         dist.all_to_all_single(recv, send, group=group)
+    if order is not None:  # block k came from group rank k: put it at that rank's coordinate
+        recv = recv.index_select(0, torch.tensor(order, device=recv.device))
     # recv[k] is rank k's block: its piece of src_dim, this rank's piece of dst_dim.
     out = recv.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
     out = out.narrow(src_dim, 0, src_size)
@@ -248,10 +275,11 @@ def all_to_all(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_d
 
 
 def all_to_all_via_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_dim: int,
-                          dst_dim: int, src_size: int, dst_size: int) -> torch.Tensor:
+                          dst_dim: int, src_size: int, dst_size: int,
+                          order: Sequence[int] | None = None) -> torch.Tensor:
     """``S(src_dim) -> S(dst_dim)`` for a backend without ``all_to_all``: gather, then the local piece."""
     del dst_size
-    full = all_gather(x, group=group, n=n, dim=src_dim, size=src_size)
+    full = all_gather(x, group=group, n=n, dim=src_dim, size=src_size, order=order)
     return chunk(full, n=n, rank=rank, dim=dst_dim)
 
 

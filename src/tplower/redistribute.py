@@ -34,13 +34,15 @@ log = logging.getLogger("tplower")
 
 
 def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
-              force_all_reduce_shard: bool = False) -> C.BoundStep:
+              force_all_reduce_shard: bool = False, order: tuple[int, ...] | None = None) -> C.BoundStep:
     """The collective function that carries ``step`` on ``group``, arguments bound.
 
     The remap for a backend without a native collective is chosen here,
     once, from ``caps``: ``reduce_scatter`` becomes ``all_reduce`` + chunk,
     ``all_to_all`` becomes ``all_gather`` + chunk, ``avg`` becomes sum + divide.
-    ``group`` may be ``None`` only for steps that do not communicate.
+    ``order[c]`` is the group rank of mesh coordinate ``c`` when the group
+    orders its ranks unlike the mesh (``None`` when they agree). ``group``
+    may be ``None`` only for steps that do not communicate.
     """
     n, r, ls, d = step.group_size, step.rank, step.logical_shape, step.tensor_dim
     op = step.reduce_op or "sum"
@@ -57,21 +59,23 @@ def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
     native_avg = "avg" in caps.all_reduce_ops
     if kind == "all_gather":
         assert d is not None
-        return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d])
+        return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d], order=order)
     if kind == "all_reduce":
         return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops)
     if kind == "reduce_scatter":
         assert d is not None
         if not force_all_reduce_shard and op in caps.reduce_scatter_ops:
-            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op)
+            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, order=order)
         if not force_all_reduce_shard and op == "avg" and "sum" in caps.reduce_scatter_ops:
-            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, native_avg=False)
+            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, native_avg=False,
+                                     order=order)
         return functools.partial(C.all_reduce_chunk, group=group, n=n, rank=r, dim=d, op=op, native_avg=native_avg)
     if kind == "all_to_all":
         j = step.dst_dim
         assert d is not None and j is not None
         fn = C.all_to_all if caps.all_to_all else C.all_to_all_via_gather
-        return functools.partial(fn, group=group, n=n, rank=r, src_dim=d, dst_dim=j, src_size=ls[d], dst_size=ls[j])
+        return functools.partial(fn, group=group, n=n, rank=r, src_dim=d, dst_dim=j, src_size=ls[d], dst_size=ls[j],
+                                 order=order)
     raise AssertionError(f"unknown step kind {kind!r}")
 
 
@@ -126,8 +130,11 @@ class MeshLowerer:
         shape: ranks per axis.
         coord: this rank's mesh coordinate.
         groups: the process group of each axis.
-        ordered: per axis, whether the group's rank order equals the mesh's
-            order along that axis (a permuted axis is never lowered).
+        orders: per axis, ``None`` when the group orders its ranks as the
+            mesh does along that axis, else ``order[c]`` = the group rank of
+            mesh coordinate ``c``: collectives then put pieces in mesh order,
+            so results follow the mesh coordinates (as DTensor's placements
+            mean) whatever order the group was built in.
     """
 
     def __init__(self, mesh: DeviceMesh) -> None:
@@ -139,14 +146,25 @@ class MeshLowerer:
         self.shape: tuple[int, ...] = tuple(mesh.shape)
         self.coord: tuple[int, ...] = tuple(coord)
         self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
-        self.ordered: tuple[bool, ...] = tuple(self._axis_ordered(i) for i in range(mesh.ndim))
+        self.orders: tuple[tuple[int, ...] | None, ...] = tuple(self._axis_order(i) for i in range(mesh.ndim))
         self._cache: dict[Hashable, Program] = {}
 
-    def _axis_ordered(self, axis: int) -> bool:
-        index = list(self.coord)
-        index[axis] = slice(None)  # type: ignore[call-overload]
+    @property
+    def ordered(self) -> tuple[bool, ...]:
+        """Per axis, whether its process group orders ranks as the mesh does."""
+        return tuple(o is None for o in self.orders)
+
+    def _axis_order(self, axis: int) -> tuple[int, ...] | None:
+        index: list[int | slice] = list(self.coord)
+        index[axis] = slice(None)
         mesh_ranks = self.mesh.mesh[tuple(index)].tolist()
-        return bool(mesh_ranks == dist.get_process_group_ranks(self.groups[axis]))
+        group_ranks = dist.get_process_group_ranks(self.groups[axis])
+        if sorted(mesh_ranks) != sorted(group_ranks):
+            raise TPLowerError(f"mesh axis {self.names[axis]!r} holds ranks {mesh_ranks} but its process group "
+                               f"holds {group_ranks}")
+        if mesh_ranks == group_ranks:
+            return None
+        return tuple(group_ranks.index(r) for r in mesh_ranks)
 
     def parse(self, spec: PlacementsLike, tensor_ndim: int, arg: str) -> tuple[Placement, ...]:
         """Placements of this mesh from any accepted form, shard dims normalised."""
@@ -190,8 +208,8 @@ class MeshLowerer:
                 f"{dict(zip(self.names, self.shape, strict=True))} gives {plan.in_shape} at coordinate {self.coord}; "
                 "pass global_shape= for uneven shards")
         caps = [C.backend_caps(C.backend_name_for(g, device_type)) for g in self.groups]
-        fwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis]) for s in plan.forward)
-        bwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis]) for s in plan.backward)
+        fwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.forward)
+        bwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.backward)
         return Program(plan, fwd, bwd)
 
     def _fallback_reason(self, src: Sequence[Placement], dst: Sequence[Placement],
@@ -202,11 +220,6 @@ class MeshLowerer:
                     return f"Partial({p.reduce_op!r}) is not lowered"
                 if type(p).__name__ not in ("Shard", "Replicate", "Partial"):
                     return f"placement {p!r} is not lowered"
-        for axis, ok in enumerate(self.ordered):
-            moves = src[axis] != dst[axis] or grad[axis] != replicate_partials(src)[axis]
-            if not ok and moves and self.shape[axis] > 1:
-                return (f"axis {self.names[axis]!r}: its process group orders ranks "
-                        f"{dist.get_process_group_ranks(self.groups[axis])} unlike the mesh")
         return None
 
     def _dtensor(self, local: torch.Tensor, *, src: tuple[Placement, ...], dst: tuple[Placement, ...],
@@ -261,8 +274,9 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
 
     Lowered to direct collectives when :mod:`tplower.transitions` can plan
     it; otherwise (placements other than Shard/Replicate/Partial of
-    sum/avg/max/min, or a mesh axis whose group orders ranks unlike the
-    mesh) DTensor's ``redistribute`` runs it, forward and backward.
+    sum/avg/max/min) DTensor's ``redistribute`` runs it, forward and
+    backward. Shards follow mesh coordinates even where an axis's process
+    group orders its ranks differently (DTensor gets uneven shards wrong there).
     """
     prog = mesh_lowerer(mesh).program(src, dst, local.shape, local.device.type, grad=grad,
                                       global_shape=global_shape)
