@@ -228,6 +228,41 @@ def test_missing_inputs_pass_and_bad_output_index_names_module() -> None:
         assert len(msgs) == 1 and "module ''" in msgs[0] and "index 3" in msgs[0]
 
 
+
+def _scaled_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A local-compute injection: this rank's columns of ``2 * linear(x)``."""
+    return 2 * F.linear(x, module.weight, module.bias)
+
+
+def _mesh2d_body(rank: int, world: int) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_coordinate()
+    ref = _make(MLP)
+    # The root gathers the dp-sharded batch (a non-tp axis: DTensor runs it); up/down lower on tp.
+    plan = {"": {"in_src": {"x": {"dp": "S(0)"}}, "in_dst": {"x": {"dp": "R"}}}, **PLANS["mlp"]}
+    model = parallelize(copy.deepcopy(ref), mesh, plan)
+    x, g = _seeded(1, 2 * B, T, D), _seeded(2, 2 * B, T, D)
+    want_out, want_dx = _run(ref, x, g)
+    out, dx = _run(model, x.chunk(2, 0)[dp], g)
+    torch.testing.assert_close(out, want_out, **TOL)
+    torch.testing.assert_close(dx, want_dx.chunk(2, 0)[dp], **TOL)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, _shard(ref_params[name].grad, name, world // 2, tp), **TOL)
+    lin = _make(MLP).up
+    region = parallelize(copy.deepcopy(lin), mesh, {"": {"style": "colwise_rep",
+                                                         "local_compute": "test_parallelize:_scaled_linear"}})
+    torch.testing.assert_close(region(x), 2 * lin(x).detach(), **TOL)
+    infos = {"root": installed_boundary(model), "up": installed_boundary(model.up),
+             "region": installed_boundary(region)}
+    return {k: f"{v.form.form}/{v.mode}" for k, v in infos.items() if v is not None}
+
+
+def test_dp_tp_mesh_generic_root_and_region_threaded_world4() -> None:
+    for forms in run_threaded(4, _mesh2d_body):
+        assert forms == {"root": "generic/dtensor", "up": "tp_collective/lowered", "region": "region/lowered"}
+
+
 # ---- transformers models, parallelized by their own plan vocabulary ------------------------------------
 HF_SHARD_DIMS = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "gate_proj.weight": 0,
                  "up_proj.weight": 0, "o_proj.weight": 1, "down_proj.weight": 1, "query.weight": 0, "query.bias": 0,
