@@ -13,6 +13,16 @@
   a boundary that moves the declared inputs, runs the local compute, moves
   the declared outputs and adds a deferred bias.
 
+Attention head counts: with colwise q/k/v each rank holds ``heads / tp``
+heads. A module that reshapes by a stored head count needs its entry to
+make it local, e.g. ``local_attrs: {num_attention_heads: divide,
+all_head_size: divide}`` on ``encoder.layer.*.attention.self`` for BERT of
+older transformers releases (its ``transpose_for_scores``); Llama and BERT
+of recent releases (checked on 5.24) reshape with ``-1`` heads and need none.
+
+Activations' sharded dims must divide evenly over their axes (the global
+shape is inferred as ``n * local``), as must every sharded parameter dim.
+
 Run modes: a ``tp_collective`` or ``region`` boundary runs the bound
 programs of :class:`tplower.MeshLowerer` (direct collectives, no DTensor);
 a ``generic`` one runs DTensor's ``redistribute``. Install re-validates a
@@ -64,7 +74,7 @@ def _kind(module: nn.Module) -> str:
 
 @dataclass(frozen=True)
 class _Move:
-    slot: int | str  # input: position or keyword; output: index
+    slot: int  # input: position (-1: keyword only); output: index
     keyword: str | None
     name: str
     src: Placements
@@ -124,7 +134,7 @@ class _Boundary:
         for mv in self.ins:
             if mv.keyword is not None and mv.keyword in kwargs:
                 kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
-            elif isinstance(mv.slot, int) and mv.slot < len(args_l):
+            elif 0 <= mv.slot < len(args_l):
                 args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
         bias_name = self.info.deferred_bias
         if bias_name is None:
@@ -142,7 +152,6 @@ class _Boundary:
         is_seq = isinstance(out, tuple | list)
         items = list(out) if is_seq else [out]
         for mv in self.outs:
-            assert isinstance(mv.slot, int)
             if mv.slot >= len(items):
                 raise TPLowerError(f"module {self.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
                                    f"returned {len(items)} value(s)")
@@ -154,27 +163,26 @@ class _Boundary:
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+               inspect.Parameter.VAR_POSITIONAL)
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str) -> tuple[_Move, ...]:
-    params = [p for p in inspect.signature(fwd).parameters.values() if p.kind != p.VAR_KEYWORD]
-    has_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fwd).parameters.values())
+    sig = list(inspect.signature(fwd).parameters.values())
+    named = [p for p in sig if p.kind != p.VAR_KEYWORD]
     moves = []
-    for op in ops:
-        if op.identity:
-            continue
+    for op in (o for o in ops if not o.identity):
         if op.name.isdigit():
-            i = int(op.name)
-            if i >= len(params):
-                raise TPLowerError(f"plan[{module!r}].in: input {op.name!r} is past forward's {len(params)} params")
-            p = params[i]
+            p = named[int(op.name)] if int(op.name) < len(named) else None
         else:
-            p = next((q for q in params if q.name == op.name), None)  # type: ignore[assignment]
-            if p is None and not has_kwargs:
-                raise TPLowerError(f"plan[{module!r}].in: forward has no input {op.name!r}; it has "
-                                   f"{[q.name for q in params]} (or positions '0', '1', ...)")
-        pos = params.index(p) if p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
-                                                                p.VAR_POSITIONAL) else None
-        kw = op.name if p is None else (p.name if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) else None)
-        moves.append(_Move(pos if pos is not None else -1, kw, op.name, op.src, op.dst, op.grad))
+            p = next((q for q in named if q.name == op.name), None)
+        if p is None and (op.name.isdigit() or len(named) == len(sig)):  # no **kwargs to catch the name
+            raise TPLowerError(f"plan[{module!r}].in: forward has no input {op.name!r}; it has "
+                               f"{[q.name for q in named]} (or positions '0', '1', ...)")
+        pos = named.index(p) if p is not None and p.kind in _POSITIONAL else -1
+        kw = op.name if p is None else (p.name if p.kind in _KEYWORD else None)
+        moves.append(_Move(pos, kw, op.name, op.src, op.dst, op.grad))
     return tuple(moves)
 
 
