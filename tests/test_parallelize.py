@@ -134,6 +134,7 @@ def _check_case(label: str, make: type[nn.Module], sp: bool, mesh: DeviceMesh, r
         assert not isinstance(p, DTensor) and p.grad is not None, name
         want = _shard(ref_params[name].grad, name, world, rank)
         assert p.shape == want.shape, (label, name, p.shape, want.shape)
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), f"{name} keeps a full copy"
         torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
     return model
 
