@@ -46,13 +46,13 @@ def check(results, counts, label):
 def test_world2_gloo_processes(conformance_counts):
     cases = cases_1d(2) + extra_dtype_cases(2)
     summary = check(run_processes(2, check_cases, cases), conformance_counts, "1-D world 2, gloo processes")
-    assert summary["cases"] == len(cases) and summary["fallback"] == 0
+    assert summary["cases"] == len(cases) and summary["dtensor_fallback"] == 0
 
 
 def test_world4_threaded(conformance_counts):
     cases = cases_1d(4) + extra_dtype_cases(4)
     summary = check(run_threaded(4, check_cases, cases), conformance_counts, "1-D world 4, threaded group")
-    assert summary["cases"] == len(cases) and summary["fallback"] == 0
+    assert summary["cases"] == len(cases) and summary["dtensor_fallback"] == 0
 
 
 def test_world4_gloo_processes_few(conformance_counts):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from tplower import TPLowerError, classify_axis, plan_steps, plan_transition
-from tplower.transitions import chunk_size_and_offset, global_shape_from_local, local_shape
+from tplower.transitions import KINDS, chunk_size_and_offset, global_shape_from_local, local_shape
 
 R, P = Replicate(), Partial("sum")
 
@@ -126,3 +128,21 @@ def test_local_chunks_run_before_collectives_on_other_dims():
     # the same tensor dim: nesting decides, nothing moves
     steps = plan_steps((R, Shard(0)), (Shard(0), R), (8, 8), (2, 4), (0, 0))
     assert [(s.axis, s.kind) for s in steps] == [(1, "all_gather"), (0, "chunk")]
+
+
+_ANY_PLACEMENT = st.one_of(st.just(R), st.integers(-4, 4).map(Shard),
+                           st.sampled_from(["sum", "avg", "max", "min", "product"]).map(Partial))
+
+
+@given(st.integers(1, 3).flatmap(lambda k: st.tuples(
+    st.lists(_ANY_PLACEMENT, min_size=k, max_size=k), st.lists(_ANY_PLACEMENT, min_size=k, max_size=k),
+    st.lists(st.integers(1, 4), min_size=k, max_size=k))), st.lists(st.integers(0, 7), min_size=1, max_size=3))
+def test_planner_plans_or_raises_documented_error(placements, shape):
+    src, dst, mesh_shape = placements
+    try:
+        plan = plan_transition(src, dst, shape, mesh_shape, [0] * len(mesh_shape))
+    except TPLowerError:
+        return
+    assert plan.out_shape == local_shape(shape, dst, mesh_shape, [0] * len(mesh_shape))
+    for step in plan.forward + plan.backward:
+        assert step.kind in KINDS and step.send_elems >= 0

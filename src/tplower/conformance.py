@@ -277,14 +277,22 @@ def one_axis_cases(mesh_shape: Sequence[int], axis: int, placements: Iterable[st
 
 
 def summarize(results: Sequence[Sequence[CaseResult]]) -> dict[str, int]:
-    """Counts over all ranks' results: one case counts once, failing if any rank failed."""
-    counts: dict[str, int] = {"cases": 0, "lowered": 0, "fallback": 0}
+    """Counts over all ranks' results: one case counts once, failing if any rank failed.
+
+    ``lowered``: tplower ran its own collectives; ``dtensor_fallback``: it
+    handed the case to DTensor; ``refused``: both refused the pair; plus one
+    count per status.
+    """
+    counts: dict[str, int] = {"cases": 0, "lowered": 0, "dtensor_fallback": 0, "refused": 0}
     for per_rank in zip(*results, strict=True):
         counts["cases"] += 1
         bad = [r for r in per_rank if not r.ok]
         status = bad[0].status if bad else per_rank[0].status
         counts[status] = counts.get(status, 0) + 1
-        counts["lowered" if all(r.lowered for r in per_rank) else "fallback"] += 1
+        if status == "both_raise":
+            counts["refused"] += 1
+        else:
+            counts["lowered" if all(r.lowered for r in per_rank) else "dtensor_fallback"] += 1
     return counts
 
 

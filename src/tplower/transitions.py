@@ -363,13 +363,23 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement], global_s
         global_shape, mesh_shape, coord: as :func:`plan_steps`.
 
     Raises:
-        TPLowerError: an unlowerable pair, or a ``grad`` that shards other
+        TPLowerError: an unlowerable pair, a shard dim outside ``global_shape``,
+            a placement count unlike the mesh's, or a ``grad`` that shards other
             dims than the output (the gradient must have the output's local
             shape on every rank).
     """
     src, dst = tuple(src), tuple(dst)
     grad = replicate_partials(dst) if grad is None else tuple(grad)
     gshape = tuple(global_shape)
+    for name, ps in (("src", src), ("dst", dst), ("grad", grad)):
+        if len(ps) != len(mesh_shape):
+            raise TPLowerError(f"{name}={format_placements(ps)!r} has {len(ps)} placements for a "
+                               f"{len(mesh_shape)}-axis mesh")
+        for p in ps:
+            if isinstance(p, Shard) and not 0 <= p.dim < len(gshape):
+                raise TPLowerError(f"{name}={format_placements(ps)!r}: shard dim {p.dim} is not in "
+                                   f"0..{len(gshape) - 1} for global shape {gshape} (normalise negative dims "
+                                   "with parse_placements(tensor_ndim=...))")
     if len(grad) != len(dst) or replicate_partials(grad) != replicate_partials(dst):
         raise TPLowerError(
             f"grad={format_placements(grad)!r} does not fit the output {format_placements(dst)!r}: on every "
