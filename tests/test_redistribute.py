@@ -65,8 +65,12 @@ def _errors_body(rank, world):
         with pytest.raises(TPLowerError) as info:
             redistribute_local(x, mesh, "S(0)", "R", **kwargs)
         messages.append(str(info.value))
+    mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))
     with pytest.raises(TPLowerError) as info:
-        redistribute_local(x, mesh, "P(sum)", "R", grad="P(max)")
+        redistribute_local(x, mesh2, "P(sum),P(max)", "R,R")
+    messages.append(str(info.value))
+    with pytest.raises(TPLowerError) as info:
+        redistribute_local(x, mesh, "S(0),R", "R")
     messages.append(str(info.value))
     with pytest.raises(TPLowerError) as info:
         redistribute_local(x, mesh, "P(sum)", "P(max)")
@@ -82,8 +86,9 @@ def test_errors_name_the_argument_and_value():
     assert "local tensor has shape (4, 3)" in msgs[0] and "gives (10, 3)" in msgs[0]
     assert "global_shape=(8,) has 1 dims" in msgs[1]
     assert "mixes Partial reduce ops" in msgs[2]
-    assert "cannot change its reduce op" in msgs[3]
-    assert "does not fit the output" in msgs[4]
+    assert "cannot change its reduce op" in msgs[4]
+    assert "does not fit the output" in msgs[5]
+    assert "'S(0),R' has 2 placement(s) but the mesh has 1 axis" in msgs[3]
 
 
 def _alias_body(rank, world):
