@@ -15,6 +15,7 @@ import copy
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -158,7 +159,7 @@ def _torch_oracle(mesh: DeviceMesh, world: int, ours: nn.Module) -> None:
         torch.testing.assert_close(p.grad, local, **TOL, msg=lambda m, n=name: f"torch oracle {n}: {m}")
 
 
-def _parity_body(rank: int, world: int, guard: bool) -> dict[str, str]:
+def _parity_body(rank: int, world: int, guard: bool) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     forms = {}
     for label, make, sp in CASES:
@@ -167,17 +168,22 @@ def _parity_body(rank: int, world: int, guard: bool) -> dict[str, str]:
             _torch_oracle(mesh, world, model)
         info = installed_boundary(model.mlp.down if label.startswith("block") else model.down)
         forms[label] = f"{info.form.form}/{info.mode}" if info else "none"
-    return forms
+    if guard:  # one spawn for both checks: real processes, where warnings can be caught per rank
+        return {"forms": forms, "permuted": _permuted_body(rank, world)}
+    return {"forms": forms}
 
 
-def test_parity_gloo_world2() -> None:
-    for forms in run_processes(2, _parity_body, True):
-        assert set(forms.values()) == {"tp_collective/lowered"}
+def test_parity_gloo_world2_and_live_mesh_disagreement_runs_dtensor_with_a_warning() -> None:
+    for res in run_processes(2, _parity_body, True):
+        assert set(res["forms"].values()) == {"tp_collective/lowered"}
+        reason, caught = res["permuted"]
+        assert reason is not None and "orders ranks" in reason
+        assert any("'down'" in m and "DTensor" in m for m in caught), caught
 
 
 def test_parity_threaded_world4() -> None:
-    for forms in run_threaded(4, _parity_body, False):
-        assert set(forms.values()) == {"tp_collective/lowered"}
+    for res in run_threaded(4, _parity_body, False):
+        assert set(res["forms"].values()) == {"tp_collective/lowered"}
 
 
 def _permuted_body(rank: int, world: int) -> tuple[str | None, list[str]]:
@@ -191,12 +197,6 @@ def _permuted_body(rank: int, world: int) -> tuple[str | None, list[str]]:
     info = installed_boundary(model.down)
     assert info is not None and info.mode == "dtensor"
     return info.reason, [str(w.message) for w in caught]
-
-
-def test_live_mesh_disagreement_runs_dtensor_with_a_warning() -> None:
-    for reason, caught in run_processes(2, _permuted_body):
-        assert reason is not None and "orders ranks" in reason
-        assert any("'down'" in m and "DTensor" in m for m in caught), caught
 
 
 class _TwoOut(nn.Module):
