@@ -1,11 +1,11 @@
 """parallelize: a two-layer MLP and a transformer block, sharded by a plan, against two oracles.
 
 Oracle 1: the same model on one process (outputs, input gradient, and each
-parameter gradient cut to this rank's shard). Oracle 2: the same block
-sharded by PyTorch's own ``parallelize_module`` (ColwiseParallel /
-RowwiseParallel on DTensor). Each checks the plain TP plan and a
-sequence-parallel plan, on real gloo at world 2 and the threaded group at
-world 4.
+parameter gradient cut to this rank's shard), for the plain TP plan and a
+sequence-parallel plan. Oracle 2: the same block sharded by PyTorch's own
+``parallelize_module`` (ColwiseParallel / RowwiseParallel on DTensor), for
+the plain TP plan. Both on real gloo at world 2 and the threaded group at
+world 4; tiny transformers Llama and BERT models at world 2.
 """
 
 from __future__ import annotations
