@@ -26,9 +26,12 @@ shape is inferred as ``n * local``), as must every sharded parameter dim.
 Run modes: a ``tp_collective`` or ``region`` boundary runs the bound
 programs of :class:`tplower.MeshLowerer` (direct collectives, no DTensor);
 a ``generic`` one runs DTensor's ``redistribute``. Install re-validates a
-lowerable boundary against the live mesh (rank order of each moved axis,
-a backend tplower knows); where it disagrees, the boundary runs generic and
-a warning names the module and the reason.
+lowerable boundary against the live mesh: every axis the plan names must be
+in it (else :class:`~tplower.TPLowerError`), and each moved axis must run on
+a backend tplower knows; where it does not, the boundary runs generic and a
+warning names the module and the reason. An axis whose process group orders
+its ranks unlike the mesh is lowered too: the lowerer puts pieces in
+mesh-coordinate order (DTensor there is wrong for uneven shards).
 """
 
 from __future__ import annotations
@@ -277,9 +280,6 @@ def _deferred_bias(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm, 
 def _live_reason(lowerer: MeshLowerer, form: BoundaryForm) -> str | None:
     for op in form.inputs + form.outputs:
         for i in sorted(set(_axes_moved(op))):
-            if lowerer.shape[i] > 1 and not lowerer.ordered[i]:
-                return (f"axis {lowerer.names[i]!r}: its process group orders ranks "
-                        f"{dist.get_process_group_ranks(lowerer.groups[i])} unlike the mesh")
             backend = C.backend_for_device(str(dist.get_backend(lowerer.groups[i])), lowerer.mesh.device_type)
             if not C.backend_caps(backend).all_to_all:  # the safe minimum: a backend tplower does not know
                 return f"axis {lowerer.names[i]!r}: backend {backend!r} is unknown to tplower"
@@ -355,7 +355,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
 
     Warns:
         UserWarning: per module whose boundary runs on DTensor because the
-        live mesh disagrees with the plan (rank order, backend).
+        live mesh runs a moved axis on a backend tplower does not know.
     """
     plan = load_plan(plan)
     lowerer = mesh_lowerer(mesh)
