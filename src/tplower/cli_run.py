@@ -65,6 +65,9 @@ def main(args: argparse.Namespace) -> int:
     """Run; exit code 0 when every difference from one process is within the tolerance, 1 otherwise, 2 on error."""
     try:
         cfg = _config(args)
+        if cfg.progress and torchrun_env() is None:
+            print(f"tplower run: {cfg.model}, checking the plan, then starting {cfg.world} processes ...",
+                  file=sys.stderr, flush=True)
         report = run(cfg)
     except TPLowerError as exc:
         print(f"tplower run: error: {exc}", file=sys.stderr)
