@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("tplower.cli_run", "parallelize a real model on N processes and check it matches one process"),
 }
 #: the subcommand ``tplower`` runs without one
-DEFAULT = "demo"
+DEFAULT = "run"
 
 
 def build_parser() -> argparse.ArgumentParser:
