@@ -26,6 +26,7 @@ from tplower.models import (
     check_tp,
     load_model,
     make_batch,
+    read_sentences,
     sentences,
     skeleton,
     training_loss,
@@ -161,3 +162,19 @@ def test_explain_failure_picks_the_cause(failures: dict[int, str], expected: str
 
 def test_run_error_is_a_value_error() -> None:
     assert issubclass(RunError, ValueError)
+
+
+def test_input_file_sentences(tmp_path: Path) -> None:
+    f = tmp_path / "in.txt"
+    f.write_text("First sentence.\n\n  Second one.  \nThird\n", encoding="utf-8")
+    assert read_sentences(f) == ["First sentence.", "Second one.", "Third"]
+    f.write_text("only one\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--input .* has 1 sentence\(s\); give at least 2"):
+        read_sentences(f)
+    with pytest.raises(ValueError, match=r"--input .* cannot be read"):
+        read_sentences(tmp_path / "missing.txt")
+
+
+def test_built_in_sentences_pair_up() -> None:
+    texts = sentences()
+    assert len(texts) == 40 and len(set(texts)) == 40

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backend of spawned processes (default gloo; torchrun picks NCCL on GPUs)")
     parser.add_argument("--json", metavar="FILE", help="also write the full report to FILE as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--kill-rank", type=int, default=-1, help=argparse.SUPPRESS)  # debug: a rank that dies
+    parser.add_argument("--kill-rank", type=int, default=-1, metavar="R",
+                        help="debug: rank R exits abruptly after loading, to see how a dying rank is reported")
 
 
 def _config(args: argparse.Namespace) -> RunConfig:

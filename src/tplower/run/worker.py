@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from ..conformance import quiet_dtensor_logs
 from ..models import load_model, make_batch, model_output, model_spec, training_loss
@@ -47,7 +48,10 @@ class _Progress:
     def __init__(self, enabled: bool, total: int) -> None:
         self.bar: Any = None
         if enabled:
-            tqdm: Any = importlib.import_module("tqdm").tqdm
+            try:
+                tqdm: Any = importlib.import_module("tqdm").tqdm
+            except ImportError:  # the bar is a courtesy: without tqdm the run goes on silently
+                return
             self.bar = tqdm(total=total, file=sys.stderr, leave=False, unit="step", dynamic_ncols=True)
 
     def __call__(self, what: str, n: int = 1) -> None:
@@ -71,7 +75,7 @@ def _dp_average_grads(model: nn.Module, mesh: DeviceMesh) -> None:
     group, n = mesh.get_group("dp"), mesh["dp"].size()
     for p in model.parameters():
         if p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             dist.all_reduce(g, group=group)
             g.div_(n)
 
