@@ -14,6 +14,7 @@ quiet_dtensor_logs()
 import pytest  # noqa: E402
 
 _COUNTS: dict[str, dict[str, int]] = {}
+_RELIABILITY: dict[str, object] = {}
 
 
 @pytest.fixture
@@ -22,7 +23,17 @@ def conformance_counts() -> dict[str, dict[str, int]]:
     return _COUNTS
 
 
+@pytest.fixture
+def reliability_report() -> dict[str, object]:
+    """Where reliability tests leave their figures for the end-of-run summary."""
+    return _RELIABILITY
+
+
 def pytest_terminal_summary(terminalreporter):  # type: ignore[no-untyped-def]
+    if _RELIABILITY:
+        terminalreporter.section("tplower reliability")
+        for label, value in _RELIABILITY.items():
+            terminalreporter.write_line(f"{label}: {value}")
     if not _COUNTS:
         return
     terminalreporter.section("tplower conformance against DTensor")

@@ -41,6 +41,7 @@ __all__ = [
     "make_mesh",
     "one_axis_cases",
     "quiet_dtensor_logs",
+    "random_cases",
     "summarize",
 ]
 
@@ -220,11 +221,12 @@ def check_case(case: Case, mesh: DeviceMesh) -> CaseResult:
     return CaseResult(case, "match_semantic", lowered, f"DTensor: {type(ref_err).__name__}: {ref_err}")
 
 
-def check_cases(rank: int, world_size: int, cases: Sequence[Case]) -> list[CaseResult]:
-    """Rank body for the harnesses: check every case, one mesh per mesh shape."""
+def check_cases(rank: int, world_size: int, cases: Sequence[Case],
+                meshes: dict[tuple[int, ...], DeviceMesh] | None = None) -> list[CaseResult]:
+    """Rank body for the harnesses: check every case, one mesh per mesh shape (kept in ``meshes``)."""
     del rank
     quiet_dtensor_logs()
-    meshes: dict[tuple[int, ...], DeviceMesh] = {}
+    meshes = {} if meshes is None else meshes
     results = []
     for case in cases:
         size = 1
@@ -301,3 +303,26 @@ def failures(results: Sequence[Sequence[CaseResult]]) -> list[str]:
     return [f"rank {rank}: {r.case.id}: {r.status}: {r.detail[:300]}"
             for rank, per_rank in enumerate(results) for r in per_rank if not r.ok]
 
+
+
+def random_cases(seed: int, count: int, mesh_shape: Sequence[int],
+                 dtypes: Sequence[str] = ("float32", "float64", "bfloat16")) -> list[Case]:
+    """``count`` random cases on ``mesh_shape`` from a fixed ``seed``: placements, shapes (dims 0..9), grads, dtypes.
+
+    One reduce op per case (mixing is refused by DTensor and tplower alike).
+    """
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.randint(0, 9) for _ in range(ndim))
+        op = rng.choice(("sum", "avg", "max", "min"))
+        choices = ["R", "P(" + op + ")"] + [f"S({d})" for d in range(-ndim, ndim)]
+        src = [rng.choice(choices) for _ in mesh_shape]
+        dst = [rng.choice(choices) for _ in mesh_shape]
+        grad = rng.choice(grads_for(dst))
+        out.append(Case(tuple(mesh_shape), shape, ",".join(src), ",".join(dst), grad, rng.choice(list(dtypes)),
+                        contiguous=rng.random() < 0.8))
+    return out

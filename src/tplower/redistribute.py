@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives as C
+from .agreement import check_agreement, debug_enabled
 from .errors import TPLowerError
 from .placements import REDUCE_OPS, PlacementsLike, format_placements, parse_placements, replicate_partials
 from .transitions import Step, TransitionPlan, global_shape_from_local, plan_transition
@@ -87,12 +88,14 @@ class Program:
         plan: the pure plan (``None`` when falling back).
         forward, backward: bound steps.
         fallback_reason: why DTensor runs this transition, or ``None``.
+        global_shape: the global shape given or inferred.
     """
 
     plan: TransitionPlan | None
     forward: tuple[C.BoundStep, ...]
     backward: tuple[C.BoundStep, ...]
     fallback_reason: str | None = None
+    global_shape: tuple[int, ...] | None = None
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Run forward; differentiable through :class:`~tplower.collectives.LoweredTransition`."""
@@ -110,6 +113,13 @@ def _key(spec: Any) -> Hashable:
     if isinstance(spec, dict):
         return ("map", tuple(spec.items()))
     return tuple(spec)
+
+
+def _describe(spec: PlacementsLike, names: Sequence[str]) -> str:
+    try:
+        return format_placements(parse_placements(spec, names))
+    except (TPLowerError, TypeError):
+        return repr(spec)
 
 
 def _check_partials(ps: Sequence[Placement], arg: str) -> None:
@@ -148,6 +158,9 @@ class MeshLowerer:
         self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
         self.orders: tuple[tuple[int, ...] | None, ...] = tuple(self._axis_order(i) for i in range(mesh.ndim))
         self._cache: dict[Hashable, Program] = {}
+        self._flat_group: ProcessGroup | None = None
+        #: run the debug check on every call (``TPLOWER_DEBUG=1`` when the lowerer was made)
+        self.debug: bool = debug_enabled()
 
     @property
     def ordered(self) -> tuple[bool, ...]:
@@ -200,7 +213,7 @@ class MeshLowerer:
             log.debug("tplower: %s -> %s falls back to DTensor: %s", format_placements(src),
                       format_placements(dst), reason)
             return Program(None, (functools.partial(self._dtensor, src=src, dst=dst, grad=grad, gshape=gshape),),
-                           (), reason)
+                           (), reason, gshape)
         plan = plan_transition(src, dst, gshape, self.shape, self.coord, grad)
         if plan.in_shape != lshape:
             raise TPLowerError(
@@ -210,7 +223,37 @@ class MeshLowerer:
         caps = [C.backend_caps(C.backend_name_for(g, device_type)) for g in self.groups]
         fwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.forward)
         bwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.backward)
-        return Program(plan, fwd, bwd)
+        return Program(plan, fwd, bwd, None, gshape)
+
+    def checked(self, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
+                grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """:func:`redistribute_local` after the debug check (:mod:`tplower.agreement`); collective.
+
+        Raises:
+            TPLowerError: on every rank alike when the ranks' calls disagree
+                or any rank's call is invalid.
+        """
+        prog, error = None, None
+        try:
+            prog = self.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
+        except (TPLowerError, TypeError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        record = {"rank": dist.get_rank(), "src": _describe(src, self.names), "dst": _describe(dst, self.names),
+                  "grad": None if grad is None else _describe(grad, self.names), "dtype": str(local.dtype),
+                  "device": local.device.type, "error": error,
+                  "global_shape": prog.global_shape if prog is not None else global_shape}
+        check_agreement(record, self._debug_group())
+        assert prog is not None  # check_agreement raised otherwise
+        return prog(local)
+
+    def _debug_group(self) -> ProcessGroup | None:
+        if self.mesh.mesh.numel() == dist.get_world_size():
+            return None
+        if self.mesh.ndim == 1:
+            return self.groups[0]
+        if self._flat_group is None:
+            self._flat_group = self.mesh._flatten().get_group()
+        return self._flat_group
 
     def _fallback_reason(self, src: Sequence[Placement], dst: Sequence[Placement],
                          grad: Sequence[Placement]) -> str | None:
@@ -242,8 +285,8 @@ def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
 
 
 def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLike, dst: PlacementsLike, *,
-                       grad: PlacementsLike | None = None,
-                       global_shape: Sequence[int] | None = None) -> torch.Tensor:
+                       grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
+                       check: bool | None = None) -> torch.Tensor:
     """Move this rank's local tensor from ``src`` to ``dst`` placements on ``mesh``.
 
     Args:
@@ -262,6 +305,10 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
         global_shape: logical shape of the whole tensor; needed when shards
             are uneven (``torch.chunk`` semantics). Without it every shard is
             assumed even and the global shape is inferred from ``local``.
+        check: run the debug check first (every rank describes its call, the
+            ranks compare, all raise alike on a difference; one extra
+            ``all_gather_object``); default ``TPLOWER_DEBUG=1``. Must be the
+            same on every rank.
 
     Returns:
         The local tensor of ``dst``: a new tensor, except that an identity
@@ -270,7 +317,8 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     Raises:
         TPLowerError: bad placements, a pair with no correct lowering
             (``P(x) -> P(y)``), a ``grad`` that does not fit the output, or a
-            ``local`` whose shape does not match ``src`` and ``global_shape``.
+            ``local`` whose shape does not match ``src`` and ``global_shape``;
+            with ``check``, on every rank when any rank's call differs.
 
     Lowered to direct collectives when :mod:`tplower.transitions` can plan
     it; otherwise (placements other than Shard/Replicate/Partial of
@@ -278,6 +326,7 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     backward. Shards follow mesh coordinates even where an axis's process
     group orders its ranks differently (DTensor gets uneven shards wrong there).
     """
-    prog = mesh_lowerer(mesh).program(src, dst, local.shape, local.device.type, grad=grad,
-                                      global_shape=global_shape)
-    return prog(local)
+    lowerer = mesh_lowerer(mesh)
+    if check or (check is None and lowerer.debug):
+        return lowerer.checked(local, src, dst, grad=grad, global_shape=global_shape)
+    return lowerer.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)(local)

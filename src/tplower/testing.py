@@ -72,14 +72,16 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
 
 
 def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo",
-                  timeout: float = 300.0) -> list[Any]:
+                  timeout: float = 300.0, pg_timeout: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     Args:
         world_size: number of ranks (1 or more).
         fn: a module-level function (it must pickle).
         backend: ``gloo`` (CPU) or ``nccl``.
-        timeout: seconds for the whole run, and the process group's timeout.
+        timeout: seconds for the whole run.
+        pg_timeout: the process group's timeout in seconds (default ``timeout``):
+            a collective waiting longer raises in that rank.
 
     Returns:
         ``fn``'s return values, in rank order.
@@ -95,7 +97,7 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
     with tempfile.TemporaryDirectory(prefix="tplower-") as tmp, _env(OMP_NUM_THREADS="1"):
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_process_entry, daemon=True,
-                             args=(r, world_size, backend, init_file, timeout, results, fn, args))
+                             args=(r, world_size, backend, init_file, pg_timeout or timeout, results, fn, args))
                  for r in range(world_size)]
         for p in procs:
             p.start()

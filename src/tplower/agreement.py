@@ -1,0 +1,61 @@
+"""The debug check: ranks compare what they are about to do before any collective starts.
+
+Switched on by ``TPLOWER_DEBUG=1`` in the environment (read when a mesh's
+lowerer is made; set it alike on every rank) or per call with
+``redistribute_local(..., check=True)``. Each rank describes its call (its
+placements, dtype, device, global shape and any error it met while
+planning), the ranks exchange the descriptions with one
+``all_gather_object`` over the mesh, and if any field differs or any rank
+met an error, every rank raises the same :class:`~tplower.TPLowerError`
+naming the differing ranks. Without the check, a disagreement ends in the
+backend's own error or the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .errors import TPLowerError
+
+__all__ = ["AGREED_FIELDS", "check_agreement", "debug_enabled"]
+
+#: Fields every rank's description must share (local shapes may differ: uneven shards).
+AGREED_FIELDS: tuple[str, ...] = ("src", "dst", "grad", "dtype", "device", "global_shape")
+
+
+def debug_enabled() -> bool:
+    """Whether ``TPLOWER_DEBUG=1`` is set (the one environment switch tplower reads)."""
+    return os.environ.get("TPLOWER_DEBUG", "") == "1"
+
+
+def check_agreement(record: dict[str, Any], group: ProcessGroup | None) -> None:
+    """Exchange ``record`` over ``group``; raise on every rank if the ranks disagree.
+
+    Args:
+        record: this rank's description: ``rank``, the :data:`AGREED_FIELDS`
+            and ``error`` (a message, or ``None``).
+        group: the process group spanning the mesh (``None``: the default group).
+
+    Raises:
+        TPLowerError: on every rank alike, when any rank reported an error
+            or any agreed field differs; the message lists each differing
+            field with the ranks holding each value, then each rank's error.
+    """
+    size = dist.get_world_size(group)
+    records: list[Any] = [None] * size
+    dist.all_gather_object(records, record, group=group)
+    problems = []
+    for field in AGREED_FIELDS:
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for r in records:
+            by_value[repr(r[field])].append(r["rank"])
+        if len(by_value) > 1:
+            problems.append(f"{field} differs: " + "; ".join(f"{v} on ranks {rs}" for v, rs in by_value.items()))
+    problems += [f"rank {r['rank']}: {r['error']}" for r in records if r["error"]]
+    if problems:
+        raise TPLowerError("ranks disagree before the collective (debug check):\n  " + "\n  ".join(problems))
