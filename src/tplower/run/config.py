@@ -8,11 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from .. import plans
 from ..errors import TPLowerError
 from ..models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
 
-__all__ = ["RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
+__all__ = ["DTENSOR_STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
+
+#: HF styles the DTensor comparison maps to ``ColwiseParallel``/``RowwiseParallel``.
+DTENSOR_STYLES: tuple[str, ...] = ("colwise", "rowwise")
 
 class RunError(TPLowerError):
     """A run that cannot start or did not finish; the message says what to change."""
@@ -110,11 +115,27 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.pairs < cfg.dp:
         raise RunError(f"{len(cfg.texts)} sentences give {cfg.pairs} training pairs, fewer than --dp {cfg.dp}; "
                        "give more sentences (--input) or a smaller --dp")
+    plan = cfg.resolved_plan()
     try:
         check_tp(cfg.model, cfg.tp)
-        check_plan_modules(skeleton(cfg.model), cfg.resolved_plan())
+        model = skeleton(cfg.model)
+        check_plan_modules(model, plan)
+        _check_entries(model, plan)
     except TPLowerError as exc:
         raise RunError(str(exc)) from None
+
+
+def _check_entries(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Each entry resolves for the kind of module it governs, and has a DTensor counterpart to compare with."""
+    modules = dict(model.named_modules())
+    for qual, key in plans.match_plan(plan, modules).items():
+        m = modules[qual]
+        kind = "linear" if isinstance(m, nn.Linear) else "embedding" if isinstance(m, nn.Embedding) else "other"
+        plans.resolve_entry(plan[key], key, kind=kind)
+    for key, value in plan.items():
+        if not (value in DTENSOR_STYLES or (isinstance(value, Mapping) and set(value) == {"local_attrs"})):
+            raise RunError(f"plan entry {key!r}: {value!r} has no DTensor counterpart for the comparison; tplower "
+                           f"run compares plans of {', '.join(DTENSOR_STYLES)} entries (and local_attrs-only ones)")
 
 
 def texts_from(path: str | None) -> tuple[str, ...]:

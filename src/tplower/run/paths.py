@@ -28,7 +28,7 @@ from ..placements import format_placement
 from ..plans import PlanValue, match_plan, resolve_entry
 from ..redistribute import MeshLowerer, mesh_lowerer
 from ..transitions import global_shape_from_local, plan_transition
-from .config import RunError
+from .config import DTENSOR_STYLES, RunError
 
 __all__ = ["BoundaryLog", "BoundaryRecord", "gather_params", "parallelize_dtensor", "parallelize_tplower",
            "shard_dims"]
@@ -156,7 +156,7 @@ def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = dict(zip(DTENSOR_STYLES, (ColwiseParallel, RowwiseParallel), strict=True))
     dt_plan: dict[str, Any] = {}
     for key, value in plan.items():
         if isinstance(value, str) and value in styles:
