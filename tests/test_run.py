@@ -31,7 +31,7 @@ from tplower.models import (
     skeleton,
     training_loss,
 )
-from tplower.run import RunError
+from tplower.run import RunConfig, RunError, check_config
 from tplower.run.launch import explain_failure
 from tplower.testing import RankFailure
 
@@ -178,3 +178,17 @@ def test_input_file_sentences(tmp_path: Path) -> None:
 def test_built_in_sentences_pair_up() -> None:
     texts = sentences()
     assert len(texts) == 40 and len(set(texts)) == 40
+
+
+@pytest.mark.parametrize(("cfg", "message"), [
+    (RunConfig(plan={"encoder.layer.*.attention.output.LayerNorm": "colwise"}),
+     r"style 'colwise' on .* has no faithful translation"),
+    (RunConfig(plan={"encoder.layer.*.intermediate.dense": "colwise_rep"}),
+     r"'colwise_rep' has no DTensor counterpart"),
+    (RunConfig(world=2, tp=2, dp=2), r"--tp 2 x --dp 2 = 4 ranks, but the run has 2"),
+    (RunConfig(model="gpt-5"), r"--model 'gpt-5' is not a model tplower run knows; choose one of"),
+    (RunConfig(texts=("a", "b", "c"), world=2, tp=1, dp=2), r"give more sentences \(--input\) or a smaller --dp"),
+], ids=["kind", "no-dtensor-style", "mesh-size", "model", "too-few-pairs"])
+def test_config_errors_before_any_process(cfg: RunConfig, message: str) -> None:
+    with pytest.raises(RunError, match=message):
+        check_config(cfg)
