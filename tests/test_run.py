@@ -192,3 +192,36 @@ def test_built_in_sentences_pair_up() -> None:
 def test_config_errors_before_any_process(cfg: RunConfig, message: str) -> None:
     with pytest.raises(RunError, match=message):
         check_config(cfg)
+
+
+def _shard_and_record(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tplower.models import MINILM_TP_PLAN
+    from tplower.run.paths import parallelize_tplower
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model, tok = load_model(MINILM)
+    log = parallelize_tplower(model, mesh, MINILM_TP_PLAN)
+    batch = make_batch(MINILM, tok, sentences()[:3])
+    with torch.no_grad():
+        model(**batch)
+    attn = model.encoder.layer[0].attention.self
+    return {"heads": attn.num_attention_heads, "all_head_size": attn.all_head_size,
+            "query": tuple(attn.query.weight.shape), "dense": tuple(model.encoder.layer[0].output.dense.weight.shape),
+            "rows": [(r.side, r.forward, r.backward, r.fwd_bytes, r.bwd_bytes, r.shape) for r in log.rows()],
+            "tokens": tuple(batch["input_ids"].shape)}
+
+
+def test_tplower_path_shards_localizes_heads_and_records_bytes() -> None:
+    from tplower.testing import run_threaded
+
+    out = run_threaded(2, _shard_and_record)[1]
+    assert (out["heads"], out["all_head_size"]) == (6, 192)  # 12 heads of 32 dims, split over 2 ranks
+    assert out["query"] == (192, 384) and out["dense"] == (384, 768)  # colwise rows, rowwise columns
+    b, t = out["tokens"]
+    full = b * t * 384 * 4  # one float32 activation [B, T, 384]; a ring all_reduce on 2 ranks sends all of it
+    rows = out["rows"]
+    assert isinstance(rows, list) and len(rows) == 36
+    assert {r[:5] for r in rows} == {("input", "identity", "all_reduce(op=sum)", 0, full),
+                                     ("output", "all_reduce(op=sum)", "identity", full, 0)}
