@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tplower.cli_demo", "lower a few transitions on local gloo processes and check them against DTensor"),
     "explain": ("tplower.cli_explain", "print the collectives a transition lowers to, with bytes per rank"),
     "run": ("tplower.cli_run", "parallelize a real model on N processes and check it matches one process"),
+    "bench": ("tplower.cli_bench", "time tplower against the raw collective and DTensor; table, JSON and plots"),
 }
 #: the subcommand ``tplower`` runs without one
 DEFAULT = "run"
