@@ -25,14 +25,13 @@ from tplower.models import (
     check_plan_modules,
     check_tp,
     load_model,
-    make_batch,
     read_sentences,
     sentences,
     skeleton,
-    training_loss,
 )
 from tplower.run import RunConfig, RunError, check_config
 from tplower.run.launch import explain_failure
+from tplower.run.tasks import make_batch, training_loss
 from tplower.testing import RankFailure
 
 pytest.importorskip("transformers")

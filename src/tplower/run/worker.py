@@ -26,9 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..conformance import quiet_dtensor_logs
-from ..models import load_model, make_batch, model_output, model_spec, training_loss
+from ..models import load_model, model_spec
 from .config import RunConfig
 from .paths import BoundaryLog, gather_params, parallelize_dtensor, parallelize_tplower, shard_dims
+from .tasks import make_batch, model_output, training_loss
 
 __all__ = ["rank_main"]
 
