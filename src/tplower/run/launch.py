@@ -50,8 +50,8 @@ def explain_failure(exc: RankFailure, timeout: float) -> str:
         if m is not None and m.group(1).rsplit(".", 1)[-1] in _USER_ERRORS:
             found.append((0, rank, text[m.start(2):].strip()))
         elif text.startswith("process exited with code"):
-            found.append((1, rank, f"rank {rank} died ({text}); the other ranks were ended. Rerun with -v to see "
-                                   "its log; a rank killed by the system (code -9) usually ran out of memory"))
+            found.append((1, rank, f"rank {rank} died ({text}); the other ranks were ended. Its own output above "
+                                   "may say why; a rank killed by the system (code -9) usually ran out of memory"))
         elif text.startswith("no result within"):
             found.append((3, rank, f"rank {rank} gave {text}; every rank was ended. A larger --timeout helps if "
                                    "the machine is just slow"))
