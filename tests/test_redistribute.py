@@ -107,3 +107,24 @@ def test_identity_aliases_only_outside_autograd_and_backward_still_runs():
         assert same and new_obj and no_graph
         assert grad == [[2.0] * 3] * 2  # the all_reduce of two ones
         assert summed == [[1.0, 3.0, 5.0], [7.0, 9.0, 11.0]]
+
+
+def _drop_body(rank, world):
+    import gc
+    import weakref
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("tp",))
+    redistribute_local(torch.ones(2, 2), mesh, "P(sum)", "R")
+    lowerer = mesh_lowerer(mesh)
+    ref = weakref.ref(mesh)
+    del mesh
+    gc.collect()
+    return ref() is None, lowerer._mesh_ref() is None
+
+
+def test_lowerers_do_not_keep_meshes_alive():
+    # A kept mesh would also keep DTensor's weakref-keyed plans for it alive and matching new meshes.
+    for dropped, lowerer_sees_it in run_threaded(2, _drop_body):
+        assert dropped and lowerer_sees_it

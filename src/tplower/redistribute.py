@@ -151,12 +151,14 @@ class MeshLowerer:
         coord = mesh.get_coordinate()
         if coord is None:
             raise TPLowerError(f"mesh={mesh!r}: this rank ({dist.get_rank()}) is not part of the mesh")
-        self.mesh = mesh
+        # Held weakly: the module-level map of lowerers must not keep meshes (and, through DTensor's
+        # weakref-keyed caches, their stale plans) alive after the caller drops them.
+        self._mesh_ref = weakref.ref(mesh)
         self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
         self.shape: tuple[int, ...] = tuple(mesh.shape)
         self.coord: tuple[int, ...] = tuple(coord)
         self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
-        self.orders: tuple[tuple[int, ...] | None, ...] = tuple(self._axis_order(i) for i in range(mesh.ndim))
+        self.orders: tuple[tuple[int, ...] | None, ...] = tuple(self._axis_order(i, mesh) for i in range(mesh.ndim))
         self._cache: dict[Hashable, Program] = {}
         self._flat_group: ProcessGroup | None = None
         #: run the debug check on every call (``TPLOWER_DEBUG=1`` when the lowerer was made)
@@ -167,10 +169,18 @@ class MeshLowerer:
         """Per axis, whether its process group orders ranks as the mesh does."""
         return tuple(o is None for o in self.orders)
 
-    def _axis_order(self, axis: int) -> tuple[int, ...] | None:
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh (raises :class:`TPLowerError` if it was garbage collected)."""
+        mesh = self._mesh_ref()
+        if mesh is None:
+            raise TPLowerError("the DeviceMesh of this lowerer no longer exists; make a lowerer for a live mesh")
+        return mesh
+
+    def _axis_order(self, axis: int, mesh: DeviceMesh) -> tuple[int, ...] | None:
         index: list[int | slice] = list(self.coord)
         index[axis] = slice(None)
-        mesh_ranks = self.mesh.mesh[tuple(index)].tolist()
+        mesh_ranks = mesh.mesh[tuple(index)].tolist()
         group_ranks = dist.get_process_group_ranks(self.groups[axis])
         if sorted(mesh_ranks) != sorted(group_ranks):
             raise TPLowerError(f"mesh axis {self.names[axis]!r} holds ranks {mesh_ranks} but its process group "
@@ -278,7 +288,7 @@ _LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyD
 def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
     """The :class:`MeshLowerer` of ``mesh`` (one per live mesh object, made on first use)."""
     lowerer = _LOWERERS.get(mesh)
-    if lowerer is None or lowerer.mesh is not mesh:
+    if lowerer is None or lowerer._mesh_ref() is not mesh:  # an equal but other mesh object
         lowerer = MeshLowerer(mesh)
         _LOWERERS[mesh] = lowerer
     return lowerer

@@ -142,6 +142,15 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
     return [out[r] for r in range(world_size)]
 
 
+def _clear_dtensor_caches() -> None:
+    # DTensor caches redistribution plans process-wide, keyed by meshes that compare equal across
+    # runs (thread idents are reused); a plan cached for a rank of an earlier run would be wrong here.
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 def run_threaded(world_size: int, fn: RankFn, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads of one process.
 
@@ -159,6 +168,7 @@ def run_threaded(world_size: int, fn: RankFn, *args: Any, timeout: float = 120.0
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
+    _clear_dtensor_caches()
     c10d._set_thread_isolation_mode(True)
     world = mtpg._install_threaded_pg()
     store = c10d.HashStore()
@@ -194,6 +204,7 @@ def run_threaded(world_size: int, fn: RankFn, *args: Any, timeout: float = 120.0
         mtpg.ProcessLocalGroup.reset()
         mtpg._uninstall_threaded_pg()
         c10d._set_thread_isolation_mode(False)
+        _clear_dtensor_caches()
     if failures:
         raise RankFailure(failures)
     return out
