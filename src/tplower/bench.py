@@ -202,7 +202,8 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, obj
     """Peak extra bytes allocated while ``fn()`` runs (its result kept alive), and the result.
 
     CPU: the running sum of the torch profiler's memory events
-    (``profile_memory=True``), ordered by time; CUDA:
+    (``profile_memory=True``; its allocation timeline where available),
+    ordered by time; CUDA:
     ``max_memory_allocated`` above what was allocated before.
     """
     if device.type == "cuda":
@@ -214,11 +215,17 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, obj
         return int(torch.cuda.max_memory_allocated(device) - base), out
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         out = fn()
+    try:  # exact: every allocation and free, in order (the profiler's memory timeline)
+        timeline = prof._memory_profile().timeline
+        deltas = [(t, size if action.name == "CREATE" else -size) for t, action, _, size in timeline
+                  if action.name in ("CREATE", "DESTROY") and t >= 0]
+    except (AttributeError, RuntimeError, ValueError):  # coarser: each op's own net bytes at its start
+        deltas = [(ev.time_range.start, int(ev.self_cpu_memory_usage)) for ev in prof.events()]
     running = peak = 0
-    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
-        running += int(ev.self_cpu_memory_usage)
+    for _, delta in sorted(deltas, key=lambda d: d[0]):
+        running += delta
         peak = max(peak, running)
     return peak, out
 
@@ -381,7 +388,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         dist.init_process_group(backend)
         try:
-            got = micro_rank(rank, world, replace(cfg, worlds=(world,)))
+            got = micro_rank(rank, world, replace(cfg, worlds=(world,), multi_axis_only_at=()))
         finally:
             dist.destroy_process_group()
         if rank != 0:
