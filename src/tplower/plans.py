@@ -199,7 +199,9 @@ def entry_from_style(style: str, kind: str = "linear", *, axis: str = "tp", modu
         kinds = [k for k, v in table.items() if not isinstance(v, str)]
         rule = f"it is defined for {' and '.join(kinds)} modules only"
     if isinstance(rule, str):
-        raise TPLowerError(f"plan[{module!r}]: style {style!r} on a {kind} module has no faithful translation: {rule}")
+        article = "an" if kind[:1] in "aeiou" else "a"
+        raise TPLowerError(f"plan[{module!r}]: style {style!r} on {article} {kind} module has no faithful "
+                           f"translation: {rule}")
     return rule(axis)  # type: ignore[no-any-return]
 
 
