@@ -111,7 +111,7 @@ def test_schema_errors_name_module_field_and_value(value, match):
 
 
 def test_hf_styles_per_module_kind():
-    with pytest.raises(TPLowerError, match="on a embedding module has no faithful translation"):
+    with pytest.raises(TPLowerError, match="on an embedding module has no faithful translation"):
         resolve_entry("colwise", "emb", kind="embedding")
     with pytest.raises(TPLowerError, match="defined for linear modules only"):
         resolve_entry("local_colwise", "norm", kind="other")
