@@ -83,15 +83,15 @@ class BenchConfig:
     memory_size: int = 4 << 20
     phases: tuple[str, ...] = PHASES
     device: str = "cpu"
-    model_steps: int = 5
+    model_steps: int = 10
     multi_axis_only_at: tuple[int, ...] = ()
     timeout: float = 900.0
 
     @staticmethod
     def quick() -> BenchConfig:
         """The ``--quick`` preset: world 2 (and 4 for the 2x2 case), sizes up to 4 MiB, few rounds."""
-        return BenchConfig(worlds=(2, 4), sizes=SIZES[:3], reps=9, warmup=2, fake_calls=150, fake_reps=7,
-                           model_steps=3, multi_axis_only_at=(4,))
+        return BenchConfig(worlds=(2, 4), sizes=SIZES[:3], reps=13, warmup=2, fake_calls=150, fake_reps=7,
+                           model_steps=7, multi_axis_only_at=(4,))
 
     def case_objs(self) -> list[Case]:
         """The selected :class:`Case` objects, in table order."""

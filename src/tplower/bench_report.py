@@ -19,6 +19,8 @@ from .bench_cases import IMPLS, size_label
 __all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "rss_table",
            "target_lines", "write_plots"]
 
+_COLOR = {"raw": "tab:blue", "tplower": "tab:orange", "seed_op": "tab:green", "megatron": "tab:purple",
+          "funcol": "tab:brown", "dtensor": "tab:red"}
 _LABEL = {"raw": "raw", "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
           "funcol": "funcol", "dtensor": "DTensor"}
 
@@ -240,11 +242,15 @@ def write_plots(res: BenchResult, folder: Path) -> list[Path]:
                 pts = sorted((r["size"], _med(r)) for r in res.micro
                              if r["world"] == world and r["case"] == case and r["mode"] == mode and r["impl"] == impl)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_LABEL[impl])
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_LABEL[impl],
+                            color=_COLOR[impl])
             ax.set_xscale("log", base=2)
+            sizes = sorted({r["size"] for r in res.micro})
+            ax.set_xticks(sizes, [size_label(x) for x in sizes])
+            ax.minorticks_off()
             ax.set_yscale("log")
             ax.set_title(f"{case} (world {world})", fontsize=9)
-            ax.set_xlabel("global tensor bytes", fontsize=8)
+            ax.set_xlabel("global tensor (float32)", fontsize=8)
             ax.set_ylabel("µs per call", fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(True, which="both", alpha=0.3)
@@ -280,7 +286,7 @@ def _overhead_plot(res: BenchResult, folder: Path, plt: Any) -> Path:
     for ax, mode in zip(axes.flat, modes, strict=True):
         for j, impl in enumerate(impls):
             ys = [_med(fake[(c, mode)][impl]) if impl in fake.get((c, mode), {}) else 0.0 for c in cases]
-            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=_LABEL[impl])
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=_LABEL[impl], color=_COLOR[impl])
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("µs per call", fontsize=8)

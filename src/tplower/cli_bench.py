@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transitions separated by ';' (default all: " + "; ".join(c.name for c in CASES) + ")")
     parser.add_argument("--impls", type=_csv, default=None,
                         help=f"micro implementations (default raw,tplower,seed_op,dtensor; any of {','.join(IMPLS)})")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds per size (default 30; quick 9)")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds per size (default 30; quick 13)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="tensor device (cuda: run under torchrun, NCCL)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
