@@ -183,7 +183,8 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
     """The whole report as Markdown: machine, targets, then one table per phase."""
     m = res.meta
     where = (f"{m.get('processor')} x{m.get('cpus')} CPUs, {m.get('platform')}, torch {m.get('torch')}, "
-             f"backend {m.get('backend')}" + (f", GPU {m['gpu']}" if m.get("gpu") else ""))
+             f"backend {m.get('backend')}" + (f", GPU {m['gpu']}" if m.get("gpu") else "") +
+             (", glibc keeps freed memory (--keep-freed-memory)" if m.get("keep_freed_memory") else ""))
     parts = [f"# tplower bench ({m.get('date')})", "", f"Command: `{command}`  ", f"Machine: {where}  ",
              f"Elapsed: {m.get('elapsed_s', '?')} s. Times: median µs per call, ± the 10th-90th percentile "
              "half-spread; timed on rank 0, implementations interleaved in the same processes.", ""]

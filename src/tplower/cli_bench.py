@@ -8,6 +8,7 @@ under ``torchrun`` the launcher's ranks run the micro and memory phases
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from dataclasses import replace
@@ -19,7 +20,11 @@ from .bench_report import format_markdown, write_plots
 from .errors import TPLowerError
 from .testing import RankFailure
 
-__all__ = ["add_arguments", "main", "parse_size"]
+__all__ = ["KEEP_FREED_MEMORY", "add_arguments", "main", "parse_size"]
+
+#: glibc settings that keep freed memory in the heap instead of a fresh ``mmap`` per large buffer.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+                     "MALLOC_TOP_PAD_": str(1 << 30)}
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -62,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="tensor device (cuda: run under torchrun, NCCL)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="spawned ranks run with glibc keeping freed memory (no fresh mmap, so no page faults, "
+                             "for each large buffer): what a caching allocator gives; see benchmarks/README.md")
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -75,6 +83,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 
 def main(args: argparse.Namespace) -> int:
     """Run the bench; print the Markdown table; 0 on success, 2 on a bad argument or a failed rank."""
+    if args.keep_freed_memory:  # read by each spawned rank's C library at start
+        os.environ.update(KEEP_FREED_MEMORY)
     try:
         cfg = _config(args)
         res = run_bench(cfg, progress=lambda what: print(f"[bench] {what}", file=sys.stderr, flush=True))
@@ -83,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if res is None:  # a torchrun rank other than 0
         return 0
+    res.meta["keep_freed_memory"] = bool(args.keep_freed_memory)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "tplower bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 and \
