@@ -310,11 +310,15 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
             text = path.read_text()
         except OSError as exc:
             raise TPLowerError(f"plan file {str(path)!r} cannot be read: {exc}") from None
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            yaml: Any = importlib.import_module("yaml")  # optional: only YAML plan files need PyYAML
-            data = yaml.safe_load(text)
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                yaml: Any = importlib.import_module("yaml")
+                data = yaml.safe_load(text)
+        except Exception as exc:  # json.JSONDecodeError / yaml.YAMLError: say which file
+            raise TPLowerError(f"plan file {str(path)!r} is not valid {path.suffix.lstrip('.') or 'YAML'}: "
+                               f"{exc}") from None
         if not isinstance(data, Mapping):
             raise TPLowerError(f"plan file {str(path)!r}: the top level must map module names to entries")
         source = data
