@@ -166,7 +166,7 @@ def _cases_for(cfg: BenchConfig, world: int) -> list[Case]:
 
 
 def micro_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
-    """One rank of the micro (and, at world 2, memory) phase; rank 0's samples are returned.
+    """One rank of the micro phase (and the memory phase at the smallest world); rank 0's rows are returned.
 
     Returns:
         ``{"micro": [row, ...], "memory": [row, ...]}``; a row holds world,
@@ -190,7 +190,8 @@ def micro_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                 rows += [{"world": world, "case": case.name, "plan": describe(case, s), "size": nbytes,
                           "mode": mode, "impl": impl, "samples_us": v} for impl, v in got.items()]
             del s
-    memory = memory_rows(cfg, meshes, world, device, selected) if "memory" in cfg.phases and world == 2 else []
+    on_memory_world = "memory" in cfg.phases and world == min(cfg.worlds)
+    memory = memory_rows(cfg, meshes, world, device, _cases_for(cfg, world)) if on_memory_world else []
     dist.barrier()
     return {"micro": rows if rank == 0 else [], "memory": memory if rank == 0 else []}
 
@@ -248,7 +249,7 @@ def _memory_calls(case: Case, s: Any, impl: str) -> tuple[Callable[[], Any], Cal
 
         def fwd_graph() -> Any:
             return redistribute_local(x, s.mesh, s.src, s.dst)
-        g = s.grad_out
+        leaf, g = x, s.grad_out
     else:
         dt = dtensor_leaf(torch.zeros(s.gshape, device=s.local.device), s.mesh, s.src, True)
         g = distribute_tensor(torch.zeros(s.gshape, device=s.local.device), s.mesh, s.grad)
@@ -259,10 +260,11 @@ def _memory_calls(case: Case, s: Any, impl: str) -> tuple[Callable[[], Any], Cal
 
         def fwd_graph() -> Any:
             return dt.redistribute(s.mesh, s.dst)
+        leaf = dt
 
     def bwd_of(_: Any) -> Any:
         y = fwd_graph()
-        return lambda: y.backward(g)
+        return lambda: torch.autograd.grad(y, leaf, g)
     return fwd, bwd_of
 
 
@@ -291,7 +293,7 @@ def memory_rows(cfg: BenchConfig, meshes: dict[tuple[int, ...], DeviceMesh], wor
             del out
             run_bwd = bwd_of(None)
             b_peak, _ = peak_bytes(run_bwd, device)
-            rows.append({"case": case.name, "size": cfg.memory_size, "impl": impl, "fwd_peak": f_peak,
+            rows.append({"world": world, "case": case.name, "size": cfg.memory_size, "impl": impl, "fwd_peak": f_peak,
                          "bwd_peak": b_peak, "out_bytes": out_bytes, "in_bytes": in_bytes,
                          "fwd_target": out_bytes + staging, "bwd_target": in_bytes + bstaging})
     return rows

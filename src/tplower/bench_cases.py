@@ -4,7 +4,9 @@ Every implementation of a transition is built once per (case, size, mode)
 on one rank and returned as a zero-argument callable that runs one call:
 ``fwd`` (forward, no autograd), ``fwd_grad`` (forward of an input that
 requires grad: what a training forward pays) or ``fwd_bwd`` (forward then
-backward with a preallocated output gradient).
+backward with a preallocated output gradient, through ``torch.autograd.grad``
+to the input, as inside a model: no accumulation into a leaf's ``.grad``,
+which would add a copy of the gradient that no implementation asked for).
 
 Implementations:
 
@@ -199,8 +201,7 @@ def _autograd_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
         return lambda: fn(x)
 
     def fwd_bwd() -> None:
-        x.grad = None
-        fn(x).backward(g)
+        torch.autograd.grad(fn(x), x, g)
     return fwd_bwd
 
 
@@ -242,8 +243,7 @@ def _dtensor(s: _Setup, mode: str) -> Call:
         return lambda: dt.redistribute(mesh, dst)
 
     def fwd_bwd() -> None:
-        dt.grad = None
-        dt.redistribute(mesh, dst).backward(gdt)
+        torch.autograd.grad(dt.redistribute(mesh, dst), dt, gdt)
     return fwd_bwd
 
 

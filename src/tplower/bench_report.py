@@ -198,7 +198,8 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
                   f"World {res.fake[0]['world']}; `fwd` without grad, `fwd_grad` forward of an input that requires "
                   "grad, `fwd_bwd` forward and backward.", "", *fake_table(res), ""]
     if res.memory:
-        parts += [f"## Memory per call ({size_label(res.memory[0]['size'])} global tensor, world 2)", "",
+        parts += [f"## Memory per call ({size_label(res.memory[0]['size'])} global tensor, "
+                  f"world {res.memory[0].get('world', 2)})", "",
                   *memory_table(res), ""]
     if res.model:
         parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
