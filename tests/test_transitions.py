@@ -146,3 +146,18 @@ def test_planner_plans_or_raises_documented_error(placements, shape):
     assert plan.out_shape == local_shape(shape, dst, mesh_shape, [0] * len(mesh_shape))
     for step in plan.forward + plan.backward:
         assert step.kind in KINDS and step.send_elems >= 0
+
+
+@pytest.mark.parametrize(("backend", "device", "ok"), [
+    ("gloo", "cpu", True), ("nccl", "cuda", True), ("nccl", "cpu", False), ("mpi", "cuda", False),
+    ("cpu:gloo,cuda:nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "xpu", False), ("threaded", "meta", True),
+    ("someother", "xpu", True),  # unknown backends are not second-guessed
+])
+def test_device_must_be_carried_by_the_backend(backend, device, ok):
+    from tplower.collectives import check_device
+
+    if ok:
+        check_device(backend, device)
+    else:
+        with pytest.raises(TPLowerError, match=f"the tensor is on '{device}'"):
+            check_device(backend, device)

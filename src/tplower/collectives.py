@@ -41,6 +41,7 @@ __all__ = [
     "backend_caps",
     "backend_for_device",
     "backend_name_for",
+    "check_device",
     "chunk",
     "partition",
     "reduce_scatter",
@@ -110,6 +111,35 @@ def backend_name_for(group: ProcessGroup, device_type: str) -> str:
     backend.
     """
     return backend_for_device(str(dist.get_backend(group)), device_type)
+
+
+#: device types each backend carries (``None``: any); backends not listed are not checked.
+_DEVICES: dict[str, frozenset[str] | None] = {
+    "nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu", "cuda"}), "mpi": frozenset({"cpu"}),
+    "ucc": frozenset({"cpu", "cuda"}), "threaded": None, "fake": None,
+}
+
+
+def check_device(backend: str, device_type: str, where: str = "the process group") -> None:
+    """Raise unless ``backend`` (possibly ``cpu:gloo,cuda:nccl``) carries ``device_type`` tensors.
+
+    Raises:
+        TPLowerError: the backend carries no tensors of that device type;
+            the message names the backend and the device types it carries.
+    """
+    from .errors import TPLowerError
+
+    if ":" in backend:
+        table = dict(part.split(":", 1) for part in backend.split(","))
+        if device_type not in table:
+            raise TPLowerError(f"the tensor is on {device_type!r} but {where} has backends for "
+                               f"{sorted(table)} only ({backend!r}); move the tensor or add a backend for it")
+        backend = table[device_type]
+    devices = _DEVICES.get(backend.lower())
+    if devices is not None and device_type not in devices:
+        raise TPLowerError(f"the tensor is on {device_type!r} but {where} runs on {backend!r}, which carries "
+                           f"{sorted(devices)} tensors; move the tensor or use a group with a "
+                           f"{device_type} backend")
 
 
 def backend_for_device(backend: str, device_type: str) -> str:

@@ -197,6 +197,7 @@ class TPExecutionOp:
         src, dst, grad = self.placements(nd)
         n, r = (self.group_size,), (self.group_rank,)
         plan = plan_transition((src,), (dst,), global_shape_from_local(shape, (src,), n), n, r, (grad,))
+        C.check_device(self.backend or str(dist.get_backend(self.group)), device_type)
         backend = C.backend_for_device(self.backend, device_type) if self.backend else C.backend_name_for(
             self.group, device_type)
         caps = C.backend_caps(backend)

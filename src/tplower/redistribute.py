@@ -230,6 +230,8 @@ class MeshLowerer:
                 f"local tensor has shape {lshape} but {format_placements(src)!r} of global shape {gshape} on mesh "
                 f"{dict(zip(self.names, self.shape, strict=True))} gives {plan.in_shape} at coordinate {self.coord}; "
                 "pass global_shape= for uneven shards")
+        for axis, g in enumerate(self.groups):
+            C.check_device(str(dist.get_backend(g)), device_type, f"mesh axis {self.names[axis]!r}")
         caps = [C.backend_caps(C.backend_name_for(g, device_type)) for g in self.groups]
         fwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.forward)
         bwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.backward)
