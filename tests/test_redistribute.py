@@ -128,3 +128,23 @@ def test_lowerers_do_not_keep_meshes_alive():
     # A kept mesh would also keep DTensor's weakref-keyed plans for it alive and matching new meshes.
     for dropped, lowerer_sees_it in run_threaded(2, _drop_body):
         assert dropped and lowerer_sees_it
+
+
+def _double_backward_body(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x = torch.ones(2, 3, requires_grad=True)
+    y = redistribute_local(x, mesh, "S(0)", "R")
+    (g,) = torch.autograd.grad((y * y).sum(), x)  # plain backward works
+    y2 = redistribute_local(x, mesh, "S(0)", "R")
+    try:
+        torch.autograd.grad((y2 * y2).sum(), x, create_graph=True)
+    except RuntimeError as exc:
+        return g.tolist(), str(exc)
+    return g.tolist(), "no error"
+
+
+def test_double_backward_raises_instead_of_a_silent_wrong_answer():
+    for grad, message in run_threaded(2, _double_backward_body):
+        # d/dx sum(gather(x)^2) = 2 * x, chunked back to this rank's rows
+        assert grad == [[2.0] * 3] * 2
+        assert "differentiable once" in message
