@@ -28,10 +28,10 @@ def cases_1d(world: int) -> list[Case]:
 
 
 def extra_dtype_cases(world: int) -> list[Case]:
-    """bfloat16, float64 and strided (non-contiguous) inputs on uneven shapes."""
+    """bfloat16, float16, float64 and strided (non-contiguous) inputs on uneven shapes."""
     base = [c for c in cases_1d(world) if c.global_shape == shapes_for(world)[1] and c.grad is None]
     out = [Case(c.mesh_shape, c.global_shape, c.src, c.dst, c.grad, dtype) for c in base
-           for dtype in ("bfloat16", "float64")]
+           for dtype in ("bfloat16", "float16", "float64")]
     return out + [Case(c.mesh_shape, c.global_shape, c.src, c.dst, c.grad, contiguous=False) for c in base]
 
 
