@@ -4,22 +4,25 @@ Switched on by ``TPLOWER_DEBUG=1`` in the environment (read when a mesh's
 lowerer is made; set it alike on every rank) or per call with
 ``redistribute_local(..., check=True)``. Each rank describes its call (its
 placements, dtype, device, global shape and any error it met while
-planning), the ranks exchange the descriptions with one
-``all_gather_object`` over the mesh, and if any field differs or any rank
-met an error, every rank raises the same :class:`~tplower.TPLowerError`
-naming the differing ranks. Without the check, a disagreement ends in the
+planning); the ranks first exchange a 64-bit digest of the description and
+an error flag (one small ``all_gather``), and only when those differ the full
+descriptions (``all_gather_object``), so that every rank raises the same
+:class:`~tplower.TPLowerError` naming the differing ranks. Without the check, a disagreement ends in the
 backend's own error or the process group's timeout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import defaultdict
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .collectives import _all_gather_base
 from .errors import TPLowerError
 
 __all__ = ["AGREED_FIELDS", "check_agreement", "debug_enabled"]
@@ -33,13 +36,21 @@ def debug_enabled() -> bool:
     return os.environ.get("TPLOWER_DEBUG", "") == "1"
 
 
-def check_agreement(record: dict[str, Any], group: ProcessGroup | None) -> None:
+def _digest(record: dict[str, Any]) -> int:
+    text = repr([record[f] for f in AGREED_FIELDS]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
+def check_agreement(record: dict[str, Any], group: ProcessGroup | None,
+                    device: torch.device | str = "cpu") -> None:
     """Exchange ``record`` over ``group``; raise on every rank if the ranks disagree.
 
     Args:
         record: this rank's description: ``rank``, the :data:`AGREED_FIELDS`
             and ``error`` (a message, or ``None``).
         group: the process group spanning the mesh (``None``: the default group).
+        device: where the small digest tensor lives (the data's device, so
+            NCCL groups get a CUDA tensor).
 
     Raises:
         TPLowerError: on every rank alike, when any rank reported an error
@@ -47,6 +58,12 @@ def check_agreement(record: dict[str, Any], group: ProcessGroup | None) -> None:
             field with the ranks holding each value, then each rank's error.
     """
     size = dist.get_world_size(group)
+    mine = torch.tensor([_digest(record), int(record["error"] is not None)], dtype=torch.int64, device=device)
+    every = torch.empty(2 * size, dtype=torch.int64, device=device)
+    _all_gather_base(every, mine, group=group)
+    digests, errors = every[0::2], every[1::2]
+    if bool((digests == digests[0]).all()) and not bool(errors.any()):
+        return
     records: list[Any] = [None] * size
     dist.all_gather_object(records, record, group=group)
     problems = []

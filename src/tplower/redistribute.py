@@ -254,7 +254,7 @@ class MeshLowerer:
                   "grad": None if grad is None else _describe(grad, self.names), "dtype": str(local.dtype),
                   "device": local.device.type, "error": error,
                   "global_shape": prog.global_shape if prog is not None else global_shape}
-        check_agreement(record, self._debug_group())
+        check_agreement(record, self._debug_group(), local.device)
         assert prog is not None  # check_agreement raised otherwise
         return prog(local)
 
