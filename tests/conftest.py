@@ -6,9 +6,16 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from hypothesis import settings
+
 from tplower.conformance import quiet_dtensor_logs
 
 quiet_dtensor_logs()
+
+# CI runs the same examples every time; elsewhere hypothesis explores new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 import pytest  # noqa: E402
