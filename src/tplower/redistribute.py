@@ -102,7 +102,7 @@ class Program:
         if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
             return self.forward[0](local)
         if local.requires_grad and torch.is_grad_enabled():
-            out: torch.Tensor = C.LoweredTransition.apply(local, self.forward, self.backward)
+            out: torch.Tensor = C.LoweredTransition.apply(local, self)
             return out
         return C.run_steps(local, self.forward)
 
