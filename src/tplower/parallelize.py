@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import Partial, Shard
 
 from . import collectives as C
 from .boundaries import (
@@ -92,9 +92,7 @@ def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
 def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
     src, dst, grad = (parse_placements(p, tensor_ndim=t.ndim) for p in (mv.src, mv.dst, mv.grad))
     gshape = global_shape_from_local(t.shape, src, lowerer.shape)
-    stride = torch.empty(gshape, device="meta").stride()
-    dt = DTensor.from_local(t, lowerer.mesh, src, run_check=False, shape=torch.Size(gshape), stride=stride)
-    return dt.redistribute(lowerer.mesh, dst).to_local(grad_placements=grad)
+    return lowerer.dtensor_redistribute(t, src=src, dst=dst, grad=grad, gshape=gshape)
 
 
 @dataclass(frozen=True)

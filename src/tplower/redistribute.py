@@ -222,8 +222,8 @@ class MeshLowerer:
         if reason is not None:
             log.debug("tplower: %s -> %s falls back to DTensor: %s", format_placements(src),
                       format_placements(dst), reason)
-            return Program(None, (functools.partial(self._dtensor, src=src, dst=dst, grad=grad, gshape=gshape),),
-                           (), reason, gshape)
+            fallback = functools.partial(self.dtensor_redistribute, src=src, dst=dst, grad=grad, gshape=gshape)
+            return Program(None, (fallback,), (), reason, gshape)
         plan = plan_transition(src, dst, gshape, self.shape, self.coord, grad)
         if plan.in_shape != lshape:
             raise TPLowerError(
@@ -277,11 +277,16 @@ class MeshLowerer:
                     return f"placement {p!r} is not lowered"
         return None
 
-    def _dtensor(self, local: torch.Tensor, *, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                 grad: tuple[Placement, ...], gshape: tuple[int, ...]) -> torch.Tensor:
+    def dtensor_redistribute(self, local: torch.Tensor, *, src: Sequence[Placement], dst: Sequence[Placement],
+                             grad: Sequence[Placement], gshape: Sequence[int]) -> torch.Tensor:
+        """DTensor's ``redistribute`` of ``local`` (global shape ``gshape``), forward and backward: the fallback.
+
+        ``src``/``dst``/``grad`` are parsed placements with non-negative shard dims.
+        """
         stride = torch.empty(gshape, device="meta").stride()
-        dt = DTensor.from_local(local, self.mesh, src, run_check=False, shape=torch.Size(gshape), stride=stride)
-        return dt.redistribute(self.mesh, dst).to_local(grad_placements=grad)
+        dt = DTensor.from_local(local, self.mesh, tuple(src), run_check=False, shape=torch.Size(gshape),
+                                stride=stride)
+        return dt.redistribute(self.mesh, tuple(dst)).to_local(grad_placements=tuple(grad))
 
 
 _LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyDictionary()
