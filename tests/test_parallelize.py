@@ -21,10 +21,12 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplower import TPLowerError
 from tplower.parallelize import installed_boundary, parallelize
@@ -103,12 +105,35 @@ def _shard(full: torch.Tensor, name: str, world: int, rank: int) -> torch.Tensor
     return full if dim is None else full.chunk(world, dim)[rank]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _DTensorOps(TorchDispatchMode):
+    """Records every operator called with a DTensor argument (DTensor's own dispatch runs after the mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs or {}))):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _no_dtensor() -> Iterator[None]:
-    boom = AssertionError("a DTensor was built on the tp_collective path")
-    with mock.patch.object(DTensor, "from_local", side_effect=boom), \
-            mock.patch.object(DTensor, "redistribute", side_effect=boom):
+    """No activation moves through DTensor: no redistribute and no operator on a DTensor, forward or backward.
+
+    Parameters are DTensors; their local tensors are taken by ``to_local``
+    and their gradients wrapped back by its backward, neither of which runs
+    an operator on a DTensor.
+    """
+    boom = AssertionError("DTensor.redistribute ran on the tp_collective path")
+    with mock.patch.object(DTensor, "redistribute", side_effect=boom), _DTensorOps() as mode:
         yield
+    assert not mode.seen, f"operators ran on DTensors: {mode.seen[:5]}"
 
 
 def _run(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +144,17 @@ def _run(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tens
     return out.detach(), x.grad
 
 
+def _run_grads(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Output, input gradient and parameter gradients through ``autograd.grad`` (nothing accumulated)."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(out, [x, *params], g)
+    for p, gp in zip(params, grads[1:], strict=True):
+        p.grad = gp
+    return (out.detach(), *grads)
+
+
 def _check_case(label: str, make: type[nn.Module], sp: bool, mesh: DeviceMesh, rank: int, world: int,
                 guard: bool) -> nn.Module:
     ref = _make(make)
@@ -127,16 +163,23 @@ def _check_case(label: str, make: type[nn.Module], sp: bool, mesh: DeviceMesh, r
     want_out, want_dx = _run(ref, x, g)
     cut = (lambda t: t.chunk(world, 1)[rank]) if sp else (lambda t: t)
     with _no_dtensor() if guard else contextlib.nullcontext():
-        out, dx = _run(model, cut(x), cut(g))
+        out, dx, *_ = _run_grads(model, cut(x), cut(g))
     torch.testing.assert_close(out, cut(want_out), **TOL, msg=lambda m: f"{label} output: {m}")
     torch.testing.assert_close(dx, cut(want_dx), **TOL, msg=lambda m: f"{label} input grad: {m}")
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        assert not isinstance(p, DTensor) and p.grad is not None, name
         want = _shard(ref_params[name].grad, name, world, rank)
-        assert p.shape == want.shape, (label, name, p.shape, want.shape)
-        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), f"{name} keeps a full copy"
-        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
+        if label == "block" and name.startswith("ln"):  # outside the plan: a plain parameter, as parallelize_module
+            assert not isinstance(p, DTensor) and p.grad is not None, name
+            torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
+            continue
+        # The ecosystem's convention: a DTensor parameter with the global shape, and a DTensor gradient
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+        assert p.shape == ref_params[name].shape and p.grad.placements == p.placements, name
+        local = p.to_local()
+        assert local.shape == want.shape, (label, name, local.shape, want.shape)
+        assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), f"{name} keeps a full copy"
+        torch.testing.assert_close(p.grad.to_local(), want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
     return model
 
 
@@ -154,9 +197,16 @@ def _torch_oracle(mesh: DeviceMesh, world: int, ours: nn.Module) -> None:
     torch.testing.assert_close(our_dx, dx, **TOL)
     theirs_params = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
-        grad = theirs_params[name].grad
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        torch.testing.assert_close(p.grad, local, **TOL, msg=lambda m, n=name: f"torch oracle {n}: {m}")
+        their = theirs_params[name]
+        assert isinstance(p, DTensor) == isinstance(their, DTensor), name
+        if not isinstance(p, DTensor):
+            torch.testing.assert_close(p.grad, their.grad, **TOL, msg=lambda m, n=name: f"torch oracle {n}: {m}")
+            continue
+        assert (p.placements, p.shape, p.device_mesh) == (their.placements, their.shape, their.device_mesh), name
+        assert p.grad is not None and their.grad is not None
+        assert p.grad.placements == their.grad.placements, (name, p.grad.placements, their.grad.placements)
+        torch.testing.assert_close(p.grad.to_local(), their.grad.to_local(), **TOL,
+                                   msg=lambda m, n=name: f"torch oracle {n}: {m}")
 
 
 def _parity_body(rank: int, world: int, guard: bool) -> dict[str, Any]:
@@ -258,7 +308,8 @@ def _mesh2d_body(rank: int, world: int) -> dict[str, str]:
     torch.testing.assert_close(dx, want_dx.chunk(2, 0)[dp], **TOL)
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, _shard(ref_params[name].grad, name, world // 2, tp), **TOL)
+        assert isinstance(p, DTensor) and p.device_mesh == mesh["tp"], name  # as parallelize_module(mesh["tp"])
+        torch.testing.assert_close(_local(p.grad), _shard(ref_params[name].grad, name, world // 2, tp), **TOL)
     lin = _make(MLP).up
     region = parallelize(copy.deepcopy(lin), mesh, {"": {"style": "colwise_rep",
                                                          "local_compute": "test_parallelize:_scaled_linear"}})
@@ -298,7 +349,7 @@ def _hf_body(rank: int, world: int, ref: nn.Module, plan: object) -> None:
         key = next((k for k in HF_SHARD_DIMS if name.endswith(k)), None)
         want = ref_params[name].grad
         want = want if key is None else want.chunk(world, HF_SHARD_DIMS[key])[rank]
-        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(_local(p.grad), want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])

@@ -4,14 +4,15 @@
 (:func:`tplower.plans.match_plan`), classifies its boundary
 (:func:`tplower.boundaries.classify_boundary_form`) and then, per module:
 
-* shards every declared parameter to this rank's shard (``torch.chunk``
-  pieces in mesh-axis order, as DTensor; the parameter object is kept, its
-  data replaced, so no full copy stays);
+* replaces every declared parameter by an ``nn.Parameter`` holding a
+  DTensor of the plan's placements (``torch.chunk`` pieces in mesh-axis
+  order, as DTensor; no full copy stays), see :mod:`tplower.params`;
 * divides ``local_attrs`` (local head counts of attention);
-* registers a gradient hook on parameters whose local gradient is partial;
 * replaces ``forward`` on the instance (never the class or its source) with
-  a boundary that moves the declared inputs, runs the local compute, moves
-  the declared outputs and adds a deferred bias.
+  a boundary that takes the parameters' local tensors (with the reduction a
+  partial parameter gradient needs in backward), moves the declared inputs,
+  runs the local compute, moves the declared outputs and adds a deferred
+  bias.
 
 Attention head counts: with colwise q/k/v each rank holds ``heads / tp``
 heads. A module that reshapes by a stored head count needs its entry to
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial
 
 from . import collectives as C
 from .boundaries import (
@@ -61,9 +62,10 @@ from .boundaries import (
     parse_spec,
 )
 from .errors import TPLowerError
+from .params import ParamLayout, check_plain_parameter, local_parameter, param_layout, shard_parameter
 from .placements import parse_placements, replicate_partials
 from .plans import BoundaryEntry, PlanValue, load_plan, match_plan, resolve_entry
-from .redistribute import MeshLowerer, mesh_lowerer, redistribute_local
+from .redistribute import MeshLowerer, mesh_lowerer
 from .transitions import global_shape_from_local
 
 __all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
@@ -115,12 +117,20 @@ class InstalledBoundary:
 
 
 class _Boundary:
-    """The instance ``forward``: move inputs, run local compute, move outputs, add the deferred bias."""
+    """The instance ``forward``: local parameters in, move inputs, run local compute, move outputs, add the bias.
+
+    The module's DTensor parameters are swapped for their local tensors
+    (:func:`tplower.params.local_parameter`) for the duration of the call
+    and put back afterwards, so the module's own code computes on local
+    tensors and wrappers (FSDP2) that replace the parameter objects between
+    calls are followed.
+    """
 
     def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
-                 ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer) -> None:
+                 ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer,
+                 params: tuple[tuple[str, ParamLayout], ...] = ()) -> None:
         self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
-        self.lowerer = lowerer
+        self.lowerer, self.params = lowerer, params
         self.move = _lowered if info.mode == "lowered" else _dtensor
 
     def _apply(self, value: Any, mv: _Move) -> Any:
@@ -137,16 +147,20 @@ class _Boundary:
                 kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
             elif 0 <= mv.slot < len(args_l):
                 args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
-        bias_name = self.info.deferred_bias
-        if bias_name is None:
-            return self._outputs(self.compute(*args_l, **kwargs))
         params = self.owner._parameters
-        bias = params[bias_name]
-        params[bias_name] = None
+        saved = {name: params[name] for name, _ in self.params}
+        bias_name = self.info.deferred_bias
         try:
+            for name, layout in self.params:
+                p = saved[name]
+                if p is not None:
+                    params[name] = local_parameter(p, layout)  # type: ignore[assignment]
+            bias = None
+            if bias_name is not None:
+                bias, params[bias_name] = params[bias_name], None
             out = self.compute(*args_l, **kwargs)
         finally:
-            params[bias_name] = bias
+            params.update(saved)
         return self._outputs(out, bias)
 
     def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
@@ -157,8 +171,8 @@ class _Boundary:
                 raise TPLowerError(f"module {self.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
                                    f"returned {len(items)} value(s)")
             items[mv.slot] = self._apply(items[mv.slot], mv)
-        if bias is not None:
-            items[0] = items[0] + bias
+        if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
+            items[0] = items[0] + bias.to(items[0].dtype)
         if not is_seq:
             return items[0]
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
@@ -216,42 +230,44 @@ def _param_specs(module: nn.Module, specs: Mapping[str, Any], field: str, qual: 
     return out
 
 
-def _shard_params(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str,
-                  seen: dict[int, Placements]) -> None:
-    for name, spec in _param_specs(module, entry.params, "params", qual).items():
+def _param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, Any], lowerer: MeshLowerer,
+                   axis: str, qual: str) -> dict[str, ParamLayout]:
+    """Each placed parameter's layout; a parameter named only in ``grads`` is replicated."""
+    places = _param_specs(module, entry.params, "params", qual)
+    grad_specs = _param_specs(module, grads, "param_grads", qual)
+    out: dict[str, ParamLayout] = {}
+    for name in dict.fromkeys([*places, *grad_specs]):
         p = module._parameters[name]
         assert p is not None
-        ps = parse_spec(spec, lowerer.names, (axis,), f"plan[{qual!r}].params[{name!r}]", tensor_ndim=p.ndim)
+        where = f"plan[{qual!r}].params[{name!r}]"
+        ps = parse_spec(places.get(name, {}), lowerer.names, (axis,), where, tensor_ndim=p.ndim)
         if any(isinstance(q, Partial) for q in ps):
-            raise TPLowerError(f"plan[{qual!r}].params[{name!r}]: a parameter cannot be Partial; use R or S(d)")
-        if id(p) in seen:
-            if seen[id(p)] != ps:
-                raise TPLowerError(f"plan[{qual!r}].params[{name!r}]: a shared parameter gets two placements")
-            continue
-        local = p.detach()
-        for i, q in enumerate(ps):
-            if isinstance(q, Shard):
-                size, n = local.size(q.dim), lowerer.shape[i]
-                if size % n:
-                    raise TPLowerError(f"plan[{qual!r}].params[{name!r}]: dim {q.dim} of size {size} does not "
-                                       f"divide over {n} ranks of axis {lowerer.names[i]!r}")
-                local = local.narrow(q.dim, lowerer.coord[i] * (size // n), size // n)
-        with torch.no_grad():
-            p.data = local.clone(memory_format=torch.contiguous_format)
-        seen[id(p)] = ps
+            raise TPLowerError(f"{where}: a parameter cannot be Partial; use R or S(d)")
+        g = None
+        if name in grad_specs:
+            g = parse_spec(grad_specs[name], lowerer.names, (axis,), f"plan[{qual!r}].param_grads[{name!r}]",
+                           tensor_ndim=p.ndim)
+            g = None if g == replicate_partials(g) else g
+        out[name] = param_layout(lowerer.mesh, ps, g, axis)
+    return out
 
 
-def _reduce_grad(g: torch.Tensor, *, mesh: DeviceMesh, src: Placements, dst: Placements) -> torch.Tensor:
-    return redistribute_local(g, mesh, src, dst)
-
-
-def _grad_hooks(module: nn.Module, grads: Mapping[str, Any], lowerer: MeshLowerer, axis: str, qual: str) -> None:
-    for name, spec in _param_specs(module, grads, "param_grads", qual).items():
+def _shard_params(module: nn.Module, layouts: Mapping[str, ParamLayout], qual: str,
+                  seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]]) -> None:
+    for name, layout in layouts.items():
         p = module._parameters[name]
         assert p is not None
-        src = parse_spec(spec, lowerer.names, (axis,), f"plan[{qual!r}].param_grads[{name!r}]", tensor_ndim=p.ndim)
-        if src != replicate_partials(src):
-            p.register_hook(functools.partial(_reduce_grad, mesh=lowerer.mesh, src=src, dst=replicate_partials(src)))
+        where = f"plan[{qual!r}].params[{name!r}]"
+        if id(p) in seen:  # a shared (tied) parameter met again
+            first, new, _ = seen[id(p)]
+            if (first.mesh, first.placements) != (layout.mesh, layout.placements):
+                raise TPLowerError(f"{where}: a shared parameter gets two placements")
+            module._parameters[name] = new
+            continue
+        check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
+        new = shard_parameter(p, layout, where)
+        module._parameters[name] = new
+        seen[id(p)] = (layout, new, p)  # the old object stays referenced, so its id is not reused
 
 
 def _localize_attrs(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str) -> None:
@@ -299,16 +315,18 @@ def _load_compute(module: nn.Module, path: str, qual: str) -> Callable[..., Any]
 
 
 def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str,
-             seen: dict[int, Placements]) -> InstalledBoundary | None:
+             seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]]) -> InstalledBoundary | None:
     form = classify_boundary_form(entry, lowerer.names, axes=(axis,), module=qual)
-    _shard_params(module, entry, lowerer, axis, qual, seen)
-    _localize_attrs(module, entry, lowerer, axis, qual)
+    for name, p in module.named_parameters(recurse=False):
+        check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
     bias = _deferred_bias(module, entry, form, qual)
     grads: dict[str, Any] = dict(entry.param_grads)
     if bias is not None and bias not in grads:
         grads[bias] = deferred_bias_grad(form)
-    _grad_hooks(module, grads, lowerer, axis, qual)
-    if form.form == "identity" and bias is None:
+    layouts = _param_layouts(module, entry, grads, lowerer, axis, qual)
+    _shard_params(module, layouts, qual, seen)
+    _localize_attrs(module, entry, lowerer, axis, qual)
+    if form.form == "identity" and bias is None and not layouts:
         return None
     reason = _live_reason(lowerer, form) if form.form in ("tp_collective", "region") else None
     if reason is not None:
@@ -318,8 +336,9 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     orig = module.forward
     compute = _load_compute(module, entry.local_compute, qual) if entry.local_compute else orig
     ins = _input_moves(form.inputs, orig, qual)
-    module.forward = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer)
-    return info
+    module.forward = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
+                               tuple(layouts.items()))
+    return info if form.form != "identity" or bias is not None else None
 
 
 def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
@@ -341,15 +360,25 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         axis: the tensor-parallel mesh axis HF styles shard on.
 
     Returns:
-        ``model`` itself: parameters hold this rank's shards (plain
-        ``nn.Parameter``, not DTensor), and matched modules run their
-        boundaries. Inputs the plan declares take local tensors (``None``
-        passes through); outputs are local tensors.
+        ``model`` itself. Every parameter the plan places is an
+        ``nn.Parameter`` holding a DTensor with the plan's placements and
+        the global shape (on ``mesh[axis]`` when it is placed on ``axis``
+        alone, as ``parallelize_module(model, mesh[axis], ...)`` makes it;
+        see :mod:`tplower.params`), so ``state_dict``, DCP,
+        ``clip_grad_norm_``, optimizers and FSDP2 treat it as they treat
+        ``parallelize_module``'s; its ``.grad`` is a DTensor of the same
+        placements, reduced over the axis where the local gradient is
+        partial. Matched modules run their boundaries on local tensors:
+        inputs the plan declares take local tensors (``None`` passes
+        through), outputs are local tensors, and activations move only
+        through tplower's collectives.
 
     Raises:
         TPLowerError: a plan error (naming the module, field and value), a
-            module already parallelized, a parameter dim that does not divide
-            over its axis, or a bias that a partial output would add per rank.
+            module already parallelized, a parameter that is already a
+            DTensor (e.g. from ``parallelize_module``), a parameter dim that
+            does not divide over its axis, or a bias that a partial output
+            would add per rank.
 
     Warns:
         UserWarning: per module whose boundary runs on DTensor because the
@@ -360,11 +389,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if axis not in lowerer.names:
         warnings.warn(f"tplower: mesh axes {lowerer.names} have no {axis!r}; HF styles shard nothing", stacklevel=2)
     modules = dict(model.named_modules())
-    seen: dict[int, Placements] = {}
+    seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]] = {}
     for qual, key in match_plan(plan, modules).items():
         module = modules[qual]
         if isinstance(module.__dict__.get("forward"), _Boundary):
-            raise TPLowerError(f"module {qual!r} is already parallelized")
+            raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         entry = resolve_entry(plan[key], key, kind=_kind(module), axis=axis)
         _install(module, qual, entry, lowerer, axis, seen)
+    for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in seen:
+                module._parameters[name] = seen[id(p)][1]
     return model
