@@ -76,11 +76,14 @@ def _default_is_run() -> bool:
 
 
 def test_llama_tiny_matches_one_process(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--json", str(out))
+    out, ckpt = tmp_path / "report.json", tmp_path / "ckpt"
+    p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--json", str(out),
+                 "--checkpoint", str(ckpt))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert PASS in p.stdout
+    assert PASS in p.stdout and "DCP reload in one process" in p.stdout
     report = json.loads(out.read_text())
+    # the DCP checkpoint reloaded into the unparallelized model computes the parallel model's outputs
+    assert report["diffs"]["tplower"]["checkpoint"] <= 1e-5 and (ckpt / ".metadata").exists()
     # transformers' own base_model_tp_plan for Llama: 7 entries, 2 layers
     assert len(report["plan"]) == 7 and all(k.startswith("model.layers.*.") for k in report["plan"])
     assert len(report["boundaries"]) == 14
@@ -207,7 +210,8 @@ def _shard_and_record(rank: int, world: int) -> dict[str, object]:
         model(**batch)
     attn = model.encoder.layer[0].attention.self
     return {"heads": attn.num_attention_heads, "all_head_size": attn.all_head_size,
-            "query": tuple(attn.query.weight.shape), "dense": tuple(model.encoder.layer[0].output.dense.weight.shape),
+            "query": tuple(attn.query.weight.to_local().shape), "query_global": tuple(attn.query.weight.shape),
+            "dense": tuple(model.encoder.layer[0].output.dense.weight.to_local().shape),
             "rows": [(r.side, r.forward, r.backward, r.fwd_bytes, r.bwd_bytes, r.shape) for r in log.rows()],
             "tokens": tuple(batch["input_ids"].shape)}
 
@@ -218,9 +222,25 @@ def test_tplower_path_shards_localizes_heads_and_records_bytes() -> None:
     out = run_threaded(2, _shard_and_record)[1]
     assert (out["heads"], out["all_head_size"]) == (6, 192)  # 12 heads of 32 dims, split over 2 ranks
     assert out["query"] == (192, 384) and out["dense"] == (384, 768)  # colwise rows, rowwise columns
+    assert out["query_global"] == (384, 384)  # a DTensor parameter keeps the global shape
     b, t = out["tokens"]
     full = b * t * 384 * 4  # one float32 activation [B, T, 384]; a ring all_reduce on 2 ranks sends all of it
     rows = out["rows"]
     assert isinstance(rows, list) and len(rows) == 36
     assert {r[:5] for r in rows} == {("input", "identity", "all_reduce(op=sum)", 0, full),
                                      ("output", "all_reduce(op=sum)", "identity", full, 0)}
+
+
+def test_a_checkpoint_reload_beyond_the_tolerance_fails_the_verdict() -> None:
+    from tplower.run.report import format_report, verdict
+
+    diffs = {"forward": 1e-7, "loss": 1e-7, "params": 1e-7}
+    report = {"diffs": {"tplower": dict(diffs), "dtensor": dict(diffs)}, "boundaries": [], "forward_shape": [2, 3],
+              "world": 2, "backend": "gloo", "device": "cpu", "losses": {"reference": [1.0]},
+              "param_update_max": 0.1, "timing": {}}
+    cfg = RunConfig(steps=1)
+    assert verdict(report, 1e-5) and "DCP reload" not in format_report(report, cfg)
+    report["diffs"]["tplower"]["checkpoint"] = 0.3  # a reload that computes something else
+    text = format_report(report, cfg)
+    assert not verdict(report, 1e-5) and "FAIL" in text
+    assert any("DCP reload in one process" in ln and "EXCEEDS" in ln for ln in text.splitlines())

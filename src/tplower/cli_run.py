@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before a stuck run is ended (default 300)")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="backend of spawned processes (default gloo; torchrun picks NCCL on GPUs)")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="after training, save tplower's model to DIR with torch.distributed.checkpoint, reload "
+                             "it into the unparallelized model in one process and compare outputs")
     parser.add_argument("--json", metavar="FILE", help="also write the full report to FILE as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--kill-rank", type=int, default=-1, metavar="R",
@@ -59,7 +62,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(model=args.model, world=world, tp=tp, dp=dp, texts=texts_from(args.input),
                      plan=load_plan(args.plan) if args.plan else None, steps=args.steps, batch_size=args.batch_size,
                      lr=args.lr, repeat=args.repeat, tolerance=args.tolerance, timeout=args.timeout,
-                     backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank)
+                     backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,
+                     checkpoint=args.checkpoint)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -41,6 +41,9 @@ class RunConfig:
         backend: process-group backend when spawning (``gloo``).
         progress: show a progress bar on rank 0.
         kill_rank: debug: this rank exits abruptly after loading (``-1``: none).
+        checkpoint: a folder: after training, save tplower's model there with
+            DCP, reload it into the unparallelized model in one process and
+            compare outputs (``None``: no checkpoint).
     """
 
     model: str = "all-minilm-l6-v2"
@@ -58,6 +61,7 @@ class RunConfig:
     backend: str = "gloo"
     progress: bool = True
     kill_rank: int = -1
+    checkpoint: str | None = None
 
     def resolved_plan(self) -> dict[str, Any]:
         """The plan this run applies: ``plan``, or the model's own."""

@@ -135,7 +135,8 @@ class _Run:
         pairs = [list(cfg.texts[i:i + 2]) for i in range(0, 2 * cfg.pairs, 2)]
         self.train_pieces = [[s for pair in piece for s in pair] for piece in _pieces(pairs, cfg.dp)]
         self.progress = _Progress(cfg.progress and rank == 0,
-                                  3 + len(self.batches) + 2 * cfg.steps + 1 + 4 * (cfg.repeat + 1))
+                                  3 + len(self.batches) + 2 * cfg.steps + 1 + 4 * (cfg.repeat + 1)
+                                  + (cfg.checkpoint is not None))
         self.progress("load: tplower copy", 0)
         self.models: dict[str, nn.Module] = {}
         self.models["tplower"], self.tok = load_model(cfg.model, device=device)
@@ -193,6 +194,35 @@ class _Run:
                 losses[key].append(self.step(key))
             self.progress("train", 2)
         return losses
+
+    def checkpoint_phase(self, folder: str) -> float | None:
+        """Save tplower's model with DCP, reload it into the unparallelized model on rank 0, compare outputs.
+
+        Every rank saves its shards (a collective); rank 0 then loads the
+        checkpoint without a process group (``no_dist=True``) into a fresh
+        one-process model and returns the max abs difference between its
+        outputs and the parallel model's on the first batch (others ``None``).
+        """
+        from torch.distributed.checkpoint.state_dict_loader import load
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        model = self.models["tplower"]
+        save(model.state_dict(), checkpoint_id=folder)
+        pieces = self.pieces(self.batches[0])
+        mine = pieces[self.dp_rank] if self.dp_rank < len(pieces) else None
+        with torch.no_grad():
+            parallel = self._collect(None if mine is None else model_output(self.task, model, mine).cpu())
+        dist.barrier()
+        self.progress("checkpoint")
+        if self.rank != 0:
+            return None
+        fresh = load_model(self.cfg.model, device=self.device)[0]
+        state = fresh.state_dict()
+        load(state, checkpoint_id=folder, no_dist=True)
+        fresh.load_state_dict(state)
+        with torch.no_grad():
+            reloaded = [model_output(self.task, fresh, p).cpu() for p in pieces]
+        return _max_diff(parallel, reloaded)
 
     def params(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every copy's parameters, whole (a collective)."""
@@ -261,6 +291,7 @@ def rank_main(rank: int, world: int, cfg: RunConfig, device_name: str = "cpu") -
         os._exit(3)  # debug switch --kill-rank: die without a word, as a crashed rank does
     outputs = run.forward_phase()
     losses = run.train_phase()
+    reloaded = None if cfg.checkpoint is None else run.checkpoint_phase(cfg.checkpoint)
     params = run.params()
     timing = run.timing_phase()
     run.progress.close()
@@ -274,6 +305,8 @@ def rank_main(rank: int, world: int, cfg: RunConfig, device_name: str = "cpu") -
                       "loss": max((abs(a - b) for a, b in zip(losses[key], losses["reference"], strict=True)),
                                   default=0.0),
                       "params": pdiff, "params_worst": where}
+    if reloaded is not None:
+        diffs["tplower"]["checkpoint"] = reloaded
     before = load_model(cfg.model)[0].state_dict()
     moved = max(float((ref[k] - before[k].cpu()).abs().max()) for k in ref)
     return {"diffs": diffs, "losses": losses, "timing": timing, "param_update_max": moved,
