@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from .conformance import quiet_dtensor_logs
 from .testing import run_processes
@@ -213,6 +214,10 @@ def _trim() -> None:
         pass
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def live_tensor_mib() -> float:
     """MiB of distinct tensor storages still referenced in this process (what a kept full copy would show in)."""
     import warnings
@@ -222,6 +227,8 @@ def live_tensor_mib() -> float:
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                if isinstance(obj, DTensor):  # a wrapper: its memory is its local tensor's
+                    obj = obj._local_tensor
                 storage = obj.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values()) / 2**20
@@ -267,7 +274,7 @@ def rss_rank(rank: int, world: int, shard: bool) -> dict[str, float]:
     after, peak = _rss_mib()
     _trim()
     after_trimmed, _ = _rss_mib()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     return {"fixed_mib": fixed, "loaded_mib": loaded, "loaded_trimmed_mib": loaded_trimmed, "after_step_mib": after,
             "after_step_trimmed_mib": after_trimmed, "peak_mib": peak, "live_tensor_mib": live,
             "param_mib": params / 2**20, "rank": rank}
