@@ -37,6 +37,7 @@ mesh-coordinate order (DTensor there is wrong for uneven shards).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 
 from . import collectives as C
 from .boundaries import (
@@ -62,9 +63,10 @@ from .boundaries import (
     parse_spec,
 )
 from .errors import TPLowerError
+from .hf_plans import param_key_placement, resolve_model_plan
 from .params import ParamLayout, check_plain_parameter, local_parameter, param_layout, shard_parameter
 from .placements import parse_placements, replicate_partials
-from .plans import BoundaryEntry, PlanValue, load_plan, match_plan, resolve_entry
+from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from .redistribute import MeshLowerer, mesh_lowerer
 from .transitions import global_shape_from_local
 
@@ -98,6 +100,17 @@ def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class _Lookup:
+    """A vocabulary-parallel lookup: the ids input, this rank's first row, its row count, its padding row."""
+
+    slot: int
+    keyword: str | None
+    offset: int
+    rows: int
+    padding_idx: int | None
+
+
+@dataclass(frozen=True)
 class InstalledBoundary:
     """What :func:`parallelize` installed on one module.
 
@@ -128,10 +141,27 @@ class _Boundary:
 
     def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
                  ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer,
-                 params: tuple[tuple[str, ParamLayout], ...] = ()) -> None:
+                 params: tuple[tuple[str, ParamLayout], ...] = (), lookup: _Lookup | None = None) -> None:
         self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
-        self.lowerer, self.params = lowerer, params
+        self.lowerer, self.params, self.lookup = lowerer, params, lookup
         self.move = _lowered if info.mode == "lowered" else _dtensor
+
+    def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+        """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
+        lk = self.lookup
+        assert lk is not None
+        key = lk.keyword if lk.keyword is not None and lk.keyword in kwargs else None
+        ids = kwargs[key] if key is not None else args[lk.slot]
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"module {self.info.module!r}: the ids input is a {type(ids).__name__}, not a tensor")
+        local = ids - lk.offset
+        mine = (local >= 0) & (local < lk.rows)
+        local = local.masked_fill(~mine, 0)
+        if key is not None:
+            kwargs[key] = local
+        else:
+            args[lk.slot] = local
+        return mine
 
     def _apply(self, value: Any, mv: _Move) -> Any:
         if value is None:
@@ -147,9 +177,11 @@ class _Boundary:
                 kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
             elif 0 <= mv.slot < len(args_l):
                 args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
+        mine = self._mask_ids(args_l, kwargs) if self.lookup is not None else None
         params = self.owner._parameters
         saved = {name: params[name] for name, _ in self.params}
         bias_name = self.info.deferred_bias
+        pad = getattr(self.owner, "padding_idx", None)
         try:
             for name, layout in self.params:
                 p = saved[name]
@@ -158,9 +190,15 @@ class _Boundary:
             bias = None
             if bias_name is not None:
                 bias, params[bias_name] = params[bias_name], None
+            if self.lookup is not None:
+                self.owner.__dict__["padding_idx"] = self.lookup.padding_idx
             out = self.compute(*args_l, **kwargs)
         finally:
             params.update(saved)
+            if self.lookup is not None:
+                self.owner.__dict__["padding_idx"] = pad
+        if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
+            out = out.masked_fill(~mine.unsqueeze(-1), 0)
         return self._outputs(out, bias)
 
     def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
@@ -183,22 +221,44 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str) -> tuple[_Move, ...]:
+def _input_slot(name: str, fwd: Callable[..., Any], where: str) -> tuple[int, str | None]:
+    """Where input ``name`` (a ``forward`` parameter name or a position) arrives: (position or -1, keyword)."""
     sig = list(inspect.signature(fwd).parameters.values())
     named = [p for p in sig if p.kind != p.VAR_KEYWORD]
-    moves = []
-    for op in (o for o in ops if not o.identity):
-        if op.name.isdigit():
-            p = named[int(op.name)] if int(op.name) < len(named) else None
-        else:
-            p = next((q for q in named if q.name == op.name), None)
-        if p is None and (op.name.isdigit() or len(named) == len(sig)):  # no **kwargs to catch the name
-            raise TPLowerError(f"plan[{module!r}].in: forward has no input {op.name!r}; it has "
-                               f"{[q.name for q in named]} (or positions '0', '1', ...)")
-        pos = named.index(p) if p is not None and p.kind in _POSITIONAL else -1
-        kw = op.name if p is None else (p.name if p.kind in _KEYWORD else None)
-        moves.append(_Move(pos, kw, op.name, op.src, op.dst, op.grad))
-    return tuple(moves)
+    if name.isdigit():
+        p = named[int(name)] if int(name) < len(named) else None
+    else:
+        p = next((q for q in named if q.name == name), None)
+    if p is None and (name.isdigit() or len(named) == len(sig)):  # no **kwargs to catch the name
+        raise TPLowerError(f"{where}: forward has no input {name!r}; it has {[q.name for q in named]} "
+                           "(or positions '0', '1', ...)")
+    pos = named.index(p) if p is not None and p.kind in _POSITIONAL else -1
+    return pos, name if p is None else (p.name if p.kind in _KEYWORD else None)
+
+
+def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str) -> tuple[_Move, ...]:
+    return tuple(_Move(*_input_slot(op.name, fwd, f"plan[{module!r}].in"), op.name, op.src, op.dst, op.grad)
+                 for op in ops if not op.identity)
+
+
+def _lookup(module: nn.Module, entry: BoundaryEntry, layouts: Mapping[str, ParamLayout], fwd: Callable[..., Any],
+            qual: str) -> _Lookup | None:
+    if entry.masked_lookup is None:
+        return None
+    where = f"plan[{qual!r}].masked_lookup"
+    layout = layouts.get("weight")
+    sharded = [i for i, q in enumerate(layout.placements) if isinstance(q, Shard)] if layout else []
+    if layout is None or len(sharded) != 1 or layout.placements[sharded[0]] != Shard(0):
+        raise TPLowerError(f"{where}: needs a 'weight' parameter sharded S(0) on one axis (its rows)")
+    p = module._parameters["weight"]
+    assert p is not None
+    n, c = layout.mesh.size(sharded[0]), layout.mesh.get_coordinate()
+    assert c is not None
+    rows = p.shape[0] // n
+    offset = c[sharded[0]] * rows
+    pad = getattr(module, "padding_idx", None)
+    local_pad = pad - offset if isinstance(pad, int) and 0 <= pad - offset < rows else None
+    return _Lookup(*_input_slot(entry.masked_lookup, fwd, where), offset, rows, local_pad)
 
 
 def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str) -> tuple[_Move, ...]:
@@ -248,7 +308,10 @@ def _param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, 
             g = parse_spec(grad_specs[name], lowerer.names, (axis,), f"plan[{qual!r}].param_grads[{name!r}]",
                            tensor_ndim=p.ndim)
             g = None if g == replicate_partials(g) else g
-        out[name] = param_layout(lowerer.mesh, ps, g, axis)
+        packed = entry.packed.get(name, 1)
+        if packed > 1 and not any(isinstance(q, Shard) for q in ps):
+            raise TPLowerError(f"plan[{qual!r}].packed[{name!r}]: a packed parameter must be sharded (S(d))")
+        out[name] = param_layout(lowerer.mesh, ps, g, axis, packed)
     return out
 
 
@@ -337,8 +400,19 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     compute = _load_compute(module, entry.local_compute, qual) if entry.local_compute else orig
     ins = _input_moves(form.inputs, orig, qual)
     module.forward = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
-                               tuple(layouts.items()))
+                               tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
     return info if form.form != "identity" or bias is not None else None
+
+
+def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.Module, axis: str,
+                where: str) -> BoundaryEntry:
+    if not isinstance(value, str):
+        raise TPLowerError(f"plan[{where!r}]: a key naming a parameter takes an HF style string, not {value!r}")
+    p = module._parameters[pname]
+    assert p is not None
+    place, grad = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
+    return dataclasses.replace(entry, params={**entry.params, pname: place},
+                               param_grads={**entry.param_grads, **({pname: grad} if grad else {})})
 
 
 def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
@@ -355,8 +429,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         model: the full model (every parameter holds its full value; each
             rank must hold the same values).
         mesh: the device mesh; this rank must be in it.
-        plan: ``{module name or glob: HF style or entry}`` or a path to a
-            YAML/JSON file of the same (see :mod:`tplower.plans`).
+        plan: ``{module name or glob: HF style or entry}``, a path to a
+            YAML/JSON file of the same (see :mod:`tplower.plans`), or
+            ``"auto"``: a transformers model's own plan (see
+            :mod:`tplower.hf_plans`; a ``config.base_model_tp_plan`` given
+            for a model with a ``base_model_prefix`` is put under it). A key
+            may also name a parameter (``layers.*.self_attn.sinks``): it is
+            placed as the style places a parameter.
         axis: the tensor-parallel mesh axis HF styles shard on.
 
     Returns:
@@ -384,18 +463,26 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         UserWarning: per module whose boundary runs on DTensor because the
         live mesh runs a moved axis on a backend tplower does not know.
     """
-    plan = load_plan(plan)
+    plan = resolve_model_plan(plan, model)
     lowerer = mesh_lowerer(mesh)
     if axis not in lowerer.names:
         warnings.warn(f"tplower: mesh axes {lowerer.names} have no {axis!r}; HF styles shard nothing", stacklevel=2)
     modules = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in modules]
+    matched = match_plan(plan, [*modules, *params])
+    entries = {qual: resolve_entry(plan[key], key, kind=_kind(modules[qual]), axis=axis)
+               for qual, key in matched.items() if qual in modules}
+    for name, key in matched.items():  # keys that name a parameter: place it within its module's entry
+        if name not in modules:
+            owner, _, pname = name.rpartition(".")
+            entries[owner] = _with_param(entries.get(owner, BoundaryEntry()), pname, plan[key], modules[owner],
+                                         axis, name)
     seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]] = {}
-    for qual, key in match_plan(plan, modules).items():
+    for qual in (q for q in modules if q in entries):
         module = modules[qual]
         if isinstance(module.__dict__.get("forward"), _Boundary):
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
-        entry = resolve_entry(plan[key], key, kind=_kind(module), axis=axis)
-        _install(module, qual, entry, lowerer, axis, seen)
+        _install(module, qual, entries[qual], lowerer, axis, seen)
     for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter
         for name, p in module._parameters.items():
             if p is not None and id(p) in seen:

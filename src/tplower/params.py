@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import TPLowerError
 from .placements import format_placements
@@ -58,14 +58,25 @@ class ParamLayout:
         grad: placements of the local gradient the forward makes, when they
             differ from ``placements`` (``P(sum)`` where each rank's gradient
             is partial), else ``None``.
+        packed: the parameter packs this many equal parts along its shard
+            dim, each sharded on its own (``1``: not packed).
     """
 
     mesh: DeviceMesh
     placements: Placements
     grad: Placements | None
+    packed: int = 1
+
+    def dtensor_placements(self) -> Placements:
+        """The DTensor's placements: ``Shard(d)`` of a packed parameter is ``_StridedShard(d, split_factor=k)``."""
+        if self.packed == 1:
+            return self.placements
+        return tuple(_StridedShard(q.dim, split_factor=self.packed) if isinstance(q, Shard) else q
+                     for q in self.placements)
 
 
-def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | None, axis: str) -> ParamLayout:
+def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | None, axis: str,
+                 packed: int = 1) -> ParamLayout:
     """The :class:`ParamLayout` of a parameter placed by ``placements`` (one per axis of ``mesh``).
 
     Args:
@@ -73,6 +84,7 @@ def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | No
         placements: the parameter's placements on ``mesh`` (``Shard``/``Replicate``).
         grad: its local gradient's placements on ``mesh`` (``None``: as ``placements``).
         axis: the tensor-parallel axis name.
+        packed: parts packed along the shard dim (see :class:`ParamLayout`).
     """
     names = tuple(mesh.mesh_dim_names or ())
     grad = None if grad is None or tuple(grad) == tuple(placements) else tuple(grad)
@@ -81,8 +93,8 @@ def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | No
         others = [j for j in range(mesh.ndim) if j != i]
         if all(isinstance(placements[j], Replicate) and (grad is None or isinstance(grad[j], Replicate))
                for j in others):
-            return ParamLayout(mesh[axis], (placements[i],), None if grad is None else (grad[i],))
-    return ParamLayout(mesh, tuple(placements), grad)
+            return ParamLayout(mesh[axis], (placements[i],), None if grad is None else (grad[i],), packed)
+    return ParamLayout(mesh, tuple(placements), grad, packed)
 
 
 def check_plain_parameter(p: torch.Tensor, where: str) -> None:
@@ -102,9 +114,10 @@ def shard_parameter(p: nn.Parameter, layout: ParamLayout, where: str) -> nn.Para
     """This rank's shard of full parameter ``p`` as an ``nn.Parameter`` holding a DTensor of ``layout``.
 
     Shards are ``torch.chunk`` pieces in mesh-coordinate order, as
-    ``distribute_tensor``; no collective runs (every rank holds the full
-    value) and no full-size storage is kept (the shard is a fresh contiguous
-    copy).
+    ``distribute_tensor``; a packed parameter gives each rank its piece of
+    every part, concatenated (``_StridedShard`` semantics). No collective
+    runs (every rank holds the full value) and no full-size storage is kept
+    (the shard is a fresh contiguous copy).
 
     Args:
         p: the full parameter (global shape ``S``).
@@ -122,16 +135,20 @@ def shard_parameter(p: nn.Parameter, layout: ParamLayout, where: str) -> nn.Para
     coord = layout.mesh.get_coordinate()
     assert coord is not None, "parallelize checks that this rank is in the mesh"
     names = layout.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(layout.mesh.ndim))
-    local = p.detach()
+    parts = list(p.detach().chunk(layout.packed, _shard_dim(layout))) if layout.packed > 1 else [p.detach()]
+    if len(parts) != layout.packed or len({t.shape for t in parts}) != 1:
+        raise TPLowerError(f"{where}: size {p.shape} does not pack {layout.packed} equal parts on dim "
+                           f"{_shard_dim(layout)}")
     for i, q in enumerate(layout.placements):
         if isinstance(q, Shard):
-            size, n = local.size(q.dim), layout.mesh.size(i)
+            size, n = parts[0].size(q.dim), layout.mesh.size(i)
             if size % n:
                 raise TPLowerError(f"{where}: dim {q.dim} of size {size} does not divide over {n} ranks of "
                                    f"axis {names[i]!r}")
-            local = local.narrow(q.dim, coord[i] * (size // n), size // n)
+            parts = [t.narrow(q.dim, coord[i] * (size // n), size // n) for t in parts]
+    local = torch.cat(parts, _shard_dim(layout)) if len(parts) > 1 else parts[0]
     local = local.clone(memory_format=torch.contiguous_format)
-    dt = DTensor.from_local(local, layout.mesh, layout.placements, run_check=False, shape=p.shape,
+    dt = DTensor.from_local(local, layout.mesh, layout.dtensor_placements(), run_check=False, shape=p.shape,
                             stride=torch.empty(p.shape, device="meta").stride())
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
@@ -166,6 +183,13 @@ def _reduce_program(layout: ParamLayout, local: torch.Tensor) -> Program:
     assert layout.grad is not None
     return mesh_lowerer(layout.mesh).program(layout.placements, layout.placements, local.shape, local.device.type,
                                              grad=layout.grad)
+
+
+def _shard_dim(layout: ParamLayout) -> int:
+    dims = {q.dim for q in layout.placements if isinstance(q, Shard)}
+    if layout.packed > 1 and len(dims) != 1:
+        raise TPLowerError(f"a packed parameter is sharded on exactly one dim, not {sorted(dims)}")
+    return dims.pop() if dims else 0
 
 
 def local_parameter(p: torch.Tensor, layout: ParamLayout) -> torch.Tensor:

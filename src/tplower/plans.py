@@ -26,6 +26,15 @@ field              meaning
 ``local_compute``  ``"package.module:function"`` run instead of ``forward`` as
                    ``function(module, *args, **kwargs)`` on local tensors
 ``deferred_bias``  parameter added once after the output reduction
+``packed``         ``{parameter: k}``: the parameter packs ``k`` equal parts along
+                   its shard dim (fused gate/up projections); each part is
+                   sharded on its own, so every rank holds its piece of each
+                   (DTensor ``_StridedShard(dim, split_factor=k)``)
+``masked_lookup``  input holding row indices into the ``weight`` rows this rank
+                   holds (``S(0)``: a vocabulary-parallel embedding): indices
+                   outside them look up row 0 and their output rows are zeroed,
+                   so the local outputs are partial sums (Megatron's
+                   ``VocabParallelEmbedding``)
 ``style``          an HF style to start from; the other fields then merge
                    into it name by name
 =================  =============================================================
@@ -73,7 +82,8 @@ PlanValue: TypeAlias = str | Mapping[str, Any]
 
 _MAP_FIELDS = ("in_src", "in_dst", "in_grad", "out_src", "out_dst", "out_grad", "params", "param_grads")
 #: Every field an entry mapping may have.
-ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias", "style")
+ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias",
+                                                "packed", "masked_lookup", "style")
 _LOCAL_ATTR_RULES = ("divide",)
 
 
@@ -99,6 +109,8 @@ class BoundaryEntry:
     local_attrs: Mapping[str, str] = field(default_factory=dict)
     local_compute: str | None = None
     deferred_bias: str | None = None
+    packed: Mapping[str, int] = field(default_factory=dict)
+    masked_lookup: str | None = None
     style: str | None = None
 
     def input_names(self) -> tuple[str, ...]:
@@ -146,32 +158,68 @@ def _sequence_parallel(a: str) -> dict[str, Any]:
             "params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
 
 
-def _embedding_rowwise(a: str) -> dict[str, Any]:
-    # transformers' RowwiseParallel on nn.Embedding shards weight dim -1 (the hidden dim) and
-    # replicates the output: torch's ColwiseParallel(output_layouts=Replicate()) for embeddings.
+def _embedding_hidden(a: str) -> dict[str, Any]:
+    # weight dim -1 (the hidden dim) sharded, ids replicated, output gathered: transformers 5's
+    # "embedding_colwise" (and its older RowwiseParallel on nn.Embedding); torch's ColwiseParallel
+    # (output_layouts=Replicate()) for embeddings.
     return {"out_src": {"out": {a: "S(-1)"}}, "out_dst": {"out": {a: "R"}}, "params": {"weight": {a: "S(1)"}}}
 
+
+def _embedding_vocab(a: str) -> dict[str, Any]:
+    # vocabulary-parallel: weight rows sharded, masked local lookup, partial outputs all-reduced;
+    # transformers 5's "embedding_rowwise", torch's RowwiseParallel on nn.Embedding.
+    return {"masked_lookup": "0", "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
+            "params": {"weight": {a: "S(0)"}}}
+
+
+def _packed_colwise(a: str) -> dict[str, Any]:
+    # a fused projection (gate and up packed along the output dim): each packed part sharded on its own,
+    # so each rank holds its piece of every part (transformers' _StridedShard(0, split_factor=2)).
+    return {**_colwise(a, "S(-1)"), "packed": {"weight": 2, "bias": 2}}
+
+
+def _replicated_partial_grad(a: str) -> dict[str, Any]:
+    # parameters replicated, their local gradients partial (a per-head q/k norm between colwise and
+    # rowwise layers sees this rank's heads only): reduced in backward.
+    return {"params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
+
+
+_ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}}
 
 #: style -> {module kind -> builder(axis) or the reason it has no faithful translation}
 HF_STYLES: dict[str, dict[str, Any]] = {
     "colwise": {"linear": lambda a: _colwise(a, "S(-1)"),
-                "embedding": "transformers shards an embedding's vocabulary here, which needs masked lookups"},
+                "embedding": "use embedding_rowwise (vocabulary) or embedding_colwise (hidden dim) for embeddings"},
     "colwise_rep": {"linear": lambda a: _colwise(a, "R")},
-    "rowwise": {"linear": lambda a: _rowwise(a, "S(-1)"), "embedding": _embedding_rowwise},
-    "rowwise_rep": {"linear": lambda a: _rowwise(a, "R"), "embedding": _embedding_rowwise},
+    "colwise_gather_output": {"linear": lambda a: _colwise(a, "R")},
+    "rowwise": {"linear": lambda a: _rowwise(a, "S(-1)"), "embedding": _embedding_hidden},
+    "rowwise_rep": {"linear": lambda a: _rowwise(a, "R"), "embedding": _embedding_hidden},
+    "rowwise_split_input": {"linear": lambda a: _rowwise(a, "R")},
     "local_colwise": {"linear": _local_colwise},
     "local_rowwise": {"linear": _local_rowwise},
-    "gather": {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}},
+    "packed_colwise": {"linear": _packed_colwise,
+                       "other": "packed expert weights (3-D) belong to MoE experts, which tplower does not shard"},
+    "embedding_rowwise": {"embedding": _embedding_vocab},
+    "embedding_colwise": {"embedding": _embedding_hidden},
+    "gather": _ALL_REDUCE,
+    "all_reduce": _ALL_REDUCE,
     "sequence_parallel": {"*": _sequence_parallel},
     "replicate": {"*": lambda a: {"params": {"*": {a: "R"}}}},
+    "replicated_with_grad_allreduce": {"*": _replicated_partial_grad},
+    "local_params": {"*": lambda a: {}},
 }
+_MOE = "mixture-of-experts layers are expert parallelism, which tplower does not lower"
 _UNFAITHFUL = {
     "local": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
     "local_packed_rowwise": "packed (fused gate/up) weights interleave shards; split the module instead",
-    "packed_colwise": "packed (fused gate/up) weights interleave shards; split the module instead",
-    "packed_rowwise": "packed (fused gate/up) weights interleave shards; split the module instead",
-    "grouped_gemm": "grouped expert GEMMs are expert parallelism, not a tensor-parallel boundary",
-    "ep_router": "expert routing is expert parallelism, not a tensor-parallel boundary",
+    "packed_rowwise": f"transformers uses it on MoE expert weights only; {_MOE}",
+    "moe_tp_experts": _MOE,
+    "moe_identity_expert": _MOE,
+    "grouped_gemm": _MOE,
+    "ep_router": _MOE,
+    "ep_dispatch_experts": _MOE,
+    "mla_kv_a_proj": "multi-head latent attention splits its projection's output and reduces the gradient of one "
+                     "part only; tplower has no boundary for a part of an output",
     "isolated": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
 }
 
@@ -249,7 +297,12 @@ def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
             if not isinstance(v, Mapping) or any(r not in _LOCAL_ATTR_RULES for r in v.values()):
                 raise TPLowerError(f"{where}: {v!r} must map attribute names to one of {_LOCAL_ATTR_RULES}")
             out[key] = dict(v)
-        elif key in ("local_compute", "deferred_bias", "style"):
+        elif key == "packed":
+            if not isinstance(v, Mapping) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 2
+                                                     for k in v.values()):
+                raise TPLowerError(f"{where}: {v!r} must map parameter names to a part count (an integer >= 2)")
+            out[key] = {str(n): k for n, k in v.items()}
+        elif key in ("local_compute", "deferred_bias", "masked_lookup", "style"):
             if not isinstance(v, str):
                 raise TPLowerError(f"{where}: {v!r} must be a string")
             out[key] = v
@@ -293,7 +346,8 @@ def resolve_entry(value: PlanValue | BoundaryEntry, module: str = "?", *, kind: 
 def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanValue]:
     """Load and check a plan from a mapping or a ``.yaml``/``.yml``/``.json`` file.
 
-    Every value is checked (HF styles as for ``nn.Linear``); the values are
+    Every value is checked (an HF style as for a module kind it is defined
+    for, ``nn.Linear`` where it is); the values are
     returned as written, since a style translates per module kind at install.
 
     Returns:
@@ -326,8 +380,19 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
         raise TypeError(f"plan must be a mapping or a path to a YAML/JSON file, got {type(source).__name__}")
     plan = {str(k): copy.deepcopy(v) for k, v in source.items()}
     for key, value in plan.items():
-        resolve_entry(value, key)
+        _check_value(value, key)
     return plan
+
+
+def _check_value(value: Any, key: str) -> None:
+    """Check a plan value without knowing its module's kind: the schema, and that a style is known."""
+    style = value if isinstance(value, str) else value.get("style") if isinstance(value, Mapping) else None
+    if isinstance(style, str) and style in HF_STYLES:
+        kinds = [k for k, v in HF_STYLES[style].items() if not isinstance(v, str)]
+        kind = "linear" if "linear" in kinds or "*" in kinds else kinds[0]
+        resolve_entry(value, key, kind=kind)
+    else:
+        resolve_entry(value, key)
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
