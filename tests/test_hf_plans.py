@@ -1,0 +1,185 @@
+"""Hugging Face plans as they ship: ``plan="auto"``, prefixes, parameter keys and transformers 5 styles.
+
+Each case runs the parallelized model at tp=2 (and 4 where it matters) on the
+threaded group and compares its output and every parameter gradient (whole,
+``full_tensor``) with the same model in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tplower import TPLowerError
+from tplower.hf_plans import model_tp_plan, resolve_model_plan
+from tplower.parallelize import parallelize
+from tplower.testing import run_threaded
+
+TOL = {"atol": 1e-5, "rtol": 1e-4}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(rank: int, world: int, ref: nn.Module, plan: Any, inputs: dict[str, torch.Tensor],
+             out_of: Any = lambda o: o) -> dict[str, float]:
+    """Output and every gradient of ``ref`` parallelized by ``plan``, against ``ref`` in one process (max diffs)."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(copy.deepcopy(ref), mesh, plan)
+    out = out_of(model(**inputs))
+    out.square().sum().backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    if rank != 0:
+        return {}
+    want = out_of(ref(**inputs))  # rank 0 alone runs the shared reference (threads share it)
+    want.square().sum().backward()
+    diffs = {"out": float((out - want).abs().max())}
+    for name, p in ref.named_parameters():
+        assert name in grads, f"{name} got no gradient"
+        diffs[name] = float((grads[name] - p.grad).abs().max())
+    return diffs
+
+
+def _tiny(arch: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 64}
+    if arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_auto_plan_of_causal_lm_matches_one_process(arch: str) -> None:
+    """Vocabulary-parallel embedding, gathered lm_head, and (Qwen3) q/k norms whose gradients are reduced."""
+    ref = _tiny(arch)
+    plan = model_tp_plan(ref)
+    assert plan["lm_head"] == "colwise_gather_output" and plan["model.embed_tokens"] == "embedding_rowwise"
+    ids = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))}
+    diffs = run_threaded(2, _compare, ref, "auto", ids, lambda o: o.logits)[0]
+    assert max(diffs.values()) < 1e-5, {k: v for k, v in diffs.items() if v >= 1e-5}
+
+
+def test_base_model_plan_dict_is_put_under_the_prefix() -> None:
+    ref = _tiny("llama")
+    base = dict(ref.config.base_model_tp_plan)
+    assert all(not k.startswith("model.") for k in base)
+    plan = resolve_model_plan(base, ref)
+    assert set(plan) == {f"model.{k}" for k in base}
+    ids = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))}
+    diffs = run_threaded(2, _compare, ref, base, ids, lambda o: o.logits)[0]
+    assert max(diffs.values()) < 1e-5
+
+
+def test_auto_on_a_model_without_a_plan_names_the_model() -> None:
+    with pytest.raises(TPLowerError, match="plan='auto': Linear has no tp_plan"):
+        model_tp_plan(nn.Linear(2, 2))
+
+
+class _Emb(nn.Module):
+    """A scaled embedding (as Gemma's): the module's own forward must still run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 6, padding_idx=7)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) * 1.5
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocabulary_parallel_embedding_with_padding_row(world: int) -> None:
+    torch.manual_seed(1)
+    ref = _Emb()
+    ids = {"ids": torch.tensor([[0, 7, 11, 5, 6, 7], [3, 3, 9, 1, 7, 2]])}  # every rank's rows and the padding row
+    diffs = run_threaded(world, _compare, ref, {"emb": "embedding_rowwise"}, ids)[0]
+    assert max(diffs.values()) < 1e-6, diffs
+    assert ref.emb.weight.grad is not None and ref.emb.weight.grad[7].abs().max() == 0  # the padding row: no grad
+
+
+class _PackedMLP(nn.Module):
+    """A fused gate/up projection (Phi-3's gate_up_proj) then a row-parallel down projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(8, 2 * 12), nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+
+def _packed_layout(rank: int, world: int, ref: nn.Module) -> bool:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(copy.deepcopy(ref), mesh, {"gate_up": "packed_colwise", "down": "rowwise"})
+    w = model.gate_up.weight
+    assert isinstance(w, DTensor) and w.placements == (_StridedShard(0, split_factor=2),)
+    gate, up = ref.gate_up.weight.detach().chunk(2, 0)  # each rank holds its piece of the gate and of the up part
+    want = torch.cat([gate.chunk(world, 0)[rank], up.chunk(world, 0)[rank]])
+    return torch.equal(w.to_local(), want) and torch.equal(w.full_tensor(), ref.gate_up.weight.detach())
+
+
+def test_packed_colwise_shards_each_part_and_matches_one_process() -> None:
+    torch.manual_seed(2)
+    ref = _PackedMLP()
+    x = {"x": torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(5))}
+    diffs = run_threaded(2, _compare, ref, {"gate_up": "packed_colwise", "down": "rowwise"}, x)[0]
+    assert max(diffs.values()) < 1e-5, diffs
+    assert all(run_threaded(2, _packed_layout, ref))
+
+
+class _HeadScaled(nn.Module):
+    """Attention-like: a per-head parameter (as attention sinks) used on this rank's heads only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        heads = q.view(*q.shape[:-1], -1, 2) * self.scale[:, None]  # local heads: scale is local too
+        return self.o(heads.flatten(-2))
+
+
+def test_parameter_keys_place_a_parameter_inside_local_params() -> None:
+    torch.manual_seed(3)
+    ref = _HeadScaled()
+    plan = {"": "local_params", "scale": "colwise", "q": "colwise", "o": "rowwise"}
+    x = {"x": torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(6))}
+    diffs = run_threaded(2, _compare, ref, plan, x)[0]
+    assert max(diffs.values()) < 1e-5, diffs
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Linear(4, 4)
+        self.kv_a_proj = nn.Linear(4, 4)
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    msgs = []
+    for plan in ({"experts": "moe_tp_experts"}, {"kv_a_proj": "mla_kv_a_proj"}, {"experts": "packed_rowwise"}):
+        with pytest.raises(TPLowerError) as exc:
+            parallelize(_Experts(), mesh, plan)
+        msgs.append(str(exc.value))
+    return msgs
+
+
+def test_moe_and_mla_styles_are_refused_naming_style_and_module() -> None:
+    msgs = run_threaded(2, _refusals)[0]
+    assert "'experts'" in msgs[0] and "'moe_tp_experts'" in msgs[0] and "expert parallelism" in msgs[0]
+    assert "'kv_a_proj'" in msgs[1] and "'mla_kv_a_proj'" in msgs[1]
+    assert "'packed_rowwise'" in msgs[2]
