@@ -33,6 +33,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from .argcheck import check_int, check_local_tensor, check_names, describe
+from .cache import LRUCache
 from .errors import TPLowerError
 from .lowering import TPCollectiveLowerer, TPExecutionOp
 from .placements import format_placement, parse_placements, replicate_partials
@@ -227,10 +229,12 @@ def classify_boundary_form(entry: BoundaryEntry | PlanValue, mesh_dim_names: Seq
             placement that does not fit its ``dst``; the message names the
             module and the field.
         ValueError: ``injection`` not in :data:`INJECTIONS`.
+        TypeError: ``mesh_dim_names`` or ``axes`` not a sequence of strings.
     """
     if injection is not None and injection not in INJECTIONS:
         raise ValueError(f"injection={injection!r}; allowed: None, {', '.join(INJECTIONS)}")
-    names = tuple(mesh_dim_names)
+    names = check_names(mesh_dim_names, "mesh_dim_names", "classify_boundary_form")
+    axes = check_names(axes, "axes", "classify_boundary_form")
     entry = resolve_entry(entry, module, axis=axes[0] if axes else "tp")
     active = [a for a in axes if a in names]
     sharded = _sharded_axes(entry, names, axes, module)
@@ -283,8 +287,11 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
 
     Raises:
         TPLowerError: as :func:`tplower.plans.load_plan` and :func:`classify_boundary_form`.
+        TypeError: ``mesh_dim_names`` not a sequence of strings, ``axis`` not a string.
     """
-    names = tuple(mesh_dim_names)
+    names = check_names(mesh_dim_names, "mesh_dim_names", "explain_plan_lines")
+    if not isinstance(axis, str):
+        raise TypeError(f"explain_plan_lines: axis must be a str, got {describe(axis)}")
     lines = []
     for key, value in load_plan(plan).items():
         entry = resolve_entry(value, key, axis=axis)
@@ -312,26 +319,45 @@ class TPOperators:
     """Statically named collectives on the lowerer's axis, for hand-written local compute.
 
     Each operator builds its op with ``lowerer.execution_op`` (cached per
-    arguments), so a named operator gets exactly the backend remaps the
+    arguments in a bounded cache, :mod:`tplower.cache`), so a named operator gets exactly the backend remaps the
     placement path gets (e.g. ``reduce_scatter`` as ``all_reduce`` + chunk
     where the backend lacks it), and the lowerer's gradient convention
     (``replicated_grad``). Shard sizes must be even (``n * local``).
 
     Args:
         lowerer: a :class:`~tplower.lowering.TPCollectiveLowerer`.
+
+    Raises:
+        TypeError: ``lowerer`` is not a ``TPCollectiveLowerer`` (make one with
+            :func:`~tplower.create_tp_collective_lowerer`); an operator given a
+            ``t`` that is neither a tensor nor a DTensor, or a dim that is not
+            an int, raises ``TypeError`` naming it, before any collective.
     """
 
     def __init__(self, lowerer: TPCollectiveLowerer) -> None:
+        if not isinstance(lowerer, TPCollectiveLowerer):
+            raise TypeError(f"TPOperators: lowerer must be a TPCollectiveLowerer (create_tp_collective_lowerer(mesh, "
+                            f"mesh_dim_names) makes one), got {describe(lowerer)}")
         self.lowerer = lowerer
-        self._ops: dict[tuple[Any, ...], TPExecutionOp] = {}
+        self._ops: LRUCache[tuple[Any, ...], TPExecutionOp] = LRUCache()
 
     def _op(self, kind: str, tensor_dim: int | None = None, reduce_op: str = "sum",
             dst_dim: int | None = None) -> TPExecutionOp:
         key = (kind, tensor_dim, reduce_op, dst_dim)
-        op = self._ops.get(key)
+        try:
+            op = self._ops.get(key)
+        except TypeError:  # an unhashable argument: named below
+            op = None
         if op is None:
+            func = f"TPOperators.{kind}"
+            dims = ("src_dim", "dst_dim") if kind == "all_to_all" else ("dim", None)
+            check_int(tensor_dim, dims[0], func, optional=kind == "all_reduce")
+            if dims[1] is not None:
+                check_int(dst_dim, dims[1], func)
+            if not isinstance(reduce_op, str):
+                raise TypeError(f"{func}: op must be a str (sum, avg, max or min), got {describe(reduce_op)}")
             op = self.lowerer.execution_op(kind, tensor_dim, reduce_op, dst_dim=dst_dim)
-            self._ops[key] = op
+            self._ops.put(key, op)
         return op
 
     @staticmethod
@@ -345,20 +371,32 @@ class TPOperators:
             return t
         if isinstance(t, DTensor):
             return t.to_local()
-        raise TypeError(f"to_local: expected a tensor, a DTensor or None, got {type(t).__name__}")
+        raise TypeError(f"to_local: t must be a tensor, a DTensor or None, got {describe(t)}")
+
+    @staticmethod
+    def _local(t: Any, func: str) -> torch.Tensor:
+        if type(t) is torch.Tensor:
+            return t
+        if isinstance(t, DTensor):
+            return t.to_local()
+        return check_local_tensor(t, "t", f"TPOperators.{func}")
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """``S(dim) -> R``: ``[.., s, ..] -> [.., n*s, ..]``; backward per the lowerer's ``replicated_grad``."""
-        return self._op("all_gather", dim).execute(self.to_local(t))
+        local = self._local(t, "all_gather")
+        return self._op("all_gather", dim).execute(local)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """``P(op) -> R``: shape unchanged; backward per the lowerer's ``replicated_grad``."""
-        return self._op("all_reduce", None, op).execute(self.to_local(t))
+        local = self._local(t, "all_reduce")
+        return self._op("all_reduce", None, op).execute(local)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, op: str = "sum") -> torch.Tensor:
         """``P(op) -> S(dim)``: ``[.., L, ..] -> [.., L/n, ..]``; backward ``all_gather(dim)``."""
-        return self._op("reduce_scatter", dim, op).execute(self.to_local(t))
+        local = self._local(t, "reduce_scatter")
+        return self._op("reduce_scatter", dim, op).execute(local)
 
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
         """``S(src_dim) -> S(dst_dim)``: trade pieces; backward ``all_to_all(dst_dim -> src_dim)``."""
-        return self._op("all_to_all", src_dim, "sum", dst_dim).execute(self.to_local(t))
+        local = self._local(t, "all_to_all")
+        return self._op("all_to_all", src_dim, "sum", dst_dim).execute(local)

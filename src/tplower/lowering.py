@@ -29,6 +29,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives as C
+from .argcheck import check_int, check_local_tensor, check_mesh, check_names, describe
+from .cache import CacheInfo, LRUCache
 from .errors import TPLowerError
 from .placements import REDUCE_OPS, PlacementsLike, parse_placements
 from .redistribute import Program, bind_step
@@ -52,6 +54,20 @@ REPLICATED_GRADS: tuple[str, ...] = ("partial", "replicate")
 _SEED_KINDS = ("all_gather", "all_reduce", "reduce_scatter")
 
 
+def _check_str(value: Any, arg: str, func: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{func}: {arg} must be a str, got {describe(value)}")
+    return value
+
+
+def _check_group(value: Any, arg: str, func: str, *, optional: bool = True) -> ProcessGroup | None:
+    # None is accepted where only classification runs (no collective); running needs a group.
+    if not isinstance(value, ProcessGroup) and not (value is None and optional):
+        raise TypeError(f"{func}: {arg} must be a torch.distributed ProcessGroup (e.g. mesh.get_group('tp')), "
+                        f"got {describe(value)}")
+    return value
+
+
 def classify_tp_transition(src: PlacementsLike, dst: PlacementsLike, mesh_dim_names: Sequence[str], *,
                            axis: str = "tp") -> dict[str, Any] | None:
     """Classify a whole-mesh transition that changes only the ``axis`` axis.
@@ -71,8 +87,14 @@ def classify_tp_transition(src: PlacementsLike, dst: PlacementsLike, mesh_dim_na
         such axis, another axis differs, or the pair is none of these.
 
     Pure: needs no process group.
+
+    Raises:
+        TPLowerError: bad placements (see :func:`~tplower.parse_placements`).
+        TypeError: ``mesh_dim_names`` is not a sequence of strings, ``axis``
+            not a string, or a placement spec of the wrong type.
     """
-    names = tuple(mesh_dim_names)
+    names = check_names(mesh_dim_names, "mesh_dim_names", "classify_tp_transition")
+    _check_str(axis, "axis", "classify_tp_transition")
     s = parse_placements(src, names, arg="src")
     d = parse_placements(dst, names, arg="dst")
     if s == d:
@@ -120,7 +142,8 @@ class TPExecutionOp:
 
     Args:
         kind: one of :data:`EXECUTION_KINDS`.
-        group: the process group; ``group_size`` ranks, this one at ``group_rank``.
+        group: the process group; ``group_size`` ranks, this one at ``group_rank``
+            (``None`` only for an op that is never executed: ``execute`` raises).
         tensor_dim: the gathered/scattered dim (negative counts from the end);
             for ``all_to_all`` the dim sharded on input.
         reduce_op: ``sum``, ``avg``, ``max`` or ``min``.
@@ -132,6 +155,8 @@ class TPExecutionOp:
     Raises:
         ValueError: an unknown kind, reduce op or ``replicated_grad``, a
             missing ``tensor_dim``, or a ``group_rank`` outside the group.
+        TypeError: ``group`` not a ``ProcessGroup``, a size, rank or dim
+            that is not an int, or a name that is not a string.
     """
 
     kind: str
@@ -143,9 +168,18 @@ class TPExecutionOp:
     dst_dim: int | None = None
     replicated_grad: str = "partial"
     backend: str | None = None
-    _programs: dict[Hashable, Program] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _programs: LRUCache[Hashable, Program] = field(default_factory=LRUCache, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        func = "TPExecutionOp"
+        for name in ("kind", "reduce_op", "replicated_grad"):
+            _check_str(getattr(self, name), name, func)
+        if self.backend is not None:
+            _check_str(self.backend, "backend", func)
+        check_int(self.group_size, "group_size", func)
+        check_int(self.group_rank, "group_rank", func)
+        check_int(self.tensor_dim, "tensor_dim", func, optional=True)
+        check_int(self.dst_dim, "dst_dim", func, optional=True)
         if self.kind not in EXECUTION_KINDS:
             raise ValueError(f"kind={self.kind!r} is not a TP execution kind; allowed: {', '.join(EXECUTION_KINDS)}")
         if self.reduce_op not in REDUCE_OPS:
@@ -158,6 +192,7 @@ class TPExecutionOp:
             raise ValueError("kind='all_to_all' needs dst_dim")
         if not 0 <= self.group_rank < self.group_size:
             raise ValueError(f"group_rank={self.group_rank} is outside a group of group_size={self.group_size}")
+        _check_group(self.group, "group", func)
 
     def placements(self, ndim: int) -> tuple[Placement, Placement, Placement]:
         """``(src, dst, grad)`` on the group's axis for a tensor of rank ``ndim``."""
@@ -181,13 +216,23 @@ class TPExecutionOp:
 
         Raises:
             ValueError: ``tensor_dim`` out of range for ``tensor``.
+            TypeError: ``tensor`` is not a plain ``torch.Tensor`` (a DTensor:
+                pass its ``to_local()``, as :class:`~tplower.TPOperators` does).
         """
+        if type(tensor) is not torch.Tensor:  # a Parameter passes; a DTensor, a list or None does not
+            check_local_tensor(tensor, "tensor", "TPExecutionOp.execute")
+        if self.group is None:
+            _check_group(self.group, "group", "TPExecutionOp.execute", optional=False)
         key = (tensor.shape, tensor.device.type)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._build(tuple(tensor.shape), tensor.device.type)
-            self._programs[key] = prog
+            self._programs.put(key, prog)
         return prog(tensor)
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, size, bound and evictions of this op's per-shape program cache (:mod:`tplower.cache`)."""
+        return self._programs.cache_info()
 
     def _build(self, shape: tuple[int, ...], device_type: str) -> Program:
         nd = len(shape)
@@ -212,7 +257,8 @@ class TPCollectiveLowerer:
 
     Args:
         mesh_dim_names: the mesh's axis names.
-        group, group_size, group_rank: the ``axis`` process group and this
+        group, group_size, group_rank: the ``axis`` process group (``None``
+            to classify only: its ops cannot execute) and this
             rank's index in it.
         backend: backend name (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``).
         replicated_grad: ``"partial"`` (seed default) or ``"replicate"``.
@@ -220,6 +266,12 @@ class TPCollectiveLowerer:
 
     ``__call__(src, dst)`` returns the op, or ``None`` for identity and for
     anything :func:`classify_tp_transition` does not lower.
+
+    Raises:
+        ValueError: an unknown ``replicated_grad``.
+        TypeError: ``mesh_dim_names`` not a sequence of strings, ``group``
+            not a ``ProcessGroup``, ``group_size``/``group_rank`` not ints,
+            ``backend`` or ``axis`` not a string.
     """
 
     mesh_dim_names: tuple[str, ...]
@@ -231,9 +283,15 @@ class TPCollectiveLowerer:
     axis: str = "tp"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mesh_dim_names", tuple(self.mesh_dim_names))
+        func = "TPCollectiveLowerer"
+        object.__setattr__(self, "mesh_dim_names", check_names(self.mesh_dim_names, "mesh_dim_names", func))
+        check_int(self.group_size, "group_size", func)
+        check_int(self.group_rank, "group_rank", func)
+        for name in ("backend", "replicated_grad", "axis"):
+            _check_str(getattr(self, name), name, func)
         if self.replicated_grad not in REPLICATED_GRADS:
             raise ValueError(f"replicated_grad={self.replicated_grad!r}; allowed: {', '.join(REPLICATED_GRADS)}")
+        _check_group(self.group, "group", func)
 
     def __call__(self, src: PlacementsLike, dst: PlacementsLike) -> TPExecutionOp | None:
         info = classify_tp_transition(src, dst, self.mesh_dim_names, axis=self.axis)
@@ -270,8 +328,17 @@ def create_tp_collective_lowerer(mesh: DeviceMesh, mesh_dim_names: Sequence[str]
     with a logged warning when the sub-mesh orders its ranks unlike its
     process group (the caller then uses DTensor). ``collective_backend``
     defaults to the group's backend.
+
+    Raises:
+        TypeError: ``mesh`` not a ``DeviceMesh``, ``mesh_dim_names`` not a
+            sequence of strings, ``axis`` or ``collective_backend`` not a string.
     """
-    names = tuple(mesh_dim_names)
+    func = "create_tp_collective_lowerer"
+    check_mesh(mesh, "mesh", func)
+    names = check_names(mesh_dim_names, "mesh_dim_names", func)
+    _check_str(axis, "axis", func)
+    if collective_backend is not None:
+        _check_str(collective_backend, "collective_backend", func)
     if axis not in names:
         return None
     sub = mesh if names == (axis,) else mesh[axis]
