@@ -35,10 +35,39 @@ def test_explain_json_and_coordinates(capsys):
     (["explain", "S(0)", "R", "--mesh", "tp2"], "is not name=size"),
     (["explain", "S(0)"], "needs SRC and DST"),
     (["explain", "S(7)", "R", "--shape", "4,4"], "out of range"),
+    (["explain", "S(0)", "R", "--coord", "5"], "--coord '5': index 5 on axis 'tp' is outside 0..1 (--mesh tp=2)"),
+    (["explain", "S(0)", "R", "--mesh", "dp=2,tp=2", "--coord", "1"],
+     "--coord '1' has 1 index(es) but --mesh dp=2,tp=2 has 2 axis(es) (dp, tp); give one index per axis"),
+    (["explain", "S(0)", "R", "--coord", "-1"], "--coord '-1': '-1' is not a non-negative integer"),
+    (["explain", "S(0)", "R", "--shape", "8,x"],
+     "--shape '8,x': 'x' is not a non-negative integer; give the global shape as comma-separated integers, "
+     "e.g. 8,1024,4096"),
+    (["explain", "S(0)", "R", "--mesh", "tp=0"],
+     "--mesh 'tp=0': axis 'tp' has size '0'; a size is a whole number of ranks, at least 1 (e.g. tp=2)"),
+    (["explain", "S(0)", "R", "--mesh", "tp=two"], "--mesh 'tp=two': axis 'tp' has size 'two'"),
+    (["explain", "P(max),P(sum)", "R,R", "--mesh", "a=2,b=2"], "mixes Partial reduce ops ['max', 'sum']"),
 ])
 def test_explain_errors_exit_2_with_the_reason(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().out
+
+
+def test_explain_default_shape_is_documented(capsys):
+    # no --shape: the documented default 8,16; S(0) over tp=2 leaves 4 of 8 rows on rank 0
+    assert main(["explain", "S(0)", "R", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["global_shape"] == [8, 16] and info["local_in_shape"] == [4, 16]
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    assert "global shape of the tensor, e.g. 8,1024,4096 (default 8,16)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explain_mixed_sum_avg_partials(capsys):
+    # P(avg) over dp and P(sum) over tp, to R: one all_reduce per axis (avg, then sum), no refusal
+    assert main(["explain", "P(avg),P(sum)", "R,R", "--mesh", "dp=2,tp=2", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [(s["axis"], s["collective"], s["reduce_op"]) for s in info["steps"] if s["direction"] == "forward"] == [
+        ("dp", "all_reduce", "avg"), ("tp", "all_reduce", "sum")]
 
 
 def test_explain_plan_file(capsys):

@@ -63,7 +63,8 @@ def random_cases(draw, mesh):
     for _ in range(12):
         ndim = draw(st.integers(2, 3))
         shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
-        # One reduce op per tensor (DTensor forbids mixing; both refuse), sometimes two to check that.
+        # One reduce op per tensor (sum/avg mixes: test_mixed_partials.py); sometimes another op for dst, where
+        # P(x) -> P(y) on one axis is refused by both.
         ops = [draw(st.sampled_from(["sum", "avg", "max", "min"]))] * 2
         if draw(st.integers(0, 9)) == 0:
             ops[1] = draw(st.sampled_from(["sum", "avg", "max", "min"]))

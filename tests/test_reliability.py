@@ -79,7 +79,7 @@ def test_debug_check_raises_on_every_rank_naming_ranks(use_env, reliability_repo
     assert "dtype differs: 'torch.float32' on ranks [0]; 'torch.float64' on ranks [1]" in msgs["dtype"]
     assert "src differs: 'S(0)' on ranks [0]; 'P(sum)' on ranks [1]" in msgs["placement"]
     assert "global_shape differs: (6, 3) on ranks [0]; (4, 3) on ranks [1]" in msgs["uneven"]
-    assert "rank 1: TPLowerError: placement 'S(zero)' is not valid" in msgs["bad_string"]
+    assert "rank 1: TPLowerError: src='S(zero)' is not a valid placement" in msgs["bad_string"]
     assert "grad differs: None on ranks [0]; 'P(sum)' on ranks [1]" in msgs["grad"]
     assert msgs["agreeing call"] == [0.0, 0.0, 1.0, 1.0]
     reliability_report["bad inputs tried with the debug check (per switch)"] = len(DISAGREEMENTS)
@@ -98,7 +98,8 @@ def _mismatch_body(rank, world, mode):
 def test_without_check_disagreement_ends_in_an_error_within_the_timeout(mode):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_processes(2, _mismatch_body, mode, timeout=120, pg_timeout=5)
+        # grace=60: the harness must not end a rank here; each rank's own error is what is checked
+        run_processes(2, _mismatch_body, mode, timeout=120, pg_timeout=5, grace=60)
     elapsed = time.monotonic() - start
     # each rank ended by itself (the backend's error or its timeout), not by the harness's deadline
     assert sorted(info.value.failures) == [0, 1]

@@ -28,17 +28,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .placements import parse_placements, replicate_partials
+from .argcheck import check_bool, check_mesh, check_shape, describe
+from .placements import LINEAR_REDUCE_OPS, parse_placements, replicate_partials
 from .redistribute import mesh_lowerer, redistribute_local
 
 __all__ = [
     "Case",
+    "CaseFailure",
     "CaseResult",
     "check_case",
     "check_cases",
     "failures",
     "grads_for",
     "make_mesh",
+    "mixable",
     "one_axis_cases",
     "quiet_dtensor_logs",
     "random_cases",
@@ -52,7 +55,13 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 @dataclass(frozen=True)
 class Case:
-    """One transition to check; placements as canonical comma lists."""
+    """One transition to check; placements as canonical comma lists.
+
+    Raises:
+        TypeError: a shape that is not a sequence of ints, placements that
+            are not strings, or ``contiguous`` not a bool.
+        ValueError: ``dtype`` not one of float32, float64, bfloat16, float16.
+    """
 
     mesh_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
@@ -61,6 +70,18 @@ class Case:
     grad: str | None = None
     dtype: str = "float32"
     contiguous: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh_shape", check_shape(self.mesh_shape, "mesh_shape", "Case"))
+        object.__setattr__(self, "global_shape", check_shape(self.global_shape, "global_shape", "Case"))
+        for name in ("src", "dst", "grad", "dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "grad" and value is None):
+                raise TypeError(f"Case: {name} must be a str" + (" or None" if name == "grad" else "")
+                                + f", got {describe(value)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"Case: dtype={self.dtype!r}; allowed: {', '.join(_DTYPES)}")
+        check_bool(self.contiguous, "contiguous", "Case")
 
     @property
     def id(self) -> str:
@@ -94,7 +115,12 @@ class CaseResult:
 
 
 def make_mesh(mesh_shape: Sequence[int], device_type: str = "cpu") -> DeviceMesh:
-    """A mesh over all ranks with axes named ``dim0``, ``dim1``, ... (``tp`` for a 1-D mesh)."""
+    """A mesh over all ranks with axes named ``dim0``, ``dim1``, ... (``tp`` for a 1-D mesh).
+
+    Raises:
+        TypeError: ``mesh_shape`` is not a sequence of ints.
+    """
+    mesh_shape = check_shape(mesh_shape, "mesh_shape", "make_mesh")
     names = ("tp",) if len(mesh_shape) == 1 else tuple(f"dim{i}" for i in range(len(mesh_shape)))
     return init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=names)
 
@@ -169,7 +195,14 @@ def check_case(case: Case, mesh: DeviceMesh) -> CaseResult:
     """Run ``case`` with DTensor and with tplower on this rank of ``mesh``; compare.
 
     Must be called on every rank of ``mesh`` with the same case.
+
+    Raises:
+        TypeError: ``case`` is not a :class:`Case` or ``mesh`` not a
+            ``DeviceMesh`` (before any collective).
     """
+    if not isinstance(case, Case):
+        raise TypeError(f"check_case: case must be a tplower.conformance.Case, got {describe(case)}")
+    check_mesh(mesh, "mesh", "check_case")
     dtype = _DTYPES[case.dtype]
     nd = len(case.global_shape)
     names = mesh.mesh_dim_names
@@ -221,10 +254,34 @@ def check_case(case: Case, mesh: DeviceMesh) -> CaseResult:
     return CaseResult(case, "match_semantic", lowered, f"DTensor: {type(ref_err).__name__}: {ref_err}")
 
 
+class CaseFailure(AssertionError):
+    """A case failed on this rank (``check_cases(..., fail_fast=True)``); ``result`` is its :class:`CaseResult`."""
+
+    def __init__(self, result: CaseResult) -> None:
+        self.result = result
+        super().__init__(f"{result.case.id}: {result.status}: {result.detail[:300]}")
+
+
 def check_cases(rank: int, world_size: int, cases: Sequence[Case],
-                meshes: dict[tuple[int, ...], DeviceMesh] | None = None) -> list[CaseResult]:
-    """Rank body for the harnesses: check every case, one mesh per mesh shape (kept in ``meshes``)."""
+                meshes: dict[tuple[int, ...], DeviceMesh] | None = None, *,
+                fail_fast: bool = False) -> list[CaseResult]:
+    """Rank body for the harnesses: check every case, one mesh per mesh shape (kept in ``meshes``).
+
+    With ``fail_fast`` the first case that fails on this rank raises
+    :class:`CaseFailure` there: the harness then ends the other ranks at once
+    (:func:`tplower.testing.run_processes`), where otherwise they could wait
+    in the next case's collective for the process group's timeout (a rank
+    whose tplower call raised has left a peer inside a collective). Use
+    ``functools.partial(check_cases, fail_fast=True)`` as the harness body.
+
+    Raises:
+        TypeError: ``cases`` is not a sequence of :class:`Case` (before any collective).
+        ValueError: a case needs another number of ranks than ``world_size``.
+        CaseFailure: with ``fail_fast``, a case failed on this rank.
+    """
     del rank
+    if not isinstance(cases, Sequence) or not all(isinstance(c, Case) for c in cases):
+        raise TypeError(f"check_cases: cases must be a sequence of tplower.conformance.Case, got {describe(cases)}")
     quiet_dtensor_logs()
     meshes = {} if meshes is None else meshes
     results = []
@@ -237,7 +294,10 @@ def check_cases(rank: int, world_size: int, cases: Sequence[Case],
         mesh = meshes.get(case.mesh_shape)
         if mesh is None:
             mesh = meshes[case.mesh_shape] = make_mesh(case.mesh_shape)
-        results.append(check_case(case, mesh))
+        result = check_case(case, mesh)
+        if fail_fast and not result.ok:
+            raise CaseFailure(result)
+        results.append(result)
     return results
 
 
@@ -265,17 +325,27 @@ def one_axis_cases(mesh_shape: Sequence[int], axis: int, placements: Iterable[st
                    dtype: str = "float32") -> Iterator[Case]:
     """Every ``src -> dst`` pair from ``placements`` on ``axis``, every grad, every shape.
 
-    The other axes hold one of ``others`` (the same on src and dst).
+    The other axes hold one of ``others`` (the same on src and dst). A
+    tensor that would mix ``max``/``min`` Partials with another reduce op is
+    skipped (it has no single value; DTensor and tplower refuse it alike);
+    ``sum`` and ``avg`` mix.
     """
     pl = list(placements)
     for shape, other, a, b in itertools.product(list(shapes), list(others), pl, pl):
         src = [other] * len(mesh_shape)
         dst = list(src)
         src[axis], dst[axis] = a, b
-        if "P" in other and (a.startswith("P") or b.startswith("P")) and other not in (a, b):
-            continue  # DTensor forbids mixing Partial reduce ops on one tensor
+        if not (mixable(src) and mixable(dst)):
+            continue
         for g in grads_for(dst):
             yield Case(tuple(mesh_shape), tuple(shape), ",".join(src), ",".join(dst), g, dtype)
+
+
+def mixable(placements: Sequence[str]) -> bool:
+    """Whether a list of canonical placement strings is ``Partial`` with one reduce op or only sum/avg (see
+    :func:`tplower.placements.check_reduce_ops`)."""
+    ops = {p[2:-1] for p in placements if p.startswith("P(")}
+    return len(ops) <= 1 or ops <= set(LINEAR_REDUCE_OPS)
 
 
 def summarize(results: Sequence[Sequence[CaseResult]]) -> dict[str, int]:
@@ -309,7 +379,7 @@ def random_cases(seed: int, count: int, mesh_shape: Sequence[int],
                  dtypes: Sequence[str] = ("float32", "float64", "bfloat16")) -> list[Case]:
     """``count`` random cases on ``mesh_shape`` from a fixed ``seed``: placements, shapes (dims 0..9), grads, dtypes.
 
-    One reduce op per case (mixing is refused by DTensor and tplower alike).
+    One reduce op per case (mixes of sum and avg are checked by ``tests/test_mixed_partials.py``).
     """
     import random
 

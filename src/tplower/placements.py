@@ -14,6 +14,14 @@ Canonical strings (the form :func:`format_placement` writes and
 A whole mesh is a comma list (``"S(0),R"``), a sequence of placements or
 strings, or a mapping from mesh axis name to placement
 (``{"tp": "S(1)", "dp": "R"}``) in which a missing axis means ``R``.
+
+One tensor may be ``Partial`` on several mesh axes. Its value is the
+reduction over each of those axes in turn; that is one value whatever the
+order only when the reductions commute, so the reduce ops may differ
+between axes only within :data:`LINEAR_REDUCE_OPS` (``sum`` and ``avg``
+are both linear: ``P(avg),P(sum)`` is the sum over one axis of the mean
+over the other, either way round). :func:`check_reduce_ops` refuses any other
+mix, as DTensor does (``assert_no_mixed_partial_types`` in torch 2.13).
 """
 
 from __future__ import annotations
@@ -25,12 +33,15 @@ from typing import TypeAlias
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from .argcheck import check_int, check_names, check_placement_seq, describe
 from .errors import TPLowerError
 
 __all__ = [
+    "LINEAR_REDUCE_OPS",
     "REDUCE_OPS",
     "PlacementLike",
     "PlacementsLike",
+    "check_reduce_ops",
     "format_placement",
     "format_placements",
     "parse_placement",
@@ -41,6 +52,8 @@ __all__ = [
 #: Reduce ops of ``Partial`` that tplower accepts (``torch.distributed.ReduceOp``
 #: names as DTensor spells them).
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+#: The reduce ops that commute with each other (both linear), so one tensor may mix them across mesh axes.
+LINEAR_REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
 
 PlacementLike: TypeAlias = Placement | str
 PlacementsLike: TypeAlias = str | Sequence[PlacementLike] | Mapping[str, PlacementLike]
@@ -50,12 +63,13 @@ _PARTIAL_RE = re.compile(r"P\(([a-z]+)\)")
 _ALLOWED = "'R', 'S(d)' with an integer d, or 'P(op)' with op in sum|avg|max|min"
 
 
-def parse_placement(text: PlacementLike) -> Placement:
+def parse_placement(text: PlacementLike, *, arg: str = "placement") -> Placement:
     """Parse one canonical placement string (``R``, ``S(d)``, ``P(op)``).
 
     Args:
         text: a canonical string, or a ``Shard``/``Replicate``/``Partial``,
             which is returned unchanged.
+        arg: the argument name used in error messages.
 
     Returns:
         The PyTorch placement object.
@@ -68,7 +82,7 @@ def parse_placement(text: PlacementLike) -> Placement:
     if isinstance(text, Placement):
         return text
     if not isinstance(text, str):
-        raise TypeError(f"placement must be a str or a Placement, got {type(text).__name__}: {text!r}")
+        raise TypeError(f"{arg} must be a str or a Placement (strings: {_ALLOWED}), got {describe(text)}")
     s = text.strip()
     if s == "R":
         return Replicate()
@@ -79,9 +93,9 @@ def parse_placement(text: PlacementLike) -> Placement:
     if m:
         op = m.group(1)
         if op not in REDUCE_OPS:
-            raise TPLowerError(f"placement {text!r}: reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+            raise TPLowerError(f"{arg}={text!r}: reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         return Partial(op)
-    raise TPLowerError(f"placement {text!r} is not valid; allowed: {_ALLOWED}")
+    raise TPLowerError(f"{arg}={text!r} is not a valid placement; allowed: {_ALLOWED}")
 
 
 def format_placement(p: Placement) -> str:
@@ -96,12 +110,38 @@ def format_placement(p: Placement) -> str:
         return "R"
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
-    raise TypeError(f"placement must be Shard, Replicate or Partial, got {p!r}")
+    raise TypeError(f"format_placement: p must be a Shard, Replicate or Partial, got {describe(p)}")
 
 
 def format_placements(placements: Sequence[Placement]) -> str:
-    """Canonical comma list of a whole mesh's placements, e.g. ``S(0),R``."""
-    return ",".join(format_placement(p) for p in placements)
+    """Canonical comma list of a whole mesh's placements, e.g. ``S(0),R``.
+
+    Raises:
+        TypeError: ``placements`` is not a sequence of Shard/Replicate/Partial.
+    """
+    ps = check_placement_seq(placements, "placements", "format_placements")
+    return ",".join(format_placement(p) for p in ps)
+
+
+def check_reduce_ops(placements: Sequence[Placement], arg: str = "placements") -> None:
+    """Refuse a tensor that is ``Partial`` with reduce ops whose order across mesh axes changes its value.
+
+    Several axes may hold ``Partial`` with one reduce op, or with a mix of
+    :data:`LINEAR_REDUCE_OPS` (``sum`` and ``avg`` commute); DTensor accepts
+    exactly these mixes.
+
+    Raises:
+        TPLowerError: a mix that includes ``max`` or ``min`` (with each other
+            or with ``sum``/``avg``); the message names ``arg`` and says why.
+    """
+    ops = sorted({p.reduce_op for p in placements if isinstance(p, Partial)})
+    if len(ops) > 1 and not set(ops) <= set(LINEAR_REDUCE_OPS):
+        raise TPLowerError(
+            f"{arg}={format_placements(placements)!r} mixes Partial reduce ops {ops}: "
+            f"{' and '.join(o for o in ops if o not in LINEAR_REDUCE_OPS)} does not commute with the other "
+            "reductions, so the tensor's value would depend on the order its mesh axes are reduced in and has no "
+            "single meaning; only sum and avg may be mixed across axes (both are linear), as in DTensor. "
+            "Reduce the max/min axes to R first")
 
 
 def _split_list(text: str) -> list[str]:
@@ -141,6 +181,10 @@ def parse_placements(
             shard dim out of range.
         TypeError: ``spec`` is of an unsupported type.
     """
+    if mesh_dim_names is not None:
+        mesh_dim_names = check_names(mesh_dim_names, "mesh_dim_names", "parse_placements")
+    check_int(ndim, "ndim", "parse_placements", optional=True)
+    check_int(tensor_ndim, "tensor_ndim", "parse_placements", optional=True)
     if ndim is None and mesh_dim_names is not None:
         ndim = len(mesh_dim_names)
     if isinstance(spec, Mapping):
@@ -150,13 +194,14 @@ def parse_placements(
         for name in spec:
             if name not in names:
                 raise TPLowerError(f"{arg}: mesh axis {name!r} is not in the mesh; the mesh's axes are {names}")
-        out = tuple(parse_placement(spec[n]) if n in spec else Replicate() for n in names)
+        out = tuple(parse_placement(spec[n], arg=f"{arg}[{n!r}]") if n in spec else Replicate() for n in names)
     elif isinstance(spec, str):
-        out = tuple(parse_placement(part) for part in _split_list(spec))
-    elif isinstance(spec, Sequence):
-        out = tuple(parse_placement(p) for p in spec)
+        out = tuple(parse_placement(part, arg=arg) for part in _split_list(spec))
+    elif isinstance(spec, Sequence) and not isinstance(spec, bytes):
+        out = tuple(parse_placement(p, arg=f"{arg}[{i}]") for i, p in enumerate(spec))
     else:
-        raise TypeError(f"{arg} must be a str, a sequence or a mapping of placements, got {type(spec).__name__}")
+        raise TypeError(f"{arg} must be a str (e.g. 'S(0),R'), a sequence or a mapping of placements, "
+                        f"got {describe(spec)}")
     if ndim is not None and len(out) != ndim:
         raise TPLowerError(
             f"{arg}={format_placements(out)!r} has {len(out)} placement(s) but the mesh has {ndim} axis(es)"
@@ -185,5 +230,9 @@ def replicate_partials(placements: Sequence[Placement]) -> tuple[Placement, ...]
     of a partial sum is the full gradient on every rank; DTensor's
     ``to_local`` default in torch 2.13) and the placement a gradient is
     moved back to in backward (DTensor's ``Redistribute.backward`` rule).
+
+    Raises:
+        TypeError: ``placements`` is not a sequence of Placement objects.
     """
+    placements = check_placement_seq(placements, "placements", "replicate_partials")
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)

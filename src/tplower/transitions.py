@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from .argcheck import check_placement, check_placement_seq, check_shape
 from .errors import TPLowerError
-from .placements import REDUCE_OPS, format_placement, format_placements, replicate_partials
+from .placements import REDUCE_OPS, check_reduce_ops, format_placement, format_placements, replicate_partials
 
 __all__ = [
     "KINDS",
@@ -172,8 +173,11 @@ def classify_axis(src: Placement, dst: Placement) -> tuple[str, int | None, int 
         TPLowerError: ``P(x) -> P(y)`` with ``x != y``, a reduce op outside
             :data:`REDUCE_OPS`, or a placement that is not Shard, Replicate
             or Partial.
+        TypeError: ``src`` or ``dst`` is not a ``Placement`` object (a
+            string: parse it with :func:`~tplower.parse_placement`).
     """
-    for p in (src, dst):
+    for name, p in (("src", src), ("dst", dst)):
+        check_placement(p, name, "classify_axis")
         if not isinstance(p, Shard | Replicate | Partial):
             raise TPLowerError(f"placement {p!r} is not Shard, Replicate or Partial; tplower cannot lower it")
         if isinstance(p, Partial) and p.reduce_op not in REDUCE_OPS:
@@ -300,8 +304,12 @@ def plan_steps(src: Sequence[Placement], dst: Sequence[Placement], global_shape:
 
     Raises:
         TPLowerError: a pair the table has no lowering for (see :func:`classify_axis`).
+        TypeError: placements that are not sequences of ``Placement``, or
+            shapes and coordinates that are not sequences of ints.
     """
-    gshape = tuple(global_shape)
+    src, dst = check_placement_seq(src, "src", "plan_steps"), check_placement_seq(dst, "dst", "plan_steps")
+    gshape = check_shape(global_shape, "global_shape", "plan_steps")
+    mesh_shape, coord = check_shape(mesh_shape, "mesh_shape", "plan_steps"), check_shape(coord, "coord", "plan_steps")
     logical = _logical_shapes(gshape, src, mesh_shape, coord)
     cur = list(src)
     shape = local_shape(gshape, cur, mesh_shape, coord)
@@ -364,17 +372,27 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement], global_s
 
     Raises:
         TPLowerError: an unlowerable pair, a shard dim outside ``global_shape``,
-            a placement count unlike the mesh's, or a ``grad`` that shards other
-            dims than the output (the gradient must have the output's local
-            shape on every rank).
+            a placement count unlike the mesh's, a ``coord`` outside the mesh,
+            a tensor that mixes ``max``/``min`` Partials with other reduce ops
+            (:func:`~tplower.placements.check_reduce_ops`), or a ``grad`` that
+            shards other dims than the output (the gradient must have the
+            output's local shape on every rank).
+        TypeError: placements that are not sequences of ``Placement``, or
+            shapes and coordinates that are not sequences of ints.
     """
-    src, dst = tuple(src), tuple(dst)
-    grad = replicate_partials(dst) if grad is None else tuple(grad)
-    gshape = tuple(global_shape)
+    func = "plan_transition"
+    src, dst = check_placement_seq(src, "src", func), check_placement_seq(dst, "dst", func)
+    grad = replicate_partials(dst) if grad is None else check_placement_seq(grad, "grad", func)
+    gshape = check_shape(global_shape, "global_shape", func)
+    mesh_shape, coord = check_shape(mesh_shape, "mesh_shape", func), check_shape(coord, "coord", func)
+    if len(coord) != len(mesh_shape) or any(c >= n for c, n in zip(coord, mesh_shape, strict=False)):
+        raise TPLowerError(f"coord={coord} is not a coordinate of a mesh of shape {mesh_shape}: give one index "
+                           f"per axis, each in 0..size-1")
     for name, ps in (("src", src), ("dst", dst), ("grad", grad)):
         if len(ps) != len(mesh_shape):
             raise TPLowerError(f"{name}={format_placements(ps)!r} has {len(ps)} placements for a "
                                f"{len(mesh_shape)}-axis mesh")
+        check_reduce_ops(ps, name)
         for p in ps:
             if isinstance(p, Shard) and not 0 <= p.dim < len(gshape):
                 raise TPLowerError(f"{name}={format_placements(ps)!r}: shard dim {p.dim} is not in "
