@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .collectives import _all_gather_base
-from .errors import TPLowerError
+from .errors import TPLowerError, TPLowerTypeError
 
 __all__ = ["AGREED_FIELDS", "check_agreement", "debug_enabled"]
 
@@ -42,20 +42,29 @@ def _digest(record: dict[str, Any]) -> int:
 
 
 def check_agreement(record: dict[str, Any], group: ProcessGroup | None,
-                    device: torch.device | str = "cpu") -> None:
+                    device: torch.device | str = "cpu", *, where: str | None = None,
+                    hint: str = "uneven shards need global_shape=") -> None:
     """Exchange ``record`` over ``group``; raise on every rank if the ranks disagree.
 
     Args:
-        record: this rank's description: ``rank``, the :data:`AGREED_FIELDS`
-            and ``error`` (a message, or ``None``).
+        record: this rank's description: ``rank``, the :data:`AGREED_FIELDS`,
+            ``error`` (a message, or ``None``) and optionally ``type_error``
+            (whether that error was a ``TypeError``) and ``local_shape``
+            (compared only to name the dims whose local sizes differ when
+            ``global_shape`` differs).
         group: the process group spanning the mesh (``None``: the default group).
         device: where the small digest tensor lives (the data's device, so
             NCCL groups get a CUDA tensor).
+        where: what is being moved (``module 'up', input '0'``), put first
+            in the message.
+        hint: the fix for local sizes that differ (uneven shards).
 
     Raises:
         TPLowerError: on every rank alike, when any rank reported an error
             or any agreed field differs; the message lists each differing
             field with the ranks holding each value, then each rank's error.
+            A :class:`~tplower.errors.TPLowerTypeError` (also a ``TypeError``)
+            when any rank's error was a ``TypeError``.
     """
     size = dist.get_world_size(group)
     mine = torch.tensor([_digest(record), int(record["error"] is not None)], dtype=torch.int64, device=device)
@@ -73,6 +82,26 @@ def check_agreement(record: dict[str, Any], group: ProcessGroup | None,
             by_value[repr(r[field])].append(r["rank"])
         if len(by_value) > 1:
             problems.append(f"{field} differs: " + "; ".join(f"{v} on ranks {rs}" for v, rs in by_value.items()))
+            if field == "global_shape":
+                problems += _local_sizes(records, hint)
     problems += [f"rank {r['rank']}: {r['error']}" for r in records if r["error"]]
     if problems:
-        raise TPLowerError("ranks disagree before the collective (debug check):\n  " + "\n  ".join(problems))
+        cls = TPLowerTypeError if any(r.get("type_error") for r in records) else TPLowerError
+        head = "ranks disagree before the collective (debug check):\n  "
+        raise cls((f"{where}: " if where else "") + head + "\n  ".join(problems))
+
+
+def _local_sizes(records: list[Any], hint: str) -> list[str]:
+    """One line per tensor dim whose local size differs across ranks (when every rank's ndim agrees)."""
+    shapes = [r.get("local_shape") for r in records]
+    if any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
+        return []
+    lines = []
+    for d in range(len(shapes[0])):
+        by_size: dict[int, list[int]] = defaultdict(list)
+        for r, s in zip(records, shapes, strict=True):
+            by_size[s[d]].append(r["rank"])
+        if len(by_size) > 1:
+            sizes = "; ".join(f"{v} on ranks {rs}" for v, rs in by_size.items())
+            lines.append(f"local size of dim {d} differs: {sizes} ({hint})")
+    return lines
