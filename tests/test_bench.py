@@ -43,6 +43,8 @@ def test_tiny_bench_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.C
     assert all(len(r["samples_us"]) == 2 for r in data["micro"])
     assert {r["impl"] for r in data["fake"]} >= {"tplower", "megatron", "funcol", "dtensor"}
     assert {r["impl"] for r in data["memory"]} == {"raw", "tplower", "dtensor"}
+    assert [r["case"] for r in data["plan_cache"]] == ["S(0)->R", "P(sum)->S(0)"]  # miss next to hit, per case
+    assert all(r["miss_us"] and r["hit_us"] for r in data["plan_cache"]) and "| transition | miss µs" in text
     assert (out / "bench.md").read_text().startswith("# tplower bench")
     for name in ("latency_fwd.png", "latency_fwd_bwd.png", "overhead.png"):
         assert (out / name).stat().st_size > 1000

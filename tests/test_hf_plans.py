@@ -8,6 +8,7 @@ threaded group and compares its output and every parameter gradient (whole,
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import pytest
@@ -171,15 +172,64 @@ class _Experts(nn.Module):
 def _refusals(rank: int, world: int) -> list[str]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     msgs = []
-    for plan in ({"experts": "moe_tp_experts"}, {"kv_a_proj": "mla_kv_a_proj"}, {"experts": "packed_rowwise"}):
+    for plan in ({"experts": "moe_tp_experts"}, {"experts": "packed_rowwise"}):
         with pytest.raises(TPLowerError) as exc:
             parallelize(_Experts(), mesh, plan)
         msgs.append(str(exc.value))
     return msgs
 
 
-def test_moe_and_mla_styles_are_refused_naming_style_and_module() -> None:
+def test_moe_styles_are_refused_naming_style_and_module() -> None:
     msgs = run_threaded(2, _refusals)[0]
     assert "'experts'" in msgs[0] and "'moe_tp_experts'" in msgs[0] and "expert parallelism" in msgs[0]
-    assert "'kv_a_proj'" in msgs[1] and "'mla_kv_a_proj'" in msgs[1]
-    assert "'packed_rowwise'" in msgs[2]
+    assert "'packed_rowwise'" in msgs[1]
+
+
+class _LatentAttention(nn.Module):
+    """Multi-head latent attention in small: kv_a_proj's rotary tail meets this rank's query heads directly."""
+
+    config = types.SimpleNamespace(qk_rope_head_dim=2)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_a_proj = nn.Linear(8, 6 + 2)
+        self.kv_b_proj, self.q_proj, self.o_proj = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k_pass, k_rope = self.kv_a_proj(x).split([6, 2], dim=-1)
+        k = self.kv_b_proj(k_pass).view(*x.shape[:-1], -1, 2)  # this rank's heads of 2 dims
+        q = self.q_proj(x).view(*x.shape[:-1], -1, 2)
+        return self.o_proj((q * (k + k_rope[..., None, :])).flatten(-2))
+
+
+_MLA = {"kv_b_proj": "colwise", "q_proj": "colwise", "o_proj": "rowwise"}
+
+
+def test_mla_kv_a_proj_reduces_the_gradient_of_the_rotary_tail() -> None:
+    torch.manual_seed(5)
+    ref = _LatentAttention()
+    x = {"x": torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(9))}
+    diffs = run_threaded(2, _compare, ref, {**_MLA, "kv_a_proj": "mla_kv_a_proj"}, x)[0]
+    assert max(diffs.values()) < 1e-5, diffs
+    ref.zero_grad()
+    without = run_threaded(2, _compare, ref, _MLA, x)[0]  # the same plan without it: kv_a_proj's gradient is wrong
+    assert without["out"] < 1e-5 and without["kv_a_proj.weight"] > 1e-3, without
+
+
+class _ScaledHead(nn.Linear):
+    """An lm_head with a per-output parameter of its own (as Dory's): colwise shards it with the weight rows."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 6, bias=False)
+        self.logit_scale = nn.Parameter(torch.rand(6, generator=torch.Generator().manual_seed(7)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.logit_scale
+
+
+def test_colwise_shards_a_module_s_other_parameters_with_its_rows() -> None:
+    torch.manual_seed(4)
+    ref = nn.Sequential(_ScaledHead())
+    x = {"input": torch.randn(2, 8, generator=torch.Generator().manual_seed(8))}
+    diffs = run_threaded(2, _compare, ref, {"0": "colwise_gather_output"}, x)[0]
+    assert max(diffs.values()) < 1e-6, diffs

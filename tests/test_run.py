@@ -84,9 +84,13 @@ def test_llama_tiny_matches_one_process(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     # the DCP checkpoint reloaded into the unparallelized model computes the parallel model's outputs
     assert report["diffs"]["tplower"]["checkpoint"] <= 1e-5 and (ckpt / ".metadata").exists()
-    # transformers' own base_model_tp_plan for Llama: 7 entries, 2 layers
-    assert len(report["plan"]) == 7 and all(k.startswith("model.layers.*.") for k in report["plan"])
-    assert len(report["boundaries"]) == 14
+    # transformers' own plan of LlamaForCausalLM ("auto"): 7 layer entries, the embedding and the lm_head
+    assert len(report["plan"]) == 9 and sum(k.startswith("model.layers.*.") for k in report["plan"]) == 7
+    assert report["plan"]["lm_head"] == "colwise_gather_output"
+    assert report["plan"]["model.embed_tokens"] == "embedding_rowwise"
+    # 2 layers x (q, k, v inputs; o output; gate, up inputs; down output), the embedding's output and
+    # lm_head's input (partial gradient) and output (gathered)
+    assert len(report["boundaries"]) == 17
     model, _ = load_model(LLAMA_TINY)
     with torch.no_grad():
         loss = training_loss("causal_lm", model, make_batch(LLAMA_TINY, None, sentences()))
@@ -190,7 +194,13 @@ def test_built_in_sentences_pair_up() -> None:
     (RunConfig(world=2, tp=2, dp=2), r"--tp 2 x --dp 2 = 4 ranks, but the run has 2"),
     (RunConfig(model="gpt-5"), r"--model 'gpt-5' is not a model tplower run knows; choose one of"),
     (RunConfig(texts=("a", "b", "c"), world=2, tp=1, dp=2), r"give more sentences \(--input\) or a smaller --dp"),
-], ids=["kind", "no-dtensor-style", "mesh-size", "model", "too-few-pairs"])
+    (RunConfig(steps=0), r"--steps 0: tplower run checks training against one process .* needs at least 1 step"),
+    (RunConfig(steps=-2), r"--steps -2 must be at least 1"),
+    (RunConfig(lr=0.0), r"--lr 0 must be a finite number greater than 0"),
+    (RunConfig(tolerance=float("nan")), r"--tolerance nan must be a finite number of at least 0"),
+    (RunConfig(timeout=-1.0), r"--timeout -1 must be a finite number greater than 0"),
+], ids=["kind", "no-dtensor-style", "mesh-size", "model", "too-few-pairs", "no-steps", "negative-steps", "lr",
+        "tolerance", "timeout"])
 def test_config_errors_before_any_process(cfg: RunConfig, message: str) -> None:
     with pytest.raises(RunError, match=message):
         check_config(cfg)

@@ -7,7 +7,8 @@ and backward, on plain local tensors.
 from __future__ import annotations
 
 from .boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
-from .errors import TPLowerError
+from .cache import set_cache_size
+from .errors import TPLowerError, TPLowerTypeError
 from .lowering import (
     TPCollectiveLowerer,
     TPExecutionOp,
@@ -36,6 +37,7 @@ __all__ = [
     "TPCollectiveLowerer",
     "TPExecutionOp",
     "TPLowerError",
+    "TPLowerTypeError",
     "TPOperators",
     "TransitionPlan",
     "__version__",
@@ -55,4 +57,5 @@ __all__ = [
     "plan_transition",
     "redistribute_local",
     "replicate_partials",
+    "set_cache_size",
 ]

@@ -8,7 +8,9 @@ Phases (each optional, all written to one JSON file with every sample):
   the launcher's ranks under ``torchrun``, NCCL on GPUs). A sample is the
   mean of ``inner`` back-to-back calls, in microseconds, timed on rank 0.
 * ``fake``: the same calls on the ``fake`` backend (no data moves) in one
-  process: CPU dispatch overhead alone, microseconds per call.
+  process: CPU dispatch overhead alone, microseconds per call; and the cost
+  of a plan-cache miss (planning and binding one transition) next to a hit,
+  with the memory one cached program holds (:func:`plan_cache_rows`).
 * ``memory``: extra bytes one call allocates, forward and backward, for
   tplower and DTensor (torch profiler memory events on CPU,
   ``torch.cuda.max_memory_allocated`` on GPU).
@@ -36,10 +38,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .bench_cases import CASES, IMPLS, SIZES, Case, build, describe, dtensor_leaf, raw_call, setup
+from .cache import cache_size
 from .conformance import quiet_dtensor_logs
+from .quiet import filtered_stderr
+from .redistribute import MeshLowerer, mesh_lowerer
 from .testing import run_processes
 
-__all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "run_bench", "summarize"]
+__all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "plan_cache_rows", "run_bench",
+           "summarize"]
 
 #: Phases ``tplower bench`` can run.
 PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model")
@@ -65,6 +71,8 @@ class BenchConfig:
         phases: subset of :data:`PHASES`.
         device: ``cpu`` or ``cuda``.
         model_steps: timed rounds of the model phase.
+        compile_backend: also time ``torch.compile`` of tplower's and
+            ``parallelize_module``'s model with this backend (``None``: eager only).
         multi_axis_only_at: worlds whose micro phase runs only the
             multi-axis cases (the quick preset covers the 1-D ones at world 2).
         timeout: seconds for each spawned group of ranks.
@@ -84,6 +92,7 @@ class BenchConfig:
     phases: tuple[str, ...] = PHASES
     device: str = "cpu"
     model_steps: int = 10
+    compile_backend: str | None = None
     multi_axis_only_at: tuple[int, ...] = ()
     timeout: float = 900.0
 
@@ -110,6 +119,11 @@ def _check(cfg: BenchConfig) -> None:
             raise ValueError(f"{name}={wrong} are unknown; allowed: {', '.join(allowed)}")
     if any(w < 2 for w in cfg.worlds):
         raise ValueError(f"worlds={cfg.worlds}: every world size must be at least 2")
+    for nbytes in cfg.sizes:
+        for w in cfg.worlds:
+            if nbytes < 1 or nbytes % (4 * w * w):
+                raise ValueError(f"sizes: {nbytes} B does not split into a float32 [a, b] tensor with a and b "
+                                 f"divisible by world {w}; give multiples of {4 * w * w} B (e.g. 1KiB, 64KiB, 4MiB)")
     if cfg.reps < 1 or cfg.warmup < 0:
         raise ValueError(f"reps={cfg.reps} must be >= 1 and warmup={cfg.warmup} >= 0")
     if cfg.device not in ("cpu", "cuda"):
@@ -205,7 +219,10 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, obj
     CPU: the running sum of the torch profiler's memory events
     (``profile_memory=True``; its allocation timeline where available),
     ordered by time; CUDA:
-    ``max_memory_allocated`` above what was allocated before.
+    ``max_memory_allocated`` above what was allocated before. The
+    profiler's own status lines (``profiler_start``/``profiler_stop``, two
+    per call) are kept off the terminal (:func:`tplower.quiet.filtered_stderr`);
+    everything else on stderr passes.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -216,14 +233,16 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, obj
         return int(torch.cuda.max_memory_allocated(device) - base), out
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        out = fn()
-    try:  # exact: every allocation and free, in order (the profiler's memory timeline)
-        timeline = prof._memory_profile().timeline
-        deltas = [(t, size if action.name == "CREATE" else -size) for t, action, _, size in timeline
-                  if action.name in ("CREATE", "DESTROY") and t >= 0]
-    except (AttributeError, RuntimeError, ValueError):  # coarser: each op's own net bytes at its start
-        deltas = [(ev.time_range.start, int(ev.self_cpu_memory_usage)) for ev in prof.events()]
+    with filtered_stderr():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            out = fn()
+        try:  # exact: every allocation and free, in order (the profiler's memory timeline)
+            timeline = prof._memory_profile().timeline
+            deltas = [(t, size if action.name == "CREATE" else -size) for t, action, _, size in timeline
+                      if action.name in ("CREATE", "DESTROY") and t >= 0]
+        except (AttributeError, RuntimeError, ValueError):  # coarser: each op's own net bytes at its start
+            deltas = [(ev.time_range.start, int(ev.self_cpu_memory_usage)) for ev in prof.events()]
     running = peak = 0
     for _, delta in sorted(deltas, key=lambda d: d[0]):
         running += delta
@@ -335,6 +354,52 @@ def fake_rank(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def plan_cache_rows(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Per transition, the cost of a plan-cache miss next to a hit, on the ``fake`` backend (already initialised).
+
+    A miss is :meth:`~tplower.redistribute.MeshLowerer.program` with the
+    program dropped from the cache first (planning and binding one
+    transition, as a new local shape or an evicted entry costs); a hit is
+    the same call with the program cached. Both run interleaved,
+    ``cfg.fake_calls`` calls per sample, microseconds per call.
+
+    Returns:
+        Rows of world, case, ``miss_us`` and ``hit_us`` (samples),
+        ``program_kib`` (Python memory one program holds, from
+        ``tracemalloc`` over 200 builds) and ``cache_size`` (the bound).
+    """
+    import tracemalloc
+
+    meshes = _meshes(cfg.fake_world, "cpu")
+    rows: list[dict[str, Any]] = []
+    for case in _cases_for(cfg, cfg.fake_world):
+        calls = _miss_and_hit(mesh_lowerer(meshes[case.mesh_shape(cfg.fake_world)]), case.src, case.dst)
+        got = interleave(calls, cfg.fake_reps, cfg.warmup, cfg.fake_calls, torch.device("cpu"))
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [calls["miss"]() for _ in range(200)]
+        per_program = (tracemalloc.get_traced_memory()[0] - before) / len(kept) / 1024
+        tracemalloc.stop()
+        rows.append({"world": cfg.fake_world, "case": case.name, "miss_us": got["miss"], "hit_us": got["hit"],
+                     "program_kib": per_program, "cache_size": cache_size()})
+    return rows
+
+
+def _miss_and_hit(lowerer: MeshLowerer, src: str, dst: str) -> dict[str, Callable[[], object]]:
+    shape = (64, 16)
+
+    def miss() -> object:
+        lowerer._cache.clear()  # as if evicted: the next call plans and binds again
+        return lowerer.program(src, dst, shape, "cpu")
+
+    return {"miss": miss, "hit": lambda: lowerer.program(src, dst, shape, "cpu")}
+
+
+def _fake_phase(rank: int, world: int, cfg: BenchConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    rows = fake_rank(rank, world, cfg)
+    return rows, plan_cache_rows(cfg)
+
+
 # ---- driver -------------------------------------------------------------------------------------
 
 
@@ -362,6 +427,7 @@ class BenchResult:
     meta: dict[str, Any]
     micro: list[dict[str, Any]] = field(default_factory=list)
     fake: list[dict[str, Any]] = field(default_factory=list)
+    plan_cache: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     model: list[dict[str, Any]] = field(default_factory=list)
     rss: dict[str, Any] = field(default_factory=dict)
@@ -406,12 +472,13 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
             res.micro += got["micro"]
             res.memory += got["memory"]
     if "fake" in cfg.phases:
-        progress("fake backend: dispatch overhead")
-        res.fake = run_processes(1, fake_rank, cfg, timeout=cfg.timeout)[0]
+        progress("fake backend: dispatch overhead, plan cache miss and hit")
+        res.fake, res.plan_cache = run_processes(1, _fake_phase, cfg, timeout=cfg.timeout)[0]
     if "model" in cfg.phases:
         from .bench_model import model_phase
 
-        res.model, res.rss = model_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
+        res.model, res.rss = model_phase(cfg.model_steps, timeout=cfg.timeout, compile_backend=cfg.compile_backend,
+                                         progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

@@ -132,8 +132,14 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def model_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict[str, Any]]:
+def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
+               compile_backend: str | None = None) -> list[dict[str, Any]]:
     """Time forward and training step of the four copies on this rank (``tp = world``); rank 0 returns rows.
+
+    With ``compile_backend`` (e.g. ``"inductor"``), also ``tplower_compiled``
+    and ``dtensor_compiled``: ``torch.compile`` of those two copies (sharing
+    their parameters and optimizers), timed in the same rounds; the warm-up
+    round compiles them.
 
     Rows: ``model``, ``tp``, ``variant``, ``forward_ms`` and
     ``train_step_ms`` (medians) and their samples.
@@ -155,6 +161,10 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict
     parallelize_dtensor(models["dtensor"], mesh, MINILM_TP_PLAN)
     models["megatron"] = megatronize(load_model(MINILM)[0], MINILM_TP_PLAN, mesh.get_group("tp"))
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    if compile_backend is not None:
+        for key in ("tplower", "dtensor"):
+            models[f"{key}_compiled"] = torch.compile(models[key], backend=compile_backend)  # type: ignore[assignment]
+            opts[f"{key}_compiled"] = opts[key]
     batch = make_batch(MINILM, tok, sentences()[:16])
 
     def forward(key: str) -> Callable[[], object]:
@@ -301,9 +311,10 @@ def rss_phase(tp: int = 2, timeout: float = 600.0) -> dict[str, Any]:
             "one": one, "ranks": ranks}
 
 
-def model_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0,
+def model_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0, compile_backend: str | None = None,
                 progress: Callable[[str], None] = lambda _: None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Model timing rows (:func:`model_rank`) and the RSS figures (:func:`rss_phase`).
+    """Model timing rows (:func:`model_rank`, compiled rows with ``compile_backend``) and the RSS figures
+    (:func:`rss_phase`).
 
     Raises:
         tplower.models.MissingPackageError: transformers or the MiniLM
@@ -313,6 +324,6 @@ def model_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0,
 
     model_spec(MINILM)  # a clear error naming the package, before any process starts
     progress(f"model: {MINILM} step time, tp={tp}")
-    rows = run_processes(tp, model_rank, rounds, timeout=timeout)[0]
+    rows = run_processes(tp, model_rank, rounds, 1, compile_backend, timeout=timeout)[0]
     progress("model: resident memory per rank")
     return rows, rss_phase(tp, timeout=timeout)

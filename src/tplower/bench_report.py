@@ -16,8 +16,8 @@ from typing import Any
 from .bench import BenchResult, summarize
 from .bench_cases import IMPLS, size_label
 
-__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "rss_table",
-           "target_lines", "write_plots"]
+__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "plan_cache_table",
+           "rss_table", "target_lines", "write_plots"]
 
 _COLOR = {"raw": "tab:blue", "tplower": "tab:orange", "seed_op": "tab:green", "megatron": "tab:purple",
           "funcol": "tab:brown", "dtensor": "tab:red"}
@@ -88,6 +88,17 @@ def fake_table(res: BenchResult) -> list[str]:
     return lines
 
 
+def plan_cache_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the plan cache: a miss (plan and bind one transition) next to a hit, µs per call."""
+    head = ["transition", "miss µs (plan + bind)", "hit µs (lookup)", "miss/hit", "KiB per program"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res.plan_cache:
+        miss, hit = summarize(r["miss_us"])["median"], summarize(r["hit_us"])["median"]
+        lines.append(f"| `{r['case']}` | {_fmt_us(miss)} | {hit:.2f} | {f'{miss / hit:.0f}' if hit else '-'} | "
+                     f"{r['program_kib']:.1f} |")
+    return lines
+
+
 def memory_table(res: BenchResult) -> list[str]:
     """Markdown rows of the per-op memory phase (MiB)."""
     head = ["transition", "impl", "out MiB", "fwd peak MiB", "fwd target MiB", "bwd peak MiB", "bwd target MiB",
@@ -152,6 +163,13 @@ def target_lines(res: BenchResult) -> list[str]:
     if nograd:
         out.append("- calls without grad skip autograd: tplower fwd (no grad) vs fwd (grad) µs: " +
                    ", ".join(f"`{c}` {a:.1f} vs {b:.1f}" for a, b, c in sorted(nograd, key=lambda t: t[2])))
+    if res.plan_cache:
+        miss = sorted(summarize(r["miss_us"])["median"] for r in res.plan_cache)
+        hit = sorted(summarize(r["hit_us"])["median"] for r in res.plan_cache)
+        kib = max(r["program_kib"] for r in res.plan_cache)
+        out.append(f"- plan cache (bound {res.plan_cache[0]['cache_size']} programs per cache): a miss costs "
+                   f"{_fmt_us(miss[0])}-{_fmt_us(miss[-1])} µs, a hit {hit[0]:.2f}-{hit[-1]:.2f} µs; a program "
+                   f"holds up to {kib:.1f} KiB, so a full cache {kib * res.plan_cache[0]['cache_size'] / 1024:.0f} MiB")
     if res.memory:
         rows = [r for r in res.memory if r["impl"] == "tplower"]
         ok = [r for r in rows if r["fwd_peak"] <= r["fwd_target"] and r["bwd_peak"] <= r["bwd_target"]]
@@ -165,6 +183,12 @@ def target_lines(res: BenchResult) -> list[str]:
             out.append(f"- {model} train step: tplower/hand-written {t['train_step_ms'] / m['train_step_ms']:.3f} "
                        f"(target <= 1.05), DTensor/tplower {d['train_step_ms'] / t['train_step_ms']:.2f} (target > 1); "
                        f"forward tplower/hand-written {t['forward_ms'] / m['forward_ms']:.3f}")
+        tc, dc = by.get((model, "tplower_compiled")), by.get((model, "dtensor_compiled"))
+        if tc and dc:
+            out.append(f"- {model} compiled (torch.compile): train step DTensor/tplower "
+                       f"{dc['train_step_ms'] / tc['train_step_ms']:.2f}, forward DTensor/tplower "
+                       f"{dc['forward_ms'] / tc['forward_ms']:.2f} (tplower {tc['train_step_ms']:.1f} ms, "
+                       f"parallelize_module {dc['train_step_ms']:.1f} ms per step)")
     if res.rss:
         r = res.rss
         out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
@@ -197,6 +221,11 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += ["## Dispatch overhead (fake backend, no data moves)", "",
                   f"World {res.fake[0]['world']}; `fwd` without grad, `fwd_grad` forward of an input that requires "
                   "grad, `fwd_bwd` forward and backward.", "", *fake_table(res), ""]
+    if res.plan_cache:
+        parts += [f"## Plan cache: miss vs hit (fake backend, world {res.plan_cache[0]['world']})", "",
+                  "A miss plans and binds one transition (`MeshLowerer.program` for a new local shape); a hit "
+                  "finds it. KiB per program: Python memory one cached program holds (tracemalloc).", "",
+                  *plan_cache_table(res), ""]
     if res.memory:
         parts += [f"## Memory per call ({size_label(res.memory[0]['size'])} global tensor, "
                   f"world {res.memory[0].get('world', 2)})", "",

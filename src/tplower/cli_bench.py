@@ -20,7 +20,7 @@ from .bench_report import format_markdown, write_plots
 from .errors import TPLowerError
 from .testing import RankFailure
 
-__all__ = ["KEEP_FREED_MEMORY", "add_arguments", "main", "parse_size"]
+__all__ = ["KEEP_FREED_MEMORY", "add_arguments", "main", "parse_size", "parse_worlds"]
 
 #: glibc settings that keep freed memory in the heap instead of a fresh ``mmap`` per large buffer.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
@@ -43,6 +43,20 @@ def parse_size(text: str) -> int:
     return int(digits) * _UNITS[unit]
 
 
+def parse_worlds(text: str) -> tuple[int, ...]:
+    """World sizes of ``--worlds``: ``"2,4"`` -> ``(2, 4)``.
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not a whole number.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if not p.isdigit()]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]!r} is not a whole number; give world sizes of at "
+                                         "least 2, comma separated, e.g. 2,4")
+    return tuple(int(p) for p in parts)
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(";" if "->" in text else ",") if p.strip())
 
@@ -55,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for bench.md, bench.json and the PNG plots (default bench-out)")
     parser.add_argument("--phases", type=_csv, default=None,
                         help=f"comma-separated subset of {','.join(PHASES)} (default all)")
-    parser.add_argument("--worlds", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+    parser.add_argument("--worlds", type=parse_worlds, default=None,
                         help="world sizes of spawned gloo runs (default 2,4)")
     parser.add_argument("--sizes", type=lambda s: tuple(parse_size(x) for x in s.split(",")), default=None,
                         help="global tensor sizes (default 1KiB,64KiB,4MiB,64MiB)")
@@ -67,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="tensor device (cuda: run under torchrun, NCCL)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="model phase: also time torch.compile of tplower's and parallelize_module's model "
+                             "(backend, default inductor; compiling takes minutes on a few CPU cores)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="spawned ranks run with glibc keeping freed memory (no fresh mmap, so no page faults, "
                              "for each large buffer): what a caching allocator gives; see benchmarks/README.md")
@@ -78,7 +95,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
                                  ("cases", args.cases), ("impls", args.impls), ("reps", args.reps)) if v is not None}
     if args.worlds is not None:
         changes["multi_axis_only_at"] = ()
-    return replace(cfg, device=args.device, **changes)
+    return replace(cfg, device=args.device, compile_backend=args.compile, **changes)
 
 
 def main(args: argparse.Namespace) -> int:

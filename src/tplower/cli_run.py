@@ -28,19 +28,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", metavar="FILE", help="sentences, one a line (default: a built-in list)")
     parser.add_argument("--plan", metavar="FILE",
                         help="JSON/YAML mapping module name/glob -> colwise|rowwise (default: the model's plan)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="training steps checked against one process (default 2, at least 1)")
     parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward batch (default 16)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--repeat", type=int, default=5, help="timed repeats; medians are reported (default 5)")
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="largest allowed max abs difference from one process (default 1e-5, float32)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds before a stuck run is ended (default 300)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before a stuck run is ended (default 300; 1200 with --compile, since compiling "
+                             "takes minutes on a few CPU cores)")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="backend of spawned processes (default gloo; torchrun picks NCCL on GPUs)")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="after training, save tplower's model to DIR with torch.distributed.checkpoint, reload "
                              "it into the unparallelized model in one process and compare outputs")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="also torch.compile tplower's model and the one-process reference (backend, default "
+                             "inductor), check the compiled forward against eager and report compiled step times")
     parser.add_argument("--json", metavar="FILE", help="also write the full report to FILE as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--kill-rank", type=int, default=-1, metavar="R",
@@ -61,9 +66,10 @@ def _config(args: argparse.Namespace) -> RunConfig:
     tp = args.tp if args.tp is not None else max(world // dp, 1)
     return RunConfig(model=args.model, world=world, tp=tp, dp=dp, texts=texts_from(args.input),
                      plan=load_plan(args.plan) if args.plan else None, steps=args.steps, batch_size=args.batch_size,
-                     lr=args.lr, repeat=args.repeat, tolerance=args.tolerance, timeout=args.timeout,
+                     lr=args.lr, repeat=args.repeat, tolerance=args.tolerance,
+                     timeout=args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0,
                      backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,
-                     checkpoint=args.checkpoint)
+                     checkpoint=args.checkpoint, compile=args.compile)
 
 
 def main(args: argparse.Namespace) -> int:

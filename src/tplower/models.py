@@ -80,7 +80,7 @@ MINILM_TP_PLAN: dict[str, Any] = {
 #: The small Llama: 2 layers, 8 query heads sharing 4 key/value heads (GQA),
 #: hidden 128, a byte vocabulary (256 bytes + padding id 256).
 LLAMA_TINY_CONFIG: dict[str, Any] = {
-    "vocab_size": 257,
+    "vocab_size": 264,  # 256 byte values and a pad token, rounded up to divide over tp = 2, 4 or 8
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -156,16 +156,23 @@ def _require(packages: Sequence[tuple[str, str]], model: str) -> None:
 
 
 def llama_tiny_plan() -> dict[str, str]:
-    """transformers' own ``LlamaConfig.base_model_tp_plan``, keys prefixed ``model.`` for ``LlamaForCausalLM``.
+    """transformers' own plan of ``LlamaForCausalLM`` (what ``plan="auto"`` applies): its ``tp_plan``.
+
+    The base model's ``base_model_tp_plan`` under ``model.``, plus the
+    vocabulary-parallel embedding (``embedding_rowwise``) and the gathered
+    ``lm_head`` (``colwise_gather_output``). Read from the model built on the
+    meta device (no weights).
 
     Raises:
         MissingPackageError: ``transformers`` is not installed.
     """
     _require((("transformers", "transformers"),), LLAMA_TINY)
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    base = LlamaConfig.base_model_tp_plan or {}
-    return {f"model.{k}": str(v) for k, v in base.items()}
+    from .hf_plans import model_tp_plan
+
+    with torch.device("meta"):
+        return model_tp_plan(LlamaForCausalLM(LlamaConfig(**LLAMA_TINY_CONFIG)))
 
 
 def minilm_folder() -> Path:
@@ -272,7 +279,7 @@ def check_tp(name: str, tp: int) -> None:
         sizes = {"num_attention_heads": cfg["num_attention_heads"], "intermediate_size": cfg["intermediate_size"]}
     else:
         c = LLAMA_TINY_CONFIG
-        sizes = {k: c[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+        sizes = {k: c[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")}
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         ok = [d for d in range(1, max(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]

@@ -22,7 +22,13 @@ older transformers releases (its ``transpose_for_scores``); Llama and BERT
 of recent releases (checked on 5.24) reshape with ``-1`` heads and need none.
 
 Activations' sharded dims must divide evenly over their axes (the global
-shape is inferred as ``n * local``), as must every sharded parameter dim.
+shape is inferred as ``n * local``), unless the entry names the input or
+output in ``uneven``: then the ranks exchange their local sizes each call
+(:mod:`tplower.uneven`) and the shards follow ``torch.chunk``. Under the debug
+check (``TPLOWER_DEBUG=1``) a lowered boundary runs
+:meth:`~tplower.MeshLowerer.checked`, so undeclared uneven sizes raise the same
+error on every rank naming the module, the input or output and the dim.
+Every sharded parameter dim must divide evenly.
 
 Run modes: a ``tp_collective`` or ``region`` boundary runs the bound
 programs of :class:`tplower.MeshLowerer` (direct collectives, no DTensor);
@@ -54,6 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Shard
 
 from . import collectives as C
+from .argcheck import check_mesh
 from .boundaries import (
     BoundaryForm,
     BoundaryOp,
@@ -69,6 +76,7 @@ from .placements import parse_placements, replicate_partials
 from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from .redistribute import MeshLowerer, mesh_lowerer
 from .transitions import global_shape_from_local
+from .uneven import exchanged_global_shape
 
 __all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
 
@@ -87,15 +95,24 @@ class _Move:
     src: Placements
     dst: Placements
     grad: Placements
+    where: str  # for messages: module 'up', input '0'
+    uneven: bool  # named in the entry's ``uneven``: exchange local sizes each call
 
 
-def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
-    return lowerer.program(mv.src, mv.dst, t.shape, t.device.type, grad=mv.grad)(t)
+_Mover = Callable[[torch.Tensor, MeshLowerer, _Move, tuple[int, ...] | None], torch.Tensor]
 
 
-def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move) -> torch.Tensor:
+def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
+    if lowerer.debug:
+        return lowerer.checked(t, mv.src, mv.dst, grad=mv.grad, global_shape=gshape, where=mv.where,
+                               hint=f"uneven shards: name {mv.name!r} in the entry's 'uneven' field")
+    return lowerer.program(mv.src, mv.dst, t.shape, t.device.type, grad=mv.grad, global_shape=gshape)(t)
+
+
+def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
     src, dst, grad = (parse_placements(p, tensor_ndim=t.ndim) for p in (mv.src, mv.dst, mv.grad))
-    gshape = global_shape_from_local(t.shape, src, lowerer.shape)
+    if gshape is None:
+        gshape = global_shape_from_local(t.shape, src, lowerer.shape)
     return lowerer.dtensor_redistribute(t, src=src, dst=dst, grad=grad, gshape=gshape)
 
 
@@ -144,7 +161,8 @@ class _Boundary:
                  params: tuple[tuple[str, ParamLayout], ...] = (), lookup: _Lookup | None = None) -> None:
         self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
         self.lowerer, self.params, self.lookup = lowerer, params, lookup
-        self.move = _lowered if info.mode == "lowered" else _dtensor
+        self.tail, self.tail_axes = 0, tuple[str, ...]()
+        self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
 
     def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
         """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
@@ -168,7 +186,8 @@ class _Boundary:
             return None
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"module {self.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
-        return self.move(value, self.lowerer, mv)
+        gshape = exchanged_global_shape(value, mv.src, self.lowerer, mv.where) if mv.uneven else None
+        return self.move(value, self.lowerer, mv, gshape)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args_l = list(args)
@@ -201,6 +220,14 @@ class _Boundary:
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
         return self._outputs(out, bias)
 
+    def _reduce_tail_grad(self, out: torch.Tensor) -> torch.Tensor:
+        """The last ``tail`` features pass forward unchanged; their gradient is all-reduced in backward."""
+        head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
+        axis = {n: "R" for n in self.lowerer.names}
+        grad = {**axis, **{a: "P(sum)" for a in self.tail_axes}}
+        tail = self.lowerer.program(axis, axis, tail.shape, tail.device.type, grad=grad)(tail)
+        return torch.cat([head, tail], dim=-1)
+
     def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
         is_seq = isinstance(out, tuple | list)
         items = list(out) if is_seq else [out]
@@ -211,6 +238,8 @@ class _Boundary:
             items[mv.slot] = self._apply(items[mv.slot], mv)
         if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
             items[0] = items[0] + bias.to(items[0].dtype)
+        if self.tail:
+            items[0] = self._reduce_tail_grad(items[0])
         if not is_seq:
             return items[0]
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
@@ -236,8 +265,10 @@ def _input_slot(name: str, fwd: Callable[..., Any], where: str) -> tuple[int, st
     return pos, name if p is None else (p.name if p.kind in _KEYWORD else None)
 
 
-def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str) -> tuple[_Move, ...]:
-    return tuple(_Move(*_input_slot(op.name, fwd, f"plan[{module!r}].in"), op.name, op.src, op.dst, op.grad)
+def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str,
+                 uneven: tuple[str, ...] = ()) -> tuple[_Move, ...]:
+    return tuple(_Move(*_input_slot(op.name, fwd, f"plan[{module!r}].in"), op.name, op.src, op.dst, op.grad,
+                       f"module {module!r}, input {op.name!r}", op.name in uneven)
                  for op in ops if not op.identity)
 
 
@@ -273,7 +304,8 @@ def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str
         else:
             raise TPLowerError(f"plan[{module!r}].out: output {op.name!r} is not 'out', a position or one of "
                                f"out_names={entry.out_names}")
-        moves.append(_Move(idx, None, op.name, op.src, op.dst, op.grad))
+        moves.append(_Move(idx, None, op.name, op.src, op.dst, op.grad, f"module {module!r}, output {op.name!r}",
+                           op.name in entry.uneven))
     return tuple(moves)
 
 
@@ -377,9 +409,24 @@ def _load_compute(module: nn.Module, path: str, qual: str) -> Callable[..., Any]
     return functools.partial(fn, module)
 
 
+def _tail_size(value: int | str, config: Any, qual: str) -> int:
+    if isinstance(value, int):
+        return value
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, value, None)
+    if not isinstance(size, int) or size <= 0:
+        raise TPLowerError(f"plan[{qual!r}].partial_tail: the model's config has no positive integer {value!r}")
+    return size
+
+
 def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str,
-             seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]]) -> InstalledBoundary | None:
+             seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]], config: Any = None
+             ) -> InstalledBoundary | None:
     form = classify_boundary_form(entry, lowerer.names, axes=(axis,), module=qual)
+    declared = [op.name for op in form.inputs + form.outputs]
+    if unknown := [n for n in entry.uneven if n not in declared]:
+        raise TPLowerError(f"plan[{qual!r}].uneven: {unknown} name no declared input or output; the entry "
+                           f"declares {declared}")
     for name, p in module.named_parameters(recurse=False):
         check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
     bias = _deferred_bias(module, entry, form, qual)
@@ -389,7 +436,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     layouts = _param_layouts(module, entry, grads, lowerer, axis, qual)
     _shard_params(module, layouts, qual, seen)
     _localize_attrs(module, entry, lowerer, axis, qual)
-    if form.form == "identity" and bias is None and not layouts:
+    if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None:
         return None
     reason = _live_reason(lowerer, form) if form.form in ("tp_collective", "region") else None
     if reason is not None:
@@ -398,9 +445,13 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     info = InstalledBoundary(qual, form, mode, reason, bias)
     orig = module.forward
     compute = _load_compute(module, entry.local_compute, qual) if entry.local_compute else orig
-    ins = _input_moves(form.inputs, orig, qual)
-    module.forward = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
-                               tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
+    ins = _input_moves(form.inputs, orig, qual, entry.uneven)
+    boundary = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
+                         tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
+    if entry.partial_tail is not None:
+        boundary.tail = _tail_size(entry.partial_tail, config, qual)
+        boundary.tail_axes = (axis,) if axis in lowerer.names else ()
+    module.forward = boundary
     return info if form.form != "identity" or bias is not None else None
 
 
@@ -453,16 +504,29 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         through tplower's collectives.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
+            ``DeviceMesh`` or ``axis`` not a string (before any collective).
         TPLowerError: a plan error (naming the module, field and value), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), a parameter dim that
-            does not divide over its axis, or a bias that a partial output
-            would add per rank.
+            does not divide over its axis, a bias that a partial output
+            would add per rank, or an ``uneven`` name that is no declared
+            input or output. At call time (raised by the model's forward):
+            under the debug check, on every rank alike when the ranks'
+            boundary moves disagree (undeclared uneven local sizes: the
+            message names the module, the input or output and the dim);
+            for an ``uneven`` tensor, local sizes that are not
+            ``torch.chunk`` pieces.
 
     Warns:
         UserWarning: per module whose boundary runs on DTensor because the
         live mesh runs a moved axis on a backend tplower does not know.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_mesh(mesh, "mesh", "parallelize")
+    if not isinstance(axis, str):
+        raise TypeError(f"parallelize: axis must be a mesh axis name (str), got {type(axis).__name__}")
     plan = resolve_model_plan(plan, model)
     lowerer = mesh_lowerer(mesh)
     if axis not in lowerer.names:
@@ -482,7 +546,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         module = modules[qual]
         if isinstance(module.__dict__.get("forward"), _Boundary):
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
-        _install(module, qual, entries[qual], lowerer, axis, seen)
+        _install(module, qual, entries[qual], lowerer, axis, seen, getattr(model, "config", None))
     for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter
         for name, p in module._parameters.items():
             if p is not None and id(p) in seen:

@@ -30,11 +30,22 @@ field              meaning
                    its shard dim (fused gate/up projections); each part is
                    sharded on its own, so every rank holds its piece of each
                    (DTensor ``_StridedShard(dim, split_factor=k)``)
+``partial_tail``   the last ``k`` features of the output (an integer, or the name
+                   of an attribute of the model's config) reach the model without
+                   passing a sharded layer, so their gradient is partial: it is
+                   all-reduced in backward (``R -> R`` with gradient ``P(sum)``;
+                   the rotary part of multi-head latent attention's ``kv_a_proj``)
 ``masked_lookup``  input holding row indices into the ``weight`` rows this rank
                    holds (``S(0)``: a vocabulary-parallel embedding): indices
                    outside them look up row 0 and their output rows are zeroed,
                    so the local outputs are partial sums (Megatron's
                    ``VocabParallelEmbedding``)
+``uneven``         names of inputs and outputs whose sharded dims may be uneven
+                   (``torch.chunk`` pieces, e.g. a sequence of 5 on 2 ranks is
+                   3 + 2): each call the ranks exchange the local sizes of the
+                   dims the source placement shards (one small ``all_gather``
+                   per sharding axis) to learn the global shape; a name is
+                   both the input and the output of that name
 ``style``          an HF style to start from; the other fields then merge
                    into it name by name
 =================  =============================================================
@@ -83,7 +94,7 @@ PlanValue: TypeAlias = str | Mapping[str, Any]
 _MAP_FIELDS = ("in_src", "in_dst", "in_grad", "out_src", "out_dst", "out_grad", "params", "param_grads")
 #: Every field an entry mapping may have.
 ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias",
-                                                "packed", "masked_lookup", "style")
+                                                "packed", "partial_tail", "masked_lookup", "uneven", "style")
 _LOCAL_ATTR_RULES = ("divide",)
 
 
@@ -110,7 +121,9 @@ class BoundaryEntry:
     local_compute: str | None = None
     deferred_bias: str | None = None
     packed: Mapping[str, int] = field(default_factory=dict)
+    partial_tail: int | str | None = None
     masked_lookup: str | None = None
+    uneven: tuple[str, ...] = ()
     style: str | None = None
 
     def input_names(self) -> tuple[str, ...]:
@@ -126,12 +139,14 @@ class BoundaryEntry:
 # Each style is written for one tensor-parallel axis ``a``; values follow transformers'
 # ParallelInterface (integrations/tensor_parallel.py) and torch's ColwiseParallel/RowwiseParallel:
 # a Linear's weight is [out, in], so colwise shards dim 0 and rowwise dim 1; rowwise adds its bias
-# once after the reduction (transformers moves it to ``_bias`` for the same reason).
+# once after the reduction (transformers moves it to ``_bias`` for the same reason). Colwise places
+# every other direct parameter of the module on dim 0 too (a per-output scale, as transformers'
+# shard_param does for all of a module's parameters).
 
 def _colwise(a: str, out: str) -> dict[str, Any]:
     return {"in_src": {"0": {a: "R"}}, "in_dst": {"0": {a: "R"}},
             "out_src": {"out": {a: "S(-1)"}}, "out_dst": {"out": {a: out}},
-            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}}}
+            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}, "*": {a: "S(0)"}}}
 
 
 def _rowwise(a: str, inp: str) -> dict[str, Any]:
@@ -142,7 +157,7 @@ def _rowwise(a: str, inp: str) -> dict[str, Any]:
 
 def _local_colwise(a: str) -> dict[str, Any]:
     return {"in_src": {"0": {a: "R"}}, "in_dst": {"0": {a: "R"}}, "in_grad": {"0": {a: "R"}},
-            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}}}
+            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}, "*": {a: "S(0)"}}}
 
 
 def _local_rowwise(a: str) -> dict[str, Any]:
@@ -207,6 +222,8 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     "replicate": {"*": lambda a: {"params": {"*": {a: "R"}}}},
     "replicated_with_grad_allreduce": {"*": _replicated_partial_grad},
     "local_params": {"*": lambda a: {}},
+    # multi-head latent attention: the rotary tail of kv_a_proj's output skips kv_b_proj (colwise)
+    "mla_kv_a_proj": {"*": lambda a: {"partial_tail": "qk_rope_head_dim"}},
 }
 _MOE = "mixture-of-experts layers are expert parallelism, which tplower does not lower"
 _UNFAITHFUL = {
@@ -218,8 +235,6 @@ _UNFAITHFUL = {
     "grouped_gemm": _MOE,
     "ep_router": _MOE,
     "ep_dispatch_experts": _MOE,
-    "mla_kv_a_proj": "multi-head latent attention splits its projection's output and reduces the gradient of one "
-                     "part only; tplower has no boundary for a part of an output",
     "isolated": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
 }
 
@@ -293,6 +308,11 @@ def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
             if isinstance(v, str) or not isinstance(v, Iterable) or not all(isinstance(n, str) for n in v):
                 raise TPLowerError(f"{where}: {v!r} must be a list of output names")
             out[key] = tuple(v)
+        elif key == "uneven":  # YAML may write a position as a number
+            if isinstance(v, str | bytes | Mapping) or not isinstance(v, Iterable) or not all(
+                    isinstance(n, str) or (isinstance(n, int) and not isinstance(n, bool) and n >= 0) for n in v):
+                raise TPLowerError(f"{where}: {v!r} must be a list of input and output names (or positions)")
+            out[key] = tuple(str(n) for n in v)
         elif key == "local_attrs":
             if not isinstance(v, Mapping) or any(r not in _LOCAL_ATTR_RULES for r in v.values()):
                 raise TPLowerError(f"{where}: {v!r} must map attribute names to one of {_LOCAL_ATTR_RULES}")
@@ -302,6 +322,10 @@ def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
                                                      for k in v.values()):
                 raise TPLowerError(f"{where}: {v!r} must map parameter names to a part count (an integer >= 2)")
             out[key] = {str(n): k for n, k in v.items()}
+        elif key == "partial_tail":
+            if not (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool) and v > 0)):
+                raise TPLowerError(f"{where}: {v!r} must be a positive integer or a config attribute name")
+            out[key] = v
         elif key in ("local_compute", "deferred_bias", "masked_lookup", "style"):
             if not isinstance(v, str):
                 raise TPLowerError(f"{where}: {v!r} must be a string")

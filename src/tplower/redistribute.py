@@ -2,7 +2,8 @@
 
 A :class:`MeshLowerer` belongs to one ``DeviceMesh``: it checks once that each
 axis's process group orders its ranks as the mesh does, keeps a cache of
-bound programs keyed on ``(src, dst, grad, shape, device)``, and runs them.
+bound programs keyed on ``(src, dst, grad, shape, device)`` (least recently
+used dropped beyond :func:`tplower.set_cache_size`'s bound), and runs them.
 Everything it cannot lower goes to DTensor's ``redistribute`` (forward and
 backward), logged at debug level with the reason.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +21,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives as C
 from .agreement import check_agreement, debug_enabled
+from .argcheck import check_bool, check_local_tensor, check_mesh, check_shape
+from .cache import CacheInfo, LRUCache
 from .errors import TPLowerError
-from .placements import REDUCE_OPS, PlacementsLike, format_placements, parse_placements, replicate_partials
+from .placements import (
+    REDUCE_OPS,
+    PlacementsLike,
+    check_reduce_ops,
+    format_placements,
+    parse_placements,
+    replicate_partials,
+)
 from .transitions import Step, TransitionPlan, global_shape_from_local, plan_transition
 
 __all__ = ["MeshLowerer", "Program", "bind_step", "mesh_lowerer", "redistribute_local"]
@@ -112,7 +122,19 @@ def _key(spec: Any) -> Hashable:
         return spec
     if isinstance(spec, dict):
         return ("map", tuple(spec.items()))
+    if not isinstance(spec, Sequence):  # a tensor, an array, a number: never iterate it
+        raise TypeError(f"placements must be a str, a sequence or a mapping, got {type(spec).__name__}")
     return tuple(spec)
+
+
+def _name_type_error(names: Sequence[str], src: Any, dst: Any, grad: Any, global_shape: Any) -> None:
+    """After a ``TypeError`` while building a program: raise it again naming the argument that caused it."""
+    parse_placements(src, names, arg="src")
+    parse_placements(dst, names, arg="dst")
+    if grad is not None:
+        parse_placements(grad, names, arg="grad")
+    if global_shape is not None:
+        check_shape(global_shape, "global_shape", "redistribute_local")
 
 
 def _describe(spec: PlacementsLike, names: Sequence[str]) -> str:
@@ -122,11 +144,29 @@ def _describe(spec: PlacementsLike, names: Sequence[str]) -> str:
         return repr(spec)
 
 
-def _check_partials(ps: Sequence[Placement], arg: str) -> None:
-    ops = {p.reduce_op for p in ps if isinstance(p, Partial)}
-    if len(ops) > 1:
-        raise TPLowerError(f"{arg}={format_placements(ps)!r} mixes Partial reduce ops {sorted(ops)}; "
-                           "use one reduce op per tensor (as DTensor requires)")
+_MeshFacts = tuple[tuple[int, ...] | None, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
+
+
+def _read_mesh_facts(mesh: DeviceMesh) -> _MeshFacts:
+    """This rank's coordinate, and per axis the ranks along it in mesh order and in its group's order.
+
+    Read from the mesh's rank tensor and the process groups: under
+    ``torch.compile`` this runs once, eagerly, and its result is a constant
+    of the graph (reading a mesh tensor inside a graph would break it).
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None, (), ()
+    along = []
+    for axis in range(mesh.ndim):
+        index: list[int | slice] = list(coord)
+        index[axis] = slice(None)
+        along.append(tuple(int(r) for r in mesh.mesh[tuple(index)].tolist()))
+    groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(i))) for i in range(mesh.ndim))
+    return tuple(coord), tuple(along), groups
+
+
+_mesh_facts: Callable[[DeviceMesh], _MeshFacts] = torch.compiler.assume_constant_result(_read_mesh_facts)
 
 
 class MeshLowerer:
@@ -148,7 +188,8 @@ class MeshLowerer:
     """
 
     def __init__(self, mesh: DeviceMesh) -> None:
-        coord = mesh.get_coordinate()
+        check_mesh(mesh, "mesh", "MeshLowerer")
+        coord, mesh_ranks, group_ranks = _mesh_facts(mesh)
         if coord is None:
             raise TPLowerError(f"mesh={mesh!r}: this rank ({dist.get_rank()}) is not part of the mesh")
         # Held weakly: the module-level map of lowerers must not keep meshes (and, through DTensor's
@@ -158,9 +199,11 @@ class MeshLowerer:
         self.shape: tuple[int, ...] = tuple(mesh.shape)
         self.coord: tuple[int, ...] = tuple(coord)
         self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
-        self.orders: tuple[tuple[int, ...] | None, ...] = tuple(self._axis_order(i, mesh) for i in range(mesh.ndim))
-        self._cache: dict[Hashable, Program] = {}
+        self.orders: tuple[tuple[int, ...] | None, ...] = tuple(
+            self._axis_order(i, list(mesh_ranks[i]), list(group_ranks[i])) for i in range(mesh.ndim))
+        self._cache: LRUCache[Hashable, Program] = LRUCache()
         self._flat_group: ProcessGroup | None = None
+        self._planned_dims: LRUCache[Hashable, tuple[frozenset[int] | None]] = LRUCache()
         #: run the debug check on every call (``TPLOWER_DEBUG=1`` when the lowerer was made)
         self.debug: bool = debug_enabled()
 
@@ -177,11 +220,7 @@ class MeshLowerer:
             raise TPLowerError("the DeviceMesh of this lowerer no longer exists; make a lowerer for a live mesh")
         return mesh
 
-    def _axis_order(self, axis: int, mesh: DeviceMesh) -> tuple[int, ...] | None:
-        index: list[int | slice] = list(self.coord)
-        index[axis] = slice(None)
-        mesh_ranks = mesh.mesh[tuple(index)].tolist()
-        group_ranks = dist.get_process_group_ranks(self.groups[axis])
+    def _axis_order(self, axis: int, mesh_ranks: list[int], group_ranks: list[int]) -> tuple[int, ...] | None:
         if sorted(mesh_ranks) != sorted(group_ranks):
             raise TPLowerError(f"mesh axis {self.names[axis]!r} holds ranks {mesh_ranks} but its process group "
                                f"holds {group_ranks}")
@@ -195,14 +234,48 @@ class MeshLowerer:
 
     def program(self, src: PlacementsLike, dst: PlacementsLike, local_shape: Sequence[int], device_type: str, *,
                 grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None) -> Program:
-        """The cached program for a transition of a local tensor of ``local_shape`` (see :func:`redistribute_local`)."""
-        key = (_key(src), _key(dst), _key(grad), None if global_shape is None else tuple(global_shape),
-               tuple(local_shape), device_type)
-        prog = self._cache.get(key)
+        """The cached program for a transition of a local tensor of ``local_shape`` (see :func:`redistribute_local`).
+
+        The cache is bounded (:mod:`tplower.cache`): beyond its bound the least
+        recently used program is dropped and rebuilt, the same, when next needed.
+        """
+        pkey = (_key(src), _key(dst), _key(grad), None if global_shape is None else tuple(global_shape),
+                len(local_shape), device_type)
+        compiling = torch.compiler.is_compiling()
+        found = self._planned_dims.peek(pkey)
+        if found is None:
+            found = (self._shaping_dims(src, dst, grad, len(local_shape), global_shape),)
+            self._planned_dims.put(pkey, found)
+        dims = found[0]
+        # Only the sizes of sharded dims change a plan: the others stay out of the key (1 in the planned
+        # shape), so a batch dim can stay dynamic under torch.compile.
+        shape = tuple(local_shape) if dims is None else tuple(s if i in dims else 1 for i, s in enumerate(local_shape))
+        key = (pkey, shape)
+        # Under torch.compile: no hit/miss counters and no reordering, which a graph would guard on.
+        prog = self._cache.peek(key) if compiling else self._cache.get(key)
         if prog is None:
-            prog = self._build(src, dst, grad, tuple(local_shape), global_shape, device_type)
-            self._cache[key] = prog
+            prog = self._build(src, dst, grad, shape, global_shape, device_type)
+            self._cache.put(key, prog)
         return prog
+
+    def _shaping_dims(self, src: PlacementsLike, dst: PlacementsLike, grad: PlacementsLike | None, ndim: int,
+                      global_shape: Sequence[int] | None) -> frozenset[int] | None:
+        """The tensor dims whose sizes a plan depends on: those any placement shards (``None``: every dim)."""
+        if global_shape is not None:
+            return None
+        try:
+            parsed = [self.parse(spec, ndim, arg) for spec, arg in ((src, "src"), (dst, "dst"))]
+            if grad is not None:
+                parsed.append(self.parse(grad, ndim, "grad"))
+        except (TPLowerError, TypeError, ValueError):
+            return None  # the build raises the error with the real shape
+        if any(self._fallback_reason(ps, ps, ps) is not None for ps in parsed):
+            return None  # DTensor runs it on the real global shape
+        return frozenset(p.dim for ps in parsed for p in ps if isinstance(p, Shard))
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, size, bound and evictions of this mesh's program cache."""
+        return self._cache.cache_info()
 
     def _build(self, src_spec: PlacementsLike, dst_spec: PlacementsLike, grad_spec: PlacementsLike | None,
                lshape: tuple[int, ...], global_shape: Sequence[int] | None, device_type: str) -> Program:
@@ -211,11 +284,11 @@ class MeshLowerer:
         dst = self.parse(dst_spec, nd, "dst")
         grad = replicate_partials(dst) if grad_spec is None else self.parse(grad_spec, nd, "grad")
         for ps, arg in ((src, "src"), (dst, "dst"), (grad, "grad")):
-            _check_partials(ps, arg)
+            check_reduce_ops(ps, arg)
         if global_shape is None:
             gshape = global_shape_from_local(lshape, src, self.shape)
         else:
-            gshape = tuple(int(s) for s in global_shape)
+            gshape = check_shape(global_shape, "global_shape", "redistribute_local")
             if len(gshape) != nd:
                 raise TPLowerError(f"global_shape={gshape} has {len(gshape)} dims but the local tensor has {nd}")
         reason = self._fallback_reason(src, dst, grad)
@@ -238,23 +311,45 @@ class MeshLowerer:
         return Program(plan, fwd, bwd, None, gshape)
 
     def checked(self, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
-                grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+                grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
+                where: str | None = None, hint: str | None = None) -> torch.Tensor:
         """:func:`redistribute_local` after the debug check (:mod:`tplower.agreement`); collective.
+
+        ``where`` (what is moved, e.g. ``module 'up', input '0'``) starts the
+        error message; ``hint`` says how to fix local sizes that differ
+        (default: pass ``global_shape=``).
 
         Raises:
             TPLowerError: on every rank alike when the ranks' calls disagree
-                or any rank's call is invalid.
+                or any rank's call is invalid; it is also a ``TypeError``
+                (:class:`~tplower.errors.TPLowerTypeError`) when a rank's
+                call had an argument of the wrong type (``local`` a list, a
+                NumPy array, ``None`` or a DTensor).
         """
-        prog, error = None, None
+        prog, error, type_error = None, None, False
+        is_tensor = isinstance(local, torch.Tensor) and not isinstance(local, DTensor)
+        gshape: Any = global_shape
         try:
-            prog = self.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
+            local = check_local_tensor(local, "local", "redistribute_local")
+            if global_shape is not None:
+                gshape = check_shape(global_shape, "global_shape", "redistribute_local")
+            try:
+                prog = self.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
+            except TypeError:
+                _name_type_error(self.names, src, dst, grad, global_shape)
+                raise
+            if global_shape is None:  # the program's own shape has 1 for dims no placement shards (its cache key)
+                gshape = global_shape_from_local(local.shape, self.parse(src, local.ndim, "src"), self.shape)
         except (TPLowerError, TypeError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error, type_error = f"{type(exc).__name__}: {exc}", isinstance(exc, TypeError)
         record = {"rank": dist.get_rank(), "src": _describe(src, self.names), "dst": _describe(dst, self.names),
-                  "grad": None if grad is None else _describe(grad, self.names), "dtype": str(local.dtype),
-                  "device": local.device.type, "error": error,
-                  "global_shape": prog.global_shape if prog is not None else global_shape}
-        check_agreement(record, self._debug_group(), local.device)
+                  "grad": None if grad is None else _describe(grad, self.names),
+                  "dtype": str(local.dtype) if is_tensor else type(local).__name__,
+                  "device": local.device.type if is_tensor else self.mesh.device_type, "error": error,
+                  "type_error": type_error, "global_shape": gshape,
+                  "local_shape": tuple(local.shape) if is_tensor else None}
+        check_agreement(record, self._debug_group(), local.device if is_tensor else self.mesh.device_type,
+                        where=where, **({} if hint is None else {"hint": hint}))
         assert prog is not None  # check_agreement raised otherwise
         return prog(local)
 
@@ -293,9 +388,19 @@ _LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyD
 
 
 def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
-    """The :class:`MeshLowerer` of ``mesh`` (one per live mesh object, made on first use)."""
-    lowerer = _LOWERERS.get(mesh)
+    """The :class:`MeshLowerer` of ``mesh`` (one per live mesh object, made on first use).
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        TPLowerError: this rank is not part of ``mesh``.
+    """
+    try:
+        lowerer = _LOWERERS.get(mesh)
+    except TypeError:  # not weak-referenceable: certainly not a mesh
+        check_mesh(mesh, "mesh", "mesh_lowerer")
+        raise
     if lowerer is None or lowerer._mesh_ref() is not mesh:  # an equal but other mesh object
+        check_mesh(mesh, "mesh", "mesh_lowerer")
         lowerer = MeshLowerer(mesh)
         _LOWERERS[mesh] = lowerer
     return lowerer
@@ -323,9 +428,11 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
             are uneven (``torch.chunk`` semantics). Without it every shard is
             assumed even and the global shape is inferred from ``local``.
         check: run the debug check first (every rank describes its call, the
-            ranks compare, all raise alike on a difference; one extra
-            ``all_gather_object``); default ``TPLOWER_DEBUG=1``. Must be the
-            same on every rank.
+            ranks compare, all raise alike on a difference or on any rank's
+            error); it costs one small ``all_gather`` of a 64-bit digest per
+            call, and the full descriptions travel (``all_gather_object``)
+            only when the digests differ (:mod:`tplower.agreement`). Default
+            ``TPLOWER_DEBUG=1``. Must be the same on every rank.
 
     Returns:
         The local tensor of ``dst``: a new tensor, except that an identity
@@ -333,9 +440,19 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
 
     Raises:
         TPLowerError: bad placements, a pair with no correct lowering
-            (``P(x) -> P(y)``), a ``grad`` that does not fit the output, or a
-            ``local`` whose shape does not match ``src`` and ``global_shape``;
-            with ``check``, on every rank when any rank's call differs.
+            (``P(x) -> P(y)`` on one axis; a tensor ``Partial`` with ``max`` or
+            ``min`` and another reduce op on other axes), a ``grad`` that does
+            not fit the output, or a ``local`` whose shape does not match
+            ``src`` and ``global_shape``; with ``check``, on every rank when
+            any rank's call differs or fails.
+        TypeError: an argument of the wrong type (``local`` not a
+            ``torch.Tensor`` or a DTensor, ``mesh`` not a ``DeviceMesh``,
+            placements neither a string, a sequence nor a mapping,
+            ``global_shape`` not a sequence of ints, ``check`` not a bool),
+            raised before any collective, naming the argument. With
+            ``check``, a wrong ``local`` (or placements) on any rank raises
+            :class:`~tplower.errors.TPLowerTypeError` (a ``TypeError`` and a
+            ``TPLowerError``) on every rank.
 
     Lowered to direct collectives when :mod:`tplower.transitions` can plan
     it; otherwise (placements other than Shard/Replicate/Partial of
@@ -343,7 +460,22 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     backward. Shards follow mesh coordinates even where an axis's process
     group orders its ranks differently (DTensor gets uneven shards wrong there).
     """
-    lowerer = mesh_lowerer(mesh)
+    try:
+        lowerer = mesh_lowerer(mesh)
+    except TypeError:
+        check_mesh(mesh, "mesh", "redistribute_local")
+        raise
+    if check is not None and not isinstance(check, bool):
+        check_bool(check, "check", "redistribute_local", optional=True)
     if check or (check is None and lowerer.debug):
         return lowerer.checked(local, src, dst, grad=grad, global_shape=global_shape)
-    return lowerer.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)(local)
+    if type(local) is not torch.Tensor:  # a Parameter passes; a DTensor, a list or None does not
+        check_local_tensor(local, "local", "redistribute_local")
+    if global_shape is not None and not isinstance(global_shape, tuple | list):  # never iterate a tensor or array
+        check_shape(global_shape, "global_shape", "redistribute_local")
+    try:
+        prog = lowerer.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
+    except TypeError:  # e.g. an unhashable spec fails in the cache lookup: name the argument instead
+        _name_type_error(lowerer.names, src, dst, grad, global_shape)
+        raise
+    return prog(local)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from ..models import check_plan_modules, check_tp, model_spec, read_sentences, s
 __all__ = ["DTENSOR_STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
 
 #: HF styles the DTensor comparison maps to ``ColwiseParallel``/``RowwiseParallel``.
-DTENSOR_STYLES: tuple[str, ...] = ("colwise", "rowwise")
+DTENSOR_STYLES: tuple[str, ...] = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
 
 class RunError(TPLowerError):
     """A run that cannot start or did not finish; the message says what to change."""
@@ -44,6 +45,8 @@ class RunConfig:
         checkpoint: a folder: after training, save tplower's model there with
             DCP, reload it into the unparallelized model in one process and
             compare outputs (``None``: no checkpoint).
+        compile: a ``torch.compile`` backend (``"inductor"``): also compile
+            tplower's model and the reference and time them (``None``: eager only).
     """
 
     model: str = "all-minilm-l6-v2"
@@ -62,6 +65,7 @@ class RunConfig:
     progress: bool = True
     kill_rank: int = -1
     checkpoint: str | None = None
+    compile: str | None = None
 
     def resolved_plan(self) -> dict[str, Any]:
         """The plan this run applies: ``plan``, or the model's own."""
@@ -103,16 +107,32 @@ def check_config(cfg: RunConfig) -> None:
     Raises:
         RunError: an unknown model, a missing package, sizes that do not
             fit (``tp * dp != world``, ``tp`` not dividing heads), a plan key
-            naming no module, too few sentences, or a bad number.
+            naming no module, too few sentences, or a bad number (``--steps``
+            below 1, a ``--lr`` or ``--timeout`` not above 0, a negative or
+            non-finite ``--tolerance``).
     """
     try:
         model_spec(cfg.model)
     except TPLowerError as exc:
         raise RunError(str(exc)) from None
-    for name, value, least in (("--steps", cfg.steps, 0), ("--batch-size", cfg.batch_size, 1),
+    if cfg.steps == 0:
+        raise RunError("--steps 0: tplower run checks training against one process (each step's loss and the "
+                       "updated parameters), so it needs at least 1 step; --steps 1 is the shortest check")
+    for name, value, least in (("--steps", cfg.steps, 1), ("--batch-size", cfg.batch_size, 1),
                                ("--repeat", cfg.repeat, 1), ("--tp", cfg.tp, 1), ("--dp", cfg.dp, 1)):
         if value < least:
             raise RunError(f"{name} {value} must be at least {least}")
+    for name, number, positive in (("--lr", cfg.lr, True), ("--tolerance", cfg.tolerance, False),
+                                   ("--timeout", cfg.timeout, True)):
+        if not math.isfinite(number) or number < 0 or (positive and number == 0):
+            raise RunError(f"{name} {number:g} must be a finite number "
+                           + ("greater than 0" if positive else "of at least 0"))
+    if cfg.compile is not None:
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if cfg.compile not in backends:
+            raise RunError(f"--compile {cfg.compile!r} is not a torch.compile backend; allowed: {', '.join(backends)}")
     if cfg.tp * cfg.dp != cfg.world:
         raise RunError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the run has {cfg.world} "
                        f"(--nproc or torchrun's WORLD_SIZE); make tp x dp equal the number of processes")

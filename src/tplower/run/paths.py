@@ -154,9 +154,12 @@ def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
     Raises:
         RunError: an entry other than ``"colwise"``/``"rowwise"`` or ``local_attrs``.
     """
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = dict(zip(DTENSOR_STYLES, (ColwiseParallel, RowwiseParallel), strict=True))
+    styles: dict[str, Any] = dict(zip(DTENSOR_STYLES, (
+        ColwiseParallel, RowwiseParallel, lambda: ColwiseParallel(output_layouts=Replicate()),
+        lambda: RowwiseParallel(input_layouts=Replicate())), strict=True))
     dt_plan: dict[str, Any] = {}
     for key, value in plan.items():
         if isinstance(value, str) and value in styles:

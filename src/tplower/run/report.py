@@ -17,7 +17,11 @@ CHECKS: tuple[tuple[str, str], ...] = (
     ("loss", "training losses"),
     ("params", "updated parameters (gathered)"),
     ("checkpoint", "DCP reload in one process"),
+    ("compiled", "compiled forward (torch.compile)"),
 )
+
+
+_AGAINST = {"checkpoint": "(reloaded vs parallel outputs)", "compiled": "(compiled vs eager tplower)"}
 
 
 def verdict(report: Mapping[str, Any], tolerance: float) -> bool:
@@ -72,13 +76,14 @@ def format_report(report: Mapping[str, Any], cfg: RunConfig) -> str:
             continue
         t = d["tplower"][key]
         flag = "ok" if t <= cfg.tolerance else "EXCEEDS"
-        dt = f"(DTensor {d['dtensor'][key]:.2e})" if key in d["dtensor"] else "(reloaded vs parallel outputs)"
+        dt = f"(DTensor {d['dtensor'][key]:.2e})" if key in d["dtensor"] else _AGAINST.get(key, "")
         lines.append(f"  {what:<31} tplower {t:.2e} {flag:<7}  {dt}")
     lines.append(f"  parameters moved by training up to {report['param_update_max']:.2e}; "
                  f"losses {', '.join(f'{x:.6f}' for x in report['losses']['reference'])} (one process)")
     t = report["timing"]
     lines += ["", f"time, median of {cfg.repeat} (ms)      forward   train step"]
-    names = (("tplower", "tplower"), ("dtensor", "DTensor parallelize_module"), ("one_process", "one process"))
+    names = (("tplower", "tplower"), ("dtensor", "DTensor parallelize_module"), ("one_process", "one process"),
+             ("tplower_compiled", "tplower, compiled"), ("reference_compiled", "one process, compiled"))
     for key, name in names:
         if key in t:
             lines.append(f"  {name:<30} {t[key]['forward_ms']:>8.1f}   {t[key]['train_step_ms']:>10.1f}")

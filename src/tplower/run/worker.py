@@ -136,7 +136,7 @@ class _Run:
         self.train_pieces = [[s for pair in piece for s in pair] for piece in _pieces(pairs, cfg.dp)]
         self.progress = _Progress(cfg.progress and rank == 0,
                                   3 + len(self.batches) + 2 * cfg.steps + 1 + 4 * (cfg.repeat + 1)
-                                  + (cfg.checkpoint is not None))
+                                  + (cfg.checkpoint is not None) + 2 * (cfg.compile is not None))
         self.progress("load: tplower copy", 0)
         self.models: dict[str, nn.Module] = {}
         self.models["tplower"], self.tok = load_model(cfg.model, device=device)
@@ -265,6 +265,42 @@ class _Run:
         return timing
 
 
+    def compile_phase(self, backend: str) -> tuple[float, dict[str, dict[str, float]]]:
+        """``torch.compile`` tplower's model (and the reference on rank 0): forward check, then timings.
+
+        The compiled modules share parameters and optimizers with the eager
+        copies. Returns the max abs difference between the compiled and the
+        eager tplower forward on the first batch, and the median ms per
+        forward and per training step of each compiled copy (the first
+        round, which compiles, is not counted).
+        """
+        keys = [k for k in ("tplower", "reference") if k in self.models]
+        compiled: dict[str, Any] = {k: torch.compile(self.models[k], backend=backend) for k in keys}
+        pieces = self.pieces(self.batches[0])
+        mine = pieces[self.dp_rank]
+        with torch.no_grad():
+            diff = _max_diff([model_output(self.task, compiled["tplower"], mine)],
+                             [model_output(self.task, self.models["tplower"], mine)])
+        timing: dict[str, dict[str, float]] = {}
+        for key, model in compiled.items():
+            def fwd(model: Any = model, key: str = key) -> object:
+                with torch.no_grad():
+                    return [model_output(self.task, model, b) for b in (pieces if key == "reference" else [mine])]
+
+            def step(model: Any = model, key: str = key) -> object:
+                if key == "reference":
+                    return _ref_train_step(self.task, model, self.opts[key], self.ref_train)
+                return _train_step(self.task, model, self.opts[key], self.my_train, self.mesh)
+
+            f = [_time_ms(fwd, self.device) for _ in range(self.cfg.repeat + 1)]
+            s = [_time_ms(step, self.device) for _ in range(self.cfg.repeat + 1)]
+            timing[f"{key}_compiled"] = {"forward_ms": statistics.median(f[1:]),
+                                         "train_step_ms": statistics.median(s[1:])}
+            self.progress(f"compiled: {key}")
+        dist.barrier()
+        return diff, timing
+
+
 def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -294,6 +330,10 @@ def rank_main(rank: int, world: int, cfg: RunConfig, device_name: str = "cpu") -
     reloaded = None if cfg.checkpoint is None else run.checkpoint_phase(cfg.checkpoint)
     params = run.params()
     timing = run.timing_phase()
+    compiled_diff = None
+    if cfg.compile is not None:
+        compiled_diff, compiled_timing = run.compile_phase(cfg.compile)
+        timing |= compiled_timing
     run.progress.close()
     if rank != 0:
         return None
@@ -307,6 +347,8 @@ def rank_main(rank: int, world: int, cfg: RunConfig, device_name: str = "cpu") -
                       "params": pdiff, "params_worst": where}
     if reloaded is not None:
         diffs["tplower"]["checkpoint"] = reloaded
+    if compiled_diff is not None:
+        diffs["tplower"]["compiled"] = compiled_diff
     before = load_model(cfg.model)[0].state_dict()
     moved = max(float((ref[k] - before[k].cpu()).abs().max()) for k in ref)
     return {"diffs": diffs, "losses": losses, "timing": timing, "param_update_max": moved,

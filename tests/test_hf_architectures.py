@@ -1,0 +1,84 @@
+"""Hugging Face decoders under ``parallelize(model, mesh, "auto")``: logits equal one process at tp=2 on gloo.
+
+The fast part runs a handful of representative architectures (tiny random
+configs from :mod:`tplower.hf_table`) and checks that an MoE architecture is
+refused naming its style. The full table, every causal-LM architecture whose
+config defines ``base_model_tp_plan`` next to transformers' own TP on the
+same weights, runs with ``TPLOWER_HF_TABLE=1`` (a few minutes on 2 CPUs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tplower import TPLowerError
+from tplower.hf_table import TOL, Arch, Outcome, Row, architectures, by_design, gaps, markdown, run_table, tiny_config
+
+# dense decoders of distinct families: plain, qk-norm, sliding window, gemma norms, fused qkv + gather/split,
+# GPT-NeoX's fused qkv and vocab-parallel embedding, OLMo-2's gather/split styles
+FAST = ("llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox", "olmo2")
+MOE = "mixtral"
+FULL = os.environ.get("TPLOWER_HF_TABLE") == "1"
+
+
+@pytest.fixture(scope="module")
+def fast_rows() -> dict[str, Row]:
+    """One spawn of 2 gloo ranks for every fast architecture (tplower only)."""
+    return {r.arch.model_type: r for r in run_table([*FAST, MOE], with_hf=False)}
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_auto_plan_matches_one_process(fast_rows: dict[str, Row], model_type: str) -> None:
+    outcome = fast_rows[model_type].tplower
+    assert outcome.status == "pass", outcome
+    assert outcome.max_diff is not None and outcome.max_diff <= TOL
+
+
+def test_moe_architecture_is_refused_naming_the_style(fast_rows: dict[str, Row]) -> None:
+    outcome = fast_rows[MOE].tplower
+    assert outcome.status == "refused", outcome
+    assert "'moe_tp_experts'" in outcome.detail and "mlp.experts" in outcome.detail
+    assert by_design(outcome)
+
+
+def test_architectures_are_the_causal_lms_with_a_plan() -> None:
+    found = {a.model_type: a for a in architectures()}
+    assert found["llama"].causal_lm == "LlamaForCausalLM"
+    assert "gpt2" not in found  # a causal LM without base_model_tp_plan
+    with pytest.raises(TPLowerError, match="gpt2"):
+        architectures(["gpt2"])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "deepseek_v3", "gemma3n_text"])
+def test_tiny_config_is_tiny_and_divides_over_two(model_type: str) -> None:
+    config = tiny_config(model_type)
+    assert config.hidden_size <= 64 and config.num_hidden_layers == 2
+    kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)  # GPT-NeoX has none
+    assert config.num_attention_heads % 2 == 0 and kv_heads % 2 == 0
+    assert config.vocab_size % 2 == 0
+
+
+def test_markdown_and_gaps_on_known_rows() -> None:
+    arch = Arch("x", "XConfig", "XForCausalLM")
+    moe = Outcome("refused", detail="plan['m.experts']: style 'moe_tp_experts' has no faithful translation: MoE")
+    rows = [Row(arch, Outcome("pass", 1e-7), Outcome("pass", 2e-7)),
+            Row(arch, moe, Outcome("pass", 1e-7)),
+            Row(arch, Outcome("fail", 1e-3, "max diff 1.0e-03 > 1e-05"), Outcome("pass", 1e-7))]
+    table = markdown(rows)
+    assert "| `x` (XForCausalLM) | pass (1.0e-07) | pass (2.0e-07) |  |" in table
+    assert "`moe_tp_experts` on `m.experts`: MoE" in table
+    assert "tplower: 1 fail, 1 pass, 1 refused" in table
+    assert gaps(rows) == [rows[2]]
+    assert gaps(rows, allow_by_design=False) == rows[1:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="the full architecture table runs with TPLOWER_HF_TABLE=1")
+def test_full_table_tplower_passes_what_transformers_passes() -> None:
+    pytest.importorskip("accelerate")  # transformers' own TP needs it
+    rows = run_table()
+    assert rows, "no architecture found"
+    missing = gaps(rows)
+    assert not missing, "\n".join(f"{r.arch.model_type}: {r.note()}" for r in missing)
