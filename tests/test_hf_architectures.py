@@ -17,8 +17,8 @@ from tplower import TPLowerError
 from tplower.hf_table import TOL, Arch, Outcome, Row, architectures, by_design, gaps, markdown, run_table, tiny_config
 
 # dense decoders of distinct families: plain, qk-norm, sliding window, gemma norms, fused qkv + gather/split,
-# GPT-NeoX's fused qkv and vocab-parallel embedding, OLMo-2's gather/split styles
-FAST = ("llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox", "olmo2")
+# GPT-NeoX's fused qkv and vocab-parallel embedding, OLMo-2's gather/split styles, MiniCPM3's latent attention
+FAST = ("llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox", "olmo2", "minicpm3")
 MOE = "mixtral"
 FULL = os.environ.get("TPLOWER_HF_TABLE") == "1"
 
