@@ -199,8 +199,9 @@ def test_built_in_sentences_pair_up() -> None:
     (RunConfig(lr=0.0), r"--lr 0 must be a finite number greater than 0"),
     (RunConfig(tolerance=float("nan")), r"--tolerance nan must be a finite number of at least 0"),
     (RunConfig(timeout=-1.0), r"--timeout -1 must be a finite number greater than 0"),
+    (RunConfig(compile="fast"), r"--compile 'fast' is not a torch.compile backend; allowed: .*inductor"),
 ], ids=["kind", "no-dtensor-style", "mesh-size", "model", "too-few-pairs", "no-steps", "negative-steps", "lr",
-        "tolerance", "timeout"])
+        "tolerance", "timeout", "compile-backend"])
 def test_config_errors_before_any_process(cfg: RunConfig, message: str) -> None:
     with pytest.raises(RunError, match=message):
         check_config(cfg)
