@@ -26,6 +26,8 @@ from .placements import (
 from .plans import BoundaryEntry, load_plan
 from .redistribute import MeshLowerer, mesh_lowerer, redistribute_local
 from .transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
+from .verify import verify
+from .verify_report import VerifyReport
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,7 @@ __all__ = [
     "TPLowerTypeError",
     "TPOperators",
     "TransitionPlan",
+    "VerifyReport",
     "__version__",
     "classify_axis",
     "classify_boundary_form",
@@ -58,4 +61,5 @@ __all__ = [
     "redistribute_local",
     "replicate_partials",
     "set_cache_size",
+    "verify",
 ]
