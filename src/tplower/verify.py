@@ -343,6 +343,11 @@ def _param_checks(ref: nn.Module, par: nn.Module, cmp: Comparer, phase: str, tic
     """Each parameter's gradient (``param_grad``) or value (``param_after_steps``) read back whole."""
     checks = []
     par_params = dict(par.named_parameters())
+    floors: dict[str, float] = {}  # per module: its largest gradient, the scale of its gradients' rounding
+    for name, r in ref.named_parameters():
+        if phase == "param_grad" and r.grad is not None and r.grad.numel():
+            qual = name.rpartition(".")[0]
+            floors[qual] = max(floors.get(qual, 0.0), float(r.grad.abs().max()))
     for i, (name, r) in enumerate(ref.named_parameters()):
         p = par_params[name]
         tick()
@@ -361,7 +366,7 @@ def _param_checks(ref: nn.Module, par: nn.Module, cmp: Comparer, phase: str, tic
                                                                     else got, want)
             checks.append(Check(phase, qual, what, format_placements(place), d, ok, order=i))
             continue
-        d, ok = cmp.compare(local, place, want)
+        d, ok = cmp.compare(local, place, want, floors.get(name.rpartition(".")[0], 0.0))
         cause = sugg = None
         if not ok and phase == "param_grad" and local is not None:
             cause, sugg = param_cause(local, place, want, cmp, qual, name.rpartition(".")[2])

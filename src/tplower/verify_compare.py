@@ -59,23 +59,29 @@ class Comparer:
                                 shape=ref.shape, stride=stride)
         return dt.full_tensor()
 
-    def diff(self, got: torch.Tensor | None, ref: torch.Tensor) -> tuple[float, bool]:
-        """Largest |got - ref| over all ranks, and whether ``got`` is within the tolerances everywhere."""
+    def diff(self, got: torch.Tensor | None, ref: torch.Tensor, floor: float = 0.0) -> tuple[float, bool]:
+        """Largest |got - ref| over all ranks, and whether ``got`` is within the tolerances everywhere.
+
+        ``floor``: the least scale ``rtol`` applies to (a gradient that is zero
+        in exact arithmetic, such as attention's key bias, is rounding noise
+        the size of its module's other gradients).
+        """
         if got is None or got.shape != ref.shape:
             d, bad = math.inf, 1.0
         else:
             a, b = got.double(), ref.double()
             err = (a - b).abs()
             d = float(err.max()) if err.numel() else 0.0
-            scale = float(b.abs().max()) if b.numel() else 0.0
+            scale = max(float(b.abs().max()) if b.numel() else 0.0, floor)
             bad = 0.0 if bool((err <= self.atol + self.rtol * scale).all()) else 1.0
         return self.allmax(d), self.allmax(bad) == 0.0
 
-    def compare(self, local: torch.Tensor | None, place: Placements, ref: torch.Tensor) -> tuple[float, bool]:
+    def compare(self, local: torch.Tensor | None, place: Placements, ref: torch.Tensor,
+                floor: float = 0.0) -> tuple[float, bool]:
         if self.allmax(0.0 if local is not None else 1.0) > 0:
             return math.inf, False
         assert local is not None
-        return self.diff(self.read(local, place, ref), ref)
+        return self.diff(self.read(local, place, ref), ref, floor)
 
 
 def _multiple(got: torch.Tensor | None, ref: torch.Tensor, cmp: Comparer) -> float | None:

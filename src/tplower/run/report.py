@@ -18,10 +18,12 @@ CHECKS: tuple[tuple[str, str], ...] = (
     ("params", "updated parameters (gathered)"),
     ("checkpoint", "DCP reload in one process"),
     ("compiled", "compiled forward (torch.compile)"),
+    ("verify", "every boundary (tplower verify)"),
 )
 
 
-_AGAINST = {"checkpoint": "(reloaded vs parallel outputs)", "compiled": "(compiled vs eager tplower)"}
+_AGAINST = {"checkpoint": "(reloaded vs parallel outputs)", "compiled": "(compiled vs eager tplower)",
+            "verify": "(0: every boundary within verify's tolerance)"}
 
 
 def verdict(report: Mapping[str, Any], tolerance: float) -> bool:
@@ -67,6 +69,10 @@ def format_report(report: Mapping[str, Any], cfg: RunConfig) -> str:
              f"mesh dp={cfg.dp} x tp={cfg.tp}; {len(cfg.texts)} sentences, {cfg.steps} SGD steps (lr {cfg.lr})",
              "", f"boundaries installed by tplower ({len(rows)}; bytes at the first batch, tokens {shape}):"]
     lines += ["  " + ln for ln in boundary_table(rows)]
+    checked = report.get("verify")
+    if checked:
+        lines += ["", "boundary by boundary against one process (tplower verify, first batch):"]
+        lines += ["  " + ln for ln in checked["table"].splitlines()]
     ok = verdict(report, cfg.tolerance)
     d = report["diffs"]
     lines += ["", f"PASS: tplower matches one process within {cfg.tolerance:g} (max abs difference, float32)"

@@ -136,7 +136,7 @@ class _Run:
         self.train_pieces = [[s for pair in piece for s in pair] for piece in _pieces(pairs, cfg.dp)]
         self.progress = _Progress(cfg.progress and rank == 0,
                                   3 + len(self.batches) + 2 * cfg.steps + 1 + 4 * (cfg.repeat + 1)
-                                  + (cfg.checkpoint is not None) + 2 * (cfg.compile is not None))
+                                  + (cfg.checkpoint is not None) + 2 * (cfg.compile is not None) + 1)
         self.progress("load: tplower copy", 0)
         self.models: dict[str, nn.Module] = {}
         self.models["tplower"], self.tok = load_model(cfg.model, device=device)
@@ -223,6 +223,25 @@ class _Run:
         with torch.no_grad():
             reloaded = [model_output(self.task, fresh, p).cpu() for p in pieces]
         return _max_diff(parallel, reloaded)
+
+    def verify_phase(self) -> dict[str, Any] | None:
+        """:func:`tplower.verify` of this run's plan on the first batch: per-boundary verdicts (a collective).
+
+        Two fresh copies of the model, one parallelized by the plan on the tp
+        axis and one whole, compared boundary by boundary (forward values,
+        arriving gradients, parameter gradients). Returns ``{"ok", "table",
+        "first"}`` (the first divergence or ``None``); ``None`` with ``dp > 1``,
+        since verify takes a one-axis mesh.
+        """
+        from ..verify import verify
+
+        if self.cfg.dp != 1:
+            return None
+        batch = self.pieces(self.batches[0])[0]
+        report = verify(lambda: load_model(self.cfg.model, device=self.device)[0], self.plan, self.mesh["tp"], batch)
+        self.progress("verify: boundary by boundary")
+        first = report.first_divergence
+        return {"ok": report.ok, "table": report.table(), "first": None if first is None else str(first)}
 
     def params(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every copy's parameters, whole (a collective)."""
@@ -328,6 +347,7 @@ def rank_main(rank: int, world: int, cfg: RunConfig, device_name: str = "cpu") -
     outputs = run.forward_phase()
     losses = run.train_phase()
     reloaded = None if cfg.checkpoint is None else run.checkpoint_phase(cfg.checkpoint)
+    verified = run.verify_phase()
     params = run.params()
     timing = run.timing_phase()
     compiled_diff = None
@@ -349,10 +369,12 @@ def rank_main(rank: int, world: int, cfg: RunConfig, device_name: str = "cpu") -
         diffs["tplower"]["checkpoint"] = reloaded
     if compiled_diff is not None:
         diffs["tplower"]["compiled"] = compiled_diff
+    if verified is not None:
+        diffs["tplower"]["verify"] = 0.0 if verified["ok"] else float("inf")
     before = load_model(cfg.model)[0].state_dict()
     moved = max(float((ref[k] - before[k].cpu()).abs().max()) for k in ref)
     return {"diffs": diffs, "losses": losses, "timing": timing, "param_update_max": moved,
             "boundaries": [vars(b) | {"shape": list(b.shape)} for b in run.boundaries.rows()],
             "forward_shape": list(run.pieces(run.batches[0])[run.dp_rank]["input_ids"].shape),
-            "output_shape": list(outputs["reference"][0].shape[1:]), "world": world,
+            "output_shape": list(outputs["reference"][0].shape[1:]), "world": world, "verify": verified,
             "device": device_name, "backend": dist.get_backend()}
