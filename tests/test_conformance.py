@@ -9,6 +9,8 @@ counts are printed at the end of the run.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import tplower.collectives as C
@@ -16,6 +18,9 @@ from tplower.conformance import Case, check_cases, failures, one_axis_cases, sum
 from tplower.testing import run_processes, run_threaded
 
 PLACEMENTS_1D = ("R", "S(0)", "S(1)", "S(-1)", "P(sum)")
+# On real processes the first failing case raises on its rank, and the harness ends the others within
+# seconds (they may be waiting in a collective the failing rank never entered).
+CHECK_CASES_FAIL_FAST = functools.partial(check_cases, fail_fast=True)
 
 
 def shapes_for(world: int) -> list[tuple[int, ...]]:
@@ -45,7 +50,8 @@ def check(results, counts, label):
 
 def test_world2_gloo_processes(conformance_counts):
     cases = cases_1d(2) + extra_dtype_cases(2)
-    summary = check(run_processes(2, check_cases, cases), conformance_counts, "1-D world 2, gloo processes")
+    results = run_processes(2, CHECK_CASES_FAIL_FAST, cases)
+    summary = check(results, conformance_counts, "1-D world 2, gloo processes")
     assert summary["cases"] == len(cases) and summary["dtensor_fallback"] == 0
 
 
@@ -59,7 +65,7 @@ def test_world4_gloo_processes_few(conformance_counts):
     cases = [Case((4,), (13, 3), s, d, g) for s, d, g in [
         ("S(0)", "R", None), ("S(0)", "R", "P(sum)"), ("P(sum)", "S(0)", None), ("S(0)", "S(1)", None),
         ("P(sum)", "R", None), ("R", "S(1)", None)]]
-    check(run_processes(4, check_cases, cases), conformance_counts, "1-D world 4, gloo processes")
+    check(run_processes(4, CHECK_CASES_FAIL_FAST, cases), conformance_counts, "1-D world 4, gloo processes")
 
 
 @pytest.mark.parametrize("mesh", [(2, 2)], ids=["2x2"])

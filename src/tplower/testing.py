@@ -21,6 +21,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -71,24 +72,64 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
         results.put((rank, False, traceback.format_exc()))
 
 
+def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: dict[int, Any],
+             failures: dict[int, str]) -> None:
+    """Fill ``out``/``failures`` from the ranks' reports until every rank reported or the run must stop.
+
+    The run stops ``grace`` seconds after the first rank fails or dies (its peers are then
+    usually blocked in a collective that will never complete), or at ``timeout``, the last resort;
+    the ranks still running are named as failed, with the reason.
+    """
+    start = time.monotonic()
+    first_failure: float | None = None
+    reason = ""
+    while len(out) + len(failures) < len(procs):
+        now = time.monotonic()
+        if first_failure is not None and now - first_failure >= grace:
+            reason = f"ended by the harness {grace:g} s after rank(s) {sorted(failures)} failed"
+            break
+        if now - start >= timeout:
+            reason = f"no result within {timeout:.0f} s"
+            break
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
+                    failures[r] = f"process exited with code {p.exitcode}"
+        else:
+            (out if ok else failures)[rank] = value
+        if failures and first_failure is None:
+            first_failure = time.monotonic()
+    for r in range(len(procs)):
+        if r not in out and r not in failures:
+            failures[r] = reason
+
+
 def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo",
-                  timeout: float = 300.0, pg_timeout: float | None = None) -> list[Any]:
+                  timeout: float = 300.0, pg_timeout: float | None = None, grace: float = 3.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     Args:
         world_size: number of ranks (1 or more).
         fn: a module-level function (it must pickle).
         backend: ``gloo`` (CPU) or ``nccl``.
-        timeout: seconds for the whole run.
+        timeout: seconds for the whole run (the last resort).
         pg_timeout: the process group's timeout in seconds (default ``timeout``):
             a collective waiting longer raises in that rank.
+        grace: once a rank has failed or died, seconds the others get to
+            report (ranks that fail alike, as the debug check makes them,
+            all report within it) before the harness ends them: a peer
+            blocked in a collective with the failed rank would otherwise
+            wait for ``pg_timeout``.
 
     Returns:
         ``fn``'s return values, in rank order.
 
     Raises:
         RankFailure: a rank raised (its traceback is included), died, or the
-            run outlived ``timeout``; every process is ended first.
+            run outlived ``timeout``; every process is ended first, and
+            ranks ended by the harness are named with the reason.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
@@ -103,29 +144,8 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
             p.start()
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         try:
-            while len(out) + len(failures) < world_size:
-                left = (deadline - datetime.datetime.now()).total_seconds()
-                if left <= 0:
-                    for r in range(world_size):
-                        if r not in out and r not in failures:
-                            failures[r] = f"no result within {timeout:.0f} s"
-                    break
-                try:
-                    rank, ok, value = results.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    for r, p in enumerate(procs):
-                        if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
-                            failures[r] = f"process exited with code {p.exitcode}"
-                    if failures:  # the others may wait forever on the dead rank
-                        deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
-                    continue
-                if ok:
-                    out[rank] = value
-                else:
-                    failures[rank] = value
-                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=10))
+            _collect(procs, results, timeout, grace, out, failures)
         finally:
             for p in procs:
                 p.join(timeout=2 if not failures else 0.1)
