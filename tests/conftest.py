@@ -24,6 +24,16 @@ _COUNTS: dict[str, dict[str, int]] = {}
 _RELIABILITY: dict[str, object] = {}
 
 
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    """Tests marked ``slow`` run with ``TPLOWER_SLOW=1`` (they repeat what faster tests check)."""
+    if os.environ.get("TPLOWER_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: runs with TPLOWER_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def conformance_counts() -> dict[str, dict[str, int]]:
     """Where conformance tests leave their case counts for the end-of-run summary."""

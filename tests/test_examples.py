@@ -96,6 +96,7 @@ def test_llama_plan_is_transformers_own_for_llama_tiny() -> None:
     check_config(RunConfig(model=LLAMA_TINY, plan=plan))  # what `tplower run --plan` checks before it starts
 
 
+@pytest.mark.slow  # the same decoder-layer entries run under plan='auto' in test_run's llama test
 def test_llama_plan_file_runs_with_llama_tiny(tmp_path: Path) -> None:
     """The command of the field report, which exited 2 ("names no module of LlamaForCausalLM"), on 8 sentences."""
     pytest.importorskip("transformers")

@@ -74,7 +74,6 @@ def test_markdown_and_gaps_on_known_rows() -> None:
     assert gaps(rows, allow_by_design=False) == rows[1:]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="the full architecture table runs with TPLOWER_HF_TABLE=1")
 def test_full_table_tplower_passes_what_transformers_passes() -> None:
     pytest.importorskip("accelerate")  # transformers' own TP needs it

@@ -56,6 +56,9 @@ def test_default_run_matches_one_process(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["ok"] and report["model"] == MINILM and report["tp"] == 2 and report["world"] == 2
     assert all(report["diffs"]["tplower"][k] <= 1e-5 for k in ("forward", "loss", "params"))
+    # tplower verify, boundary by boundary on the first batch: every one of the 36 boundaries within tolerance
+    assert report["verify"]["ok"] and report["diffs"]["tplower"]["verify"] == 0.0
+    assert report["verify"]["table"].count(" ok") >= 36
     # 6 layers x (q, k, v inputs; attention output; intermediate input; output): every boundary ran lowered
     assert len(report["boundaries"]) == 36
     assert {b["form"] for b in report["boundaries"]} == {"tp_collective"}
@@ -97,6 +100,7 @@ def test_llama_tiny_matches_one_process(tmp_path: Path) -> None:
     assert report["losses"]["reference"][0] == pytest.approx(float(loss), abs=1e-5)
 
 
+@pytest.mark.slow  # dp x tp meshes are checked on the threaded group in test_parallelize
 def test_llama_tiny_data_parallel_mesh() -> None:
     p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--tp", "1", "--dp", "2")
     assert p.returncode == 0, p.stdout + p.stderr

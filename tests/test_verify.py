@@ -341,6 +341,7 @@ def test_cli_errors_name_the_option(argv: list[str], message: str, capsys: pytes
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the default tplower run verifies MiniLM's plan boundary by boundary
 def test_cli_minilm_with_its_shipped_plan_is_clean_gloo_world2(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
