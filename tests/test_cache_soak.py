@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -37,10 +36,11 @@ from tplower.cache import CACHE_SIZE_ENV, DEFAULT_CACHE_SIZE, LRUCache, cache_si
 from tplower.conformance import Case, check_case, quiet_dtensor_logs
 from tplower.testing import run_processes, run_threaded
 
+from blocks import SP, Block, D
+
 SOAK = int(os.environ.get("TPLOWER_SOAK", "0"))
 SHORT_SHAPES, SHORT_BOUND = 400, 64
 GROWTH_LIMIT_MIB = 5.0
-D, H = 8, 16
 MODEL_EVERY = 4  # one model step per this many redistribute_local calls
 TRANSITIONS = (("S(0)", "R"), ("S(1)", "R"), ("P(sum)", "R"), ("P(sum)", "S(1)"), ("S(0)", "S(1)"),
                ("S(1)", "S(0)"), ("R", "S(0)"))
@@ -139,20 +139,10 @@ def test_an_evicted_program_is_rebuilt_with_the_same_result() -> None:
 # ---- the soak --------------------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """x + down(gelu(up(norm(x)))): a pre-norm MLP block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
 #: Sequence parallel: activations S(1) (the sequence) between blocks; both sharded and unsharded dims change.
-SP_PLAN = {"norm": "sequence_parallel", "up": {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}},
-           "down": {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}}
+SP_PLAN = SP
 
 
 def _models(mesh: DeviceMesh) -> tuple[nn.Module, nn.Module]:

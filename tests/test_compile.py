@@ -13,28 +13,19 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
 from tplower.testing import run_processes
 
+from blocks import SP, Block
+
 BATCHES = (8, 6, 10, 12, 7)
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-SP = {"norm": "sequence_parallel", "up": {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}},
-      "down": {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}}
 
 
 def _transitions(x: torch.Tensor, mesh: Any) -> torch.Tensor:

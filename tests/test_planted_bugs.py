@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -23,17 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Partial, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 import tplower.collectives as C
 import tplower.redistribute as R
 from tplower import TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
 from tplower.agreement import check_agreement
 from tplower.conformance import Case, check_cases
-from tplower.placements import replicate_partials
 from tplower.testing import RankFailure, run_processes, run_threaded
 from tplower.transitions import chunk_size_and_offset, local_shape
+
+from test_permuted_mesh import _body as permuted_mesh_check
 
 Outcome = tuple[str, Any]  # ("ok", output rows) or ("error", message)
 DataCase = tuple[tuple[int, ...], str, str]  # (global shape, src, dst)
@@ -209,44 +208,11 @@ def test_backend_binds(backend: str, src: str, dst: str, func: str, native: bool
 # 4 and 5. all_to_all on non-square shapes; permuted meshes whose permutation is not its own inverse -----------------
 
 
-def _piece(t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int],
-           coord: Sequence[int]) -> torch.Tensor:
-    for p, n, c in zip(placements, mesh_shape, coord, strict=True):
-        if isinstance(p, Shard):
-            chunks = torch.chunk(t, n, dim=p.dim)
-            t = chunks[c] if c < len(chunks) else t.narrow(p.dim, t.size(p.dim), 0)
-    return t
-
-
-def _weight(placements: Sequence[Placement], mesh_shape: Sequence[int], coord: Sequence[int]) -> float:
-    w = 1.0
-    for p, n, c in zip(placements, mesh_shape, coord, strict=True):
-        if isinstance(p, Partial):
-            w *= (c + 1) / (n * (n + 1) / 2)  # weights over the axis sum to 1
-    return w
-
-
 def _reference_body(rank: int, world: int, ranks: list[Any], names: tuple[str, ...],
-                    cases: list[DataCase]) -> tuple[tuple[tuple[int, ...] | None, ...], list[DataCase]]:
-    """Each case, forward and backward, against the single-process reference; the axis orders and the bad cases."""
-    del rank, world
-    mesh = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)
-    coord = mesh.get_coordinate()
-    assert coord is not None
-    shape = tuple(mesh.shape)
-    bad = []
-    for gshape, src_s, dst_s in cases:
-        src = parse_placements(src_s, names, tensor_ndim=len(gshape))
-        dst = parse_placements(dst_s, names, tensor_ndim=len(gshape))
-        t = torch.randn(gshape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-        g = torch.randn(gshape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-        x = (_piece(t, src, shape, coord) * _weight(src, shape, coord)).requires_grad_(True)
-        out = redistribute_local(x, mesh, src, dst, global_shape=gshape)
-        out.backward(_piece(g, dst, shape, coord))
-        if not (torch.allclose(out, _piece(t, dst, shape, coord))
-                and x.grad is not None and torch.allclose(x.grad, _piece(g, replicate_partials(src), shape, coord))):
-            bad.append((gshape, src_s, dst_s))
-    return mesh_lowerer(mesh).orders, bad
+                    cases: list[DataCase]) -> tuple[tuple[tuple[int, ...] | None, ...], list[Any]]:
+    """test_permuted_mesh's single-process reference check of each case; also the mesh's axis orders."""
+    bad = permuted_mesh_check(rank, world, ranks, names, cases)
+    return mesh_lowerer(DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)).orders, bad
 
 
 def _all_to_all_cases(world: int) -> list[DataCase]:

@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -32,36 +31,19 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import checkpoint
 
 from tplower import TPLowerError
 from tplower.parallelize import parallelize
 from tplower.testing import run_processes, run_threaded
 
-B, T, D, H = 2, 4, 8, 16
+from blocks import PLAIN, SP, Block, D
+
+B, T = 2, 4
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 
 
-class Block(nn.Module):
-    """x + down(gelu(up(norm(x)))): a pre-norm MLP block, optionally under activation checkpointing."""
-
-    def __init__(self, ckpt: bool = False) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, H), nn.Linear(H, D)
-        self.ckpt = ckpt
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(self.norm(x))))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ckpt:
-            return x + checkpoint(self._mlp, x, use_reentrant=False)
-        return x + self._mlp(x)
 
 
-PLAIN = {"up": "colwise", "down": "rowwise"}
-SP = {"norm": "sequence_parallel", "up": {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}},
-      "down": {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}}
 
 
 def _torch_plan(sp: bool) -> dict[str, Any]:

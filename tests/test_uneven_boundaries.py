@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -27,19 +26,11 @@ from tplower.parallelize import parallelize
 from tplower.plans import resolve_entry
 from tplower.testing import RankFailure, run_processes, run_threaded
 
-D, H = 8, 16
+from blocks import Block, D
+
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 
 
-class Block(nn.Module):
-    """x + down(gelu(up(norm(x)))): a pre-norm MLP block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
 def _linear_plan(uneven: bool) -> dict[str, Any]:

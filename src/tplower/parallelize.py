@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import collectives as C
 from .argcheck import check_mesh
@@ -161,7 +161,11 @@ class _Boundary:
                  params: tuple[tuple[str, ParamLayout], ...] = (), lookup: _Lookup | None = None) -> None:
         self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
         self.lowerer, self.params, self.lookup = lowerer, params, lookup
-        self.tail, self.tail_axes = 0, tuple[str, ...]()
+        #: ``partial_tail``: features at the end of the output whose gradient is partial, and the placements
+        #: (``R`` on every axis) and gradient placements (``P(sum)`` on the entry's axis) of that transition
+        self.tail = 0
+        self.tail_rep: Placements = ()
+        self.tail_grad: Placements = ()
         self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
 
     def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -200,7 +204,7 @@ class _Boundary:
         params = self.owner._parameters
         saved = {name: params[name] for name, _ in self.params}
         bias_name = self.info.deferred_bias
-        pad = getattr(self.owner, "padding_idx", None)
+        pad = getattr(self.owner, "padding_idx", None) if self.lookup is not None else None
         try:
             for name, layout in self.params:
                 p = saved[name]
@@ -223,9 +227,8 @@ class _Boundary:
     def _reduce_tail_grad(self, out: torch.Tensor) -> torch.Tensor:
         """The last ``tail`` features pass forward unchanged; their gradient is all-reduced in backward."""
         head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
-        axis = {n: "R" for n in self.lowerer.names}
-        grad = {**axis, **{a: "P(sum)" for a in self.tail_axes}}
-        tail = self.lowerer.program(axis, axis, tail.shape, tail.device.type, grad=grad)(tail)
+        tail = self.lowerer.program(self.tail_rep, self.tail_rep, tail.shape, tail.device.type,
+                                    grad=self.tail_grad)(tail)
         return torch.cat([head, tail], dim=-1)
 
     def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
@@ -450,7 +453,8 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
                          tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
     if entry.partial_tail is not None:
         boundary.tail = _tail_size(entry.partial_tail, config, qual)
-        boundary.tail_axes = (axis,) if axis in lowerer.names else ()
+        boundary.tail_rep = tuple(Replicate() for _ in lowerer.names)
+        boundary.tail_grad = tuple(Partial() if n == axis else Replicate() for n in lowerer.names)
     module.forward = boundary
     return info if form.form != "identity" or bias is not None else None
 
