@@ -1,0 +1,430 @@
+"""Write a parallelized model's forwards out as straight-line Python, and install them in place of the hooks.
+
+:func:`emit` runs :func:`tplower.parallelize` on a weightless (meta) copy of
+the model, reads back what it installed on each module, and writes one
+``forward`` per module as plain code over the named bare operators of
+:class:`~tplower.codegen_ops.GeneratedOps`:
+
+* an identity boundary writes nothing (the module keeps its class forward);
+* each moved input or output is one call (``ops.all_gather``,
+  ``ops.all_reduce``, ``ops.reduce_scatter``, ``ops.all_to_all``,
+  ``ops.chunk``, ``ops.identity`` for a move of the gradient only,
+  ``ops.transition`` for several axes at once), under a comment giving the
+  transition, its backward, the local shapes it assumes and the share of
+  the tensor each rank moves;
+* parameters are taken as local tensors (``ops.param``); ``nn.Linear`` and
+  ``nn.Embedding`` are written as ``torch.nn.functional.linear`` /
+  ``embedding`` calls, other modules call their class ``forward`` (or the
+  plan's ``local_compute``) with local parameters swapped in;
+* the deferred row-parallel bias is an explicit line after the reduction; a
+  vocabulary-parallel lookup writes its masking; ``partial_tail`` its split;
+* a generic boundary calls ``ops.dtensor`` (DTensor's ``redistribute``) with
+  a comment saying why; a module whose forward cannot be written out (a
+  signature default that is not a literal, a name the code needs, an
+  instance ``forward``) calls ``ops.hooked``, the installed boundary.
+
+The file imports only ``torch`` and ``tplower``, holds the plan, the axis and
+the mesh shape it was written for, and is deterministic: the same model,
+plan and mesh give the same bytes. :func:`install` parallelizes a model as
+:func:`tplower.parallelize` does and binds the generated forwards in place of
+the hooks; outputs and gradients are bit-identical (the same cached programs
+run on the same local tensors).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import functools
+import inspect
+import itertools
+import json
+import pprint
+import re
+import sys
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import __version__
+from .argcheck import check_mesh
+from .codegen_ops import GeneratedOps, operator_name
+from .codegen_text import move_comment
+from .errors import TPLowerError
+from .hf_plans import resolve_model_plan
+from .parallelize import _Boundary, _Move, parallelize
+from .placements import format_placements
+from .plans import PlanValue
+
+__all__ = ["GeneratedOps", "emit", "install"]
+
+#: names the generated code uses for its own values; a forward whose signature uses one is not written out
+_RESERVED = frozenset({"ops", "torch", "tplower", "self", "out", "outs", "saved", "weight", "bias", "head", "tail",
+                       "mine", "ids", "first", "rows", "padding_idx"})
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no weights copied)."""
+    memo: dict[int, Any] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        memo.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+    for _, b in model.named_buffers(remove_duplicate=False):
+        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    return copy.deepcopy(model, memo)
+
+
+def _literal(value: Any) -> str | None:
+    text = repr(value)
+    try:
+        back = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
+    return text if type(back) is type(value) and back == value else None
+
+
+class _Signature:
+    """A forward's parameters as definition text and as call text (annotations dropped)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        params = list(inspect.signature(fn).parameters.values())[1:]  # drop self
+        self.names = [p.name for p in params]
+        self.problem: str | None = None
+        defs: list[str] = []
+        call: list[str] = []
+        star = False
+        for i, p in enumerate(params):
+            text = p.name
+            if p.default is not p.empty:
+                lit = _literal(p.default)
+                if lit is None:
+                    self.problem = f"the default of {p.name!r} is not a literal"
+                text += f"={lit}"
+            if p.kind == p.VAR_POSITIONAL:
+                text, star = f"*{p.name}", True
+                call.append(text)
+            elif p.kind == p.VAR_KEYWORD:
+                text = f"**{p.name}"
+                call.append(text)
+            elif p.kind == p.KEYWORD_ONLY:
+                if not star:
+                    defs.append("*")
+                    star = True
+                call.append(f"{p.name}={p.name}")
+            else:
+                call.append(p.name)
+            defs.append(text)
+            if p.kind == p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind != p.POSITIONAL_ONLY):
+                defs.append("/")
+        self.defs, self.call = ", ".join(["self", *defs]), ", ".join(call)
+        if clash := sorted(_RESERVED.intersection(self.names)):
+            self.problem = f"its forward has parameters named {clash}, which the generated code uses"
+
+
+def _fn_name(qual: str, taken: set[str]) -> str:
+    base = "forward_" + (re.sub(r"\W", "_", qual) or "root")
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def _q(text: str) -> str:
+    """``text`` as a double-quoted Python string literal."""
+    return json.dumps(text)
+
+
+def _wrap(indent: str, head: str, args: list[str]) -> list[str]:
+    """``head(args)`` on one line when it fits in 120 columns, else one argument per line."""
+    one = f"{indent}{head}({', '.join(args)})"
+    if len(one) <= 120:
+        return [one]
+    inner = indent + "    "
+    return [f"{indent}{head}(", *(f"{inner}{a}," for a in args), f"{indent})"]
+
+
+def _call(var: str, mv: _Move, mode: str, n: Mapping[str, int], indent: str) -> list[str]:
+    """The comment lines and the operator call that move ``var`` by ``mv``."""
+    op = "dtensor" if mode == "dtensor" else operator_name(mv.src, mv.dst)
+    args = [var, _q(format_placements(mv.src)), _q(format_placements(mv.dst)), f"grad={_q(format_placements(mv.grad))}",
+            f"where={_q(mv.where)}"] + (["uneven=True"] if mv.uneven else [])
+    label = mv.name if not (mv.name.isdigit() or mv.name == "out") or var.startswith("outs[") else var
+    lines = [f"{indent}# {c}" for c in move_comment(dataclasses.replace(mv, name=label), n)]
+    return [*lines, *_wrap(indent, f"{var} = ops.{op}", args)]
+
+
+class _Writer:
+    """One module's generated forward."""
+
+    def __init__(self, qual: str, module: nn.Module, b: _Boundary, n: Mapping[str, int], original: nn.Module) -> None:
+        self.qual, self.module, self.b, self.n = qual, module, b, n
+        self.sig = _Signature(type(module).forward)
+        self.reason = self.sig.problem
+        if "forward" in original.__dict__:
+            self.reason = "it has an instance forward of its own"
+        elif b.lookup is not None and type(module) is not nn.Embedding:
+            self.reason = "its masked_lookup is written out for nn.Embedding only"
+        self.direct = type(module) in (nn.Linear, nn.Embedding) and not b.info.form.form == "region"
+        if self.direct and any(mv.slot > 0 for mv in b.outs):
+            self.reason = f"{type(module).__name__} returns one tensor but the plan moves output {b.outs[0].slot}"
+
+    def _header(self, name: str) -> list[str]:
+        info = self.b.info
+        why = f", {info.reason}" if info.reason else ""
+        doc = f"{self.qual or '(root)'} ({type(self.module).__name__}): {info.form.form} boundary, {info.mode}{why}."
+        return [f"def {name}({self.sig.defs}):", f'    """{doc}"""']
+
+    def lines(self, name: str) -> list[str]:
+        out = self._header(name)
+        if self.reason is not None:
+            return [*out, f"    # not written out: {self.reason}; the installed boundary runs it",
+                    f"    return ops.hooked(self, {self.sig.call})"]
+        out += self._inputs()
+        out += self._compute()
+        out += self._outputs()
+        return out
+
+    def _inputs(self) -> list[str]:
+        lines: list[str] = []
+        for mv in self.b.ins:
+            if mv.slot >= 0 or mv.keyword in self.sig.names:
+                var = mv.keyword if mv.keyword in self.sig.names else self.sig.names[mv.slot]
+                lines += _call(var, mv, self.b.info.mode, self.n, "    ")
+            else:  # arrives in **kwargs
+                kw = self.sig.names[-1]
+                key = _q(mv.keyword or mv.name)
+                lines += [f"    if {key} in {kw}:", *_call(f"{kw}[{key}]", mv, self.b.info.mode, self.n, "        ")]
+        return lines
+
+    def _deferred(self) -> str | None:
+        return self.b.info.deferred_bias
+
+    def _compute(self) -> list[str]:
+        b, m = self.b, self.module
+        bias = self._deferred()
+        lines: list[str] = []
+        if bias is not None:
+            lines.append(f"    bias = ops.param(self, {_q(bias)})  # deferred: added once after the output moves")
+        if self.direct and isinstance(m, nn.Linear):
+            lines.append('    weight = ops.param(self, "weight")')
+            if m._parameters.get("bias") is not None and bias is None:
+                lines += ['    bias = ops.param(self, "bias")',
+                          f"    out = torch.nn.functional.linear({self.sig.names[0]}, weight, bias)"]
+            else:
+                lines.append(f"    out = torch.nn.functional.linear({self.sig.names[0]}, weight)")
+            return lines
+        if self.direct and isinstance(m, nn.Embedding):
+            ids, pad = self.sig.names[0], "self.padding_idx"
+            lines.append('    weight = ops.param(self, "weight")')
+            if b.lookup is not None:
+                lines += ["    # vocabulary-parallel lookup: ids outside this rank's rows look up row 0, then give 0",
+                          "    first, rows, padding_idx = ops.lookup_rows(self)",
+                          f"    ids = {ids} - first", "    mine = (ids >= 0) & (ids < rows)",
+                          "    ids = ids.masked_fill(~mine, 0)"]
+                ids, pad = "ids", "padding_idx"
+            lines += _wrap("    ", "out = torch.nn.functional.embedding",
+                           [ids, "weight", pad, "self.max_norm", "self.norm_type", "self.scale_grad_by_freq",
+                            "self.sparse"])
+            if b.lookup is not None:
+                lines.append("    out = out.masked_fill(~mine.unsqueeze(-1), 0)")
+            return lines
+        names = tuple(n for n, _ in b.params if n != bias)
+        if isinstance(b.compute, functools.partial):  # the plan's local_compute, bound to the module
+            fn, args = "ops.compute(self)", self.sig.call
+        else:
+            fn, args = "type(self).forward", ", ".join(["self", self.sig.call] if self.sig.call else ["self"])
+        if not names and bias is None:
+            return [*lines, f"    out = {fn}({args})"]
+        names_text = "(" + ", ".join(_q(x) for x in names) + ("," if len(names) == 1 else "") + ")"
+        drop = f", drop=({_q(bias)},)" if bias is not None else ""
+        lines += [f"    saved = ops.local_params(self, {names_text}{drop})", "    try:",
+                  f"        out = {fn}({args})", "    finally:", "        ops.restore_params(self, saved)"]
+        return lines
+
+    def _outputs(self) -> list[str]:
+        b = self.b
+        bias = self._deferred()
+        if not b.outs and bias is None and not b.tail:
+            return ["    return out"]
+        lines: list[str] = []
+        if self.direct:
+            var = "out"
+        else:
+            need = max([mv.slot for mv in b.outs] + [0]) + 1
+            lines.append(f"    outs = ops.outputs(out, {need}, {_q('module ' + repr(b.info.module))})")
+        for mv in b.outs:
+            var = "out" if self.direct else f"outs[{mv.slot}]"
+            lines += _call(var, mv, b.info.mode, self.n, "    ")
+        first = "out" if self.direct else "outs[0]"
+        if bias is not None:
+            lines.append(f"    {first} = {first} + bias.to({first}.dtype)  # the deferred bias, in the output's dtype")
+        if b.tail:
+            tail_mv = _Move(0, None, "tail", b.tail_rep, b.tail_rep, b.tail_grad, f"module {b.info.module!r}, "
+                            "partial_tail", False)
+            lines += [f"    # partial_tail: the last {b.tail} features pass unchanged; their gradient is partial",
+                      f"    head, tail = {first}.split([{first}.shape[-1] - {b.tail}, {b.tail}], dim=-1)",
+                      *_call("tail", tail_mv, "lowered", self.n, "    "),
+                      f"    {first} = torch.cat([head, tail], dim=-1)"]
+        lines.append("    return out" if self.direct else "    return ops.pack(out, outs)")
+        return lines
+
+
+def _plan_text(plan: Mapping[str, PlanValue]) -> str:
+    text = pprint.pformat(dict(plan), width=110, sort_dicts=False)
+    try:
+        same = ast.literal_eval(text) == dict(plan)
+    except (ValueError, SyntaxError):
+        same = False
+    if not same:
+        raise TPLowerError("codegen: the plan holds values that are not Python literals (str, int, dict, list); "
+                           "give it as a mapping of literals or a YAML/JSON file")
+    return text
+
+
+def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
+         axis: str = "tp") -> str:
+    """Python source of ``model``'s forwards as :func:`tplower.parallelize` would install them on ``mesh``.
+
+    Args:
+        model: the unparallelized model (not modified; its weights are not
+            read or copied: the work happens on a meta-device copy).
+        mesh: a live device mesh this rank is in (a ``fake`` process group
+            will do: nothing communicates); its axis names and sizes are
+            written into the file.
+        plan: as :func:`tplower.parallelize` (a mapping, a YAML/JSON path or ``"auto"``).
+        axis: the tensor-parallel axis HF styles shard on.
+
+    Returns:
+        The source of a Python module (see :mod:`tplower.codegen`), the
+        same bytes for the same model, plan and mesh.
+
+    Raises:
+        TypeError: as :func:`tplower.parallelize`.
+        TPLowerError: as :func:`tplower.parallelize`, or a plan whose values
+            are not Python literals.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"emit: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_mesh(mesh, "mesh", "emit")
+    resolved = resolve_model_plan(plan, model)
+    plan_text = _plan_text(resolved)
+    shadow = _meta_copy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # parallelize on the live model warns again; the file records the mode
+        parallelize(shadow, mesh, resolved, axis=axis)
+    names = tuple(mesh.mesh_dim_names or ())
+    n = {name: mesh.size(i) for i, name in enumerate(names)}
+    originals = dict(model.named_modules())
+    taken: set[str] = set()
+    bodies: list[str] = []
+    table: list[tuple[str, str, str]] = []
+    for qual, module in shadow.named_modules():
+        b = module.__dict__.get("forward")
+        if not isinstance(b, _Boundary):
+            continue
+        name = _fn_name(qual, taken)
+        bodies.append("\n".join(_Writer(qual, module, b, n, originals[qual]).lines(name)))
+        table.append((qual, name, b.info.mode))
+    mesh_text = ", ".join(f"{k}={v}" for k, v in n.items())
+    head = [
+        f'"""Forwards of {type(model).__name__} parallelized by tplower on mesh {mesh_text}, written out.',
+        "",
+        f"Generated by tplower.codegen.emit (tplower {__version__}); do not edit: emit again. Install with",
+        "tplower.codegen.install(model, mesh, this_file), which shards the parameters as tplower.parallelize",
+        "does and binds these forwards in place of its hooks. Every ops call moves a local tensor through",
+        "tplower's lowered collectives; comments give the transition, its backward and what it moves.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "import torch",
+        "",
+        "import tplower.codegen",
+        "",
+        f"AXIS = {_q(axis)}",
+        f"MESH = {json.dumps(n)}",
+        f"PLAN = {plan_text}",
+        "",
+        "#: bound to the live mesh by tplower.codegen.install",
+        "ops = tplower.codegen.GeneratedOps.unbound()",
+    ]
+    forwards = ["FORWARDS = {", *(f"    {_q(q)}: {f}," for q, f, _ in table), "}",
+                "MODES = {", *(f"    {_q(q)}: {_q(m)}," for q, _, m in table), "}"]
+    return "\n".join(head) + "\n\n\n" + "\n\n\n".join(bodies) + "\n\n\n" + "\n".join(forwards) + "\n"
+
+
+_INSTALLS = itertools.count()
+
+
+def _namespace(source: str | Path) -> dict[str, Any]:
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
+        path = Path(source)
+        if not path.is_file():
+            raise TPLowerError(f"install: source {str(source)!r} is neither a file nor generated source text")
+        text, filename = path.read_text(), str(path)
+    elif isinstance(source, str):
+        text, filename = source, "<tplower generated>"
+    else:
+        raise TypeError(f"install: source must be a path or source text, got {type(source).__name__}")
+    # a real module in sys.modules, one per install: torch.compile looks the forwards' globals up by module name
+    module = types.ModuleType(f"tplower_generated_{next(_INSTALLS)}")
+    module.__file__ = filename
+    sys.modules[module.__name__] = module
+    ns: dict[str, Any] = module.__dict__
+    exec(compile(text, filename, "exec"), ns)
+    for key in ("AXIS", "MESH", "PLAN", "FORWARDS", "MODES", "ops"):
+        if key not in ns:
+            raise TPLowerError(f"install: {filename} defines no {key}; it is not a file tplower.codegen.emit wrote")
+    return ns
+
+
+def install(model: nn.Module, mesh: DeviceMesh, source: str | Path) -> nn.Module:
+    """Parallelize ``model`` on ``mesh`` and run the generated forwards of ``source`` in place of the hooks.
+
+    Args:
+        model: the unparallelized model (as :func:`tplower.parallelize`).
+        mesh: the live mesh; its axis names and sizes must be those the file was emitted for.
+        source: a path to a file :func:`emit` wrote, or its text.
+
+    Returns:
+        ``model``, its parameters sharded exactly as :func:`tplower.parallelize`
+        shards them and every planned module's ``forward`` the generated
+        one; outputs and gradients are bit-identical to the hook-installed model's.
+
+    Raises:
+        TypeError: as :func:`tplower.parallelize`, or ``source`` of another type.
+        TPLowerError: the file is not from :func:`emit`, was written for
+            another mesh shape, or no longer matches the model (a module it
+            writes is not planned, or one planned has no generated forward,
+            or a boundary runs in another mode than the file says).
+    """
+    check_mesh(mesh, "mesh", "install")
+    ns = _namespace(source)
+    names = tuple(mesh.mesh_dim_names or ())
+    live = {name: mesh.size(i) for i, name in enumerate(names)}
+    if live != ns["MESH"]:
+        raise TPLowerError(f"install: the file was emitted for mesh {ns['MESH']}, this mesh is {live}; emit it again")
+    parallelize(model, mesh, ns["PLAN"], axis=ns["AXIS"])
+    ops = GeneratedOps(mesh)
+    ns["ops"] = ops
+    boundaries = {q: m for q, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _Boundary)}
+    forwards: dict[str, Callable[..., Any]] = ns["FORWARDS"]
+    if set(forwards) != set(boundaries):
+        missing, extra = sorted(set(boundaries) - set(forwards)), sorted(set(forwards) - set(boundaries))
+        raise TPLowerError(f"install: the file does not match the model: planned modules without a generated "
+                           f"forward {missing}, generated forwards of no planned module {extra}; emit it again")
+    for qual, module in boundaries.items():
+        b: _Boundary = module.__dict__["forward"]
+        if b.info.mode != ns["MODES"][qual]:
+            raise TPLowerError(f"install: module {qual!r} runs {b.info.mode} here but the file was emitted for "
+                               f"{ns['MODES'][qual]} ({b.info.reason}); emit it again on this mesh")
+        ops.bind(module, b)
+        module.forward = types.MethodType(forwards[qual], module)
+    return model
