@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tplower.cli import main
 from tplower.models import (
     LLAMA_TINY,
     MINILM,
@@ -79,11 +80,16 @@ def _default_is_run() -> bool:
 
 
 def test_llama_tiny_matches_one_process(tmp_path: Path) -> None:
-    out, ckpt = tmp_path / "report.json", tmp_path / "ckpt"
+    out, ckpt, gen = tmp_path / "report.json", tmp_path / "ckpt", tmp_path / "llama_tp2.py"
     p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--json", str(out),
-                 "--checkpoint", str(ckpt))
+                 "--checkpoint", str(ckpt), "--codegen", str(gen))
     assert p.returncode == 0, p.stdout + p.stderr
     assert PASS in p.stdout and "DCP reload in one process" in p.stdout
+    # tplower's copy ran the generated forwards, from the file `tplower codegen` writes for this model and mesh
+    assert f"ran its generated forwards (tplower codegen): {gen}" in p.stdout
+    assert main(["codegen", "--model", LLAMA_TINY, "--plan", "auto", "--mesh", "dp=1,tp=2", "-o",
+                 str(tmp_path / "cli.py")]) == 0
+    assert gen.read_text() == (tmp_path / "cli.py").read_text()
     report = json.loads(out.read_text())
     # the DCP checkpoint reloaded into the unparallelized model computes the parallel model's outputs
     assert report["diffs"]["tplower"]["checkpoint"] <= 1e-5 and (ckpt / ".metadata").exists()

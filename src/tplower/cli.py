@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("tplower.cli_explain", "print the collectives a transition lowers to, with bytes per rank"),
     "run": ("tplower.cli_run", "parallelize a real model on N processes and check it matches one process"),
     "bench": ("tplower.cli_bench", "time tplower against the raw collective and DTensor; table, JSON and plots"),
+    "codegen": ("tplower.cli_codegen", "write a model's parallelized forwards out as straight-line Python"),
     "verify": ("tplower.cli_verify", "check a plan on a model against one process; name the first wrong boundary"),
 }
 #: the subcommand ``tplower`` runs without one

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .errors import TPLowerError
 from .models import MINILM, MODELS
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="after training, save tplower's model to DIR with torch.distributed.checkpoint, reload "
                              "it into the unparallelized model in one process and compare outputs")
+    parser.add_argument("--codegen", nargs="?", const="", default=None, metavar="FILE.py",
+                        help="run tplower's copy through its generated forwards (tplower codegen) instead of the "
+                             "hooks; the file is written to FILE.py (default tplower_<model>_tp<N>.py here)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="also torch.compile tplower's model and the one-process reference (backend, default "
                              "inductor), check the compiled forward against eager and report compiled step times")
@@ -69,7 +73,14 @@ def _config(args: argparse.Namespace) -> RunConfig:
                      lr=args.lr, repeat=args.repeat, tolerance=args.tolerance,
                      timeout=args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0,
                      backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,
-                     checkpoint=args.checkpoint, compile=args.compile)
+                     checkpoint=args.checkpoint, compile=args.compile,
+                     codegen=_codegen_path(args.codegen, args.model, tp))
+
+
+def _codegen_path(value: str | None, model: str, tp: int) -> str | None:
+    if value is None:
+        return None
+    return str(Path(value or f"tplower_{model.replace('-', '_')}_tp{tp}.py").resolve())
 
 
 def main(args: argparse.Namespace) -> int:

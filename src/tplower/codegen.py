@@ -59,7 +59,7 @@ from .codegen_ops import GeneratedOps, operator_name
 from .codegen_text import move_comment
 from .errors import TPLowerError
 from .hf_plans import resolve_model_plan
-from .parallelize import _Boundary, _Move, parallelize
+from .parallelize import REPLACED, _Boundary, _Move, parallelize
 from .placements import format_placements
 from .plans import PlanValue
 
@@ -426,5 +426,6 @@ def install(model: nn.Module, mesh: DeviceMesh, source: str | Path) -> nn.Module
             raise TPLowerError(f"install: module {qual!r} runs {b.info.mode} here but the file was emitted for "
                                f"{ns['MODES'][qual]} ({b.info.reason}); emit it again on this mesh")
         ops.bind(module, b)
+        module.__dict__[REPLACED] = b
         module.forward = types.MethodType(forwards[qual], module)
     return model

@@ -265,12 +265,17 @@ def skeleton(name: str) -> nn.Module:
     return model
 
 
-def check_tp(name: str, tp: int) -> None:
+def check_tp(name: str, tp: int, option: str = "--tp") -> None:
     """Check that ``tp`` ranks can split the model's heads and sharded sizes.
+
+    Args:
+        name: a model of :data:`MODELS`.
+        tp: ranks of the tensor-parallel axis.
+        option: how the command line spells ``tp`` (``--tp``, ``--mesh tp=``), for the message.
 
     Raises:
         TPLowerError: ``tp`` does not divide a head count or a sharded size;
-            the message lists the ``--tp`` values that work.
+            the message lists the values of ``option`` that work.
     """
     if name == MINILM:
         import json
@@ -284,8 +289,9 @@ def check_tp(name: str, tp: int) -> None:
     if bad:
         ok = [d for d in range(1, max(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
         what = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise TPLowerError(f"--tp {tp} does not divide {what} of {name}: each rank must own whole heads and "
-                           f"equal shards; use --tp with one of {ok}")
+        sep = "" if option.endswith("=") else " "
+        raise TPLowerError(f"{option}{sep}{tp} does not divide {what} of {name}: each rank must own whole heads "
+                           f"and equal shards; use {option}{sep}N with N one of {ok}")
 
 
 def check_plan_modules(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, list[str]]:

@@ -471,9 +471,18 @@ def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.M
 
 
 def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
-    """What :func:`parallelize` installed on ``module`` (``None`` when its boundary is a plain identity)."""
+    """What :func:`parallelize` installed on ``module`` (``None`` when its boundary is a plain identity).
+
+    A module running a generated forward (:func:`tplower.codegen.install`) reports the boundary it replaced.
+    """
     fwd = module.__dict__.get("forward")
+    if not isinstance(fwd, _Boundary):
+        fwd = module.__dict__.get(REPLACED)
     return fwd.info if isinstance(fwd, _Boundary) else None
+
+
+#: the attribute where :func:`tplower.codegen.install` keeps the boundary a generated forward replaced
+REPLACED = "_tplower_boundary"
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
@@ -548,7 +557,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]] = {}
     for qual in (q for q in modules if q in entries):
         module = modules[qual]
-        if isinstance(module.__dict__.get("forward"), _Boundary):
+        if isinstance(module.__dict__.get("forward"), _Boundary) or REPLACED in module.__dict__:
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         _install(module, qual, entries[qual], lowerer, axis, seen, getattr(model, "config", None))
     for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter

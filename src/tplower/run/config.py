@@ -47,6 +47,10 @@ class RunConfig:
             compare outputs (``None``: no checkpoint).
         compile: a ``torch.compile`` backend (``"inductor"``): also compile
             tplower's model and the reference and time them (``None``: eager only).
+        codegen: a file path: rank 0 writes the model's generated forwards
+            there (:func:`tplower.codegen.emit`) and every rank runs
+            tplower's copy through them (:func:`tplower.codegen.install`)
+            instead of the hooks (``None``: the hooks).
     """
 
     model: str = "all-minilm-l6-v2"
@@ -66,6 +70,7 @@ class RunConfig:
     kill_rank: int = -1
     checkpoint: str | None = None
     compile: str | None = None
+    codegen: str | None = None
 
     def resolved_plan(self) -> dict[str, Any]:
         """The plan this run applies: ``plan``, or the model's own."""

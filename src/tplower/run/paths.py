@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,8 +121,13 @@ class _Recorder:
 
 
 def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue], *,
-                        axis: str = "tp") -> BoundaryLog:
+                        axis: str = "tp", codegen: str | None = None) -> BoundaryLog:
     """:func:`tplower.parallelize.parallelize` ``model`` in place on ``mesh`` by ``plan``; record its boundaries.
+
+    With ``codegen`` (a file path) the model's forwards are generated
+    (:func:`tplower.codegen.emit`, the same text on every rank; rank 0 writes
+    it to ``codegen``) and installed in place of the hooks
+    (:func:`tplower.codegen.install`).
 
     Returns:
         A :class:`BoundaryLog` that fills in as each boundary first runs.
@@ -131,7 +137,15 @@ def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
             (its message names the module, field and value).
     """
     try:
-        parallelize(model, mesh, plan, axis=axis)
+        if codegen is None:
+            parallelize(model, mesh, plan, axis=axis)
+        else:
+            from ..codegen import emit, install
+
+            source = emit(model, mesh, plan, axis=axis)
+            if dist.get_rank() == 0:
+                Path(codegen).write_text(source)
+            install(model, mesh, source)
         keys = match_plan(plan, [n for n, _ in model.named_modules()])
     except TPLowerError as exc:
         raise RunError(str(exc)) from None

@@ -69,6 +69,8 @@ def format_report(report: Mapping[str, Any], cfg: RunConfig) -> str:
              f"mesh dp={cfg.dp} x tp={cfg.tp}; {len(cfg.texts)} sentences, {cfg.steps} SGD steps (lr {cfg.lr})",
              "", f"boundaries installed by tplower ({len(rows)}; bytes at the first batch, tokens {shape}):"]
     lines += ["  " + ln for ln in boundary_table(rows)]
+    if cfg.codegen is not None:
+        lines += ["", f"tplower's copy ran its generated forwards (tplower codegen): {cfg.codegen}"]
     checked = report.get("verify")
     if checked:
         lines += ["", "boundary by boundary against one process (tplower verify, first batch):"]

@@ -140,7 +140,8 @@ class _Run:
         self.progress("load: tplower copy", 0)
         self.models: dict[str, nn.Module] = {}
         self.models["tplower"], self.tok = load_model(cfg.model, device=device)
-        self.boundaries: BoundaryLog = parallelize_tplower(self.models["tplower"], self.mesh, self.plan)
+        self.boundaries: BoundaryLog = parallelize_tplower(self.models["tplower"], self.mesh, self.plan,
+                                                           codegen=cfg.codegen)
         self.progress("load: DTensor copy")
         self.models["dtensor"] = load_model(cfg.model, device=device)[0]
         parallelize_dtensor(self.models["dtensor"], self.mesh, self.plan)
