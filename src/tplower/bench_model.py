@@ -1,12 +1,14 @@
 """The model phase of ``tplower bench``: a real model's step time, and per-rank resident memory.
 
 Timing (:func:`model_rank`): all-MiniLM-L6-v2 (the main job's model and plan,
-:data:`tplower.models.MINILM_TP_PLAN`) in four copies on every rank of one
+:data:`tplower.models.MINILM_TP_PLAN`) in five copies on every rank of one
 ``tp`` group, interleaved round by round:
 
 * ``one_process``: the unsharded model (every rank runs its own copy at the
   same time, so the machine is as loaded as in the parallel runs);
 * ``tplower``: :func:`tplower.parallelize` (the main job's tplower path);
+* ``codegen``: the same plan through its generated forwards
+  (:func:`tplower.codegen.emit` then :func:`tplower.codegen.install`);
 * ``dtensor``: ``parallelize_module`` with Colwise/RowwiseParallel;
 * ``megatron``: the same plan written by hand in Megatron's style
   (:func:`megatronize`: plain autograd Functions with the collectives in).
@@ -134,7 +136,7 @@ def _median_ms(samples: list[float]) -> float:
 
 def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
                compile_backend: str | None = None) -> list[dict[str, Any]]:
-    """Time forward and training step of the four copies on this rank (``tp = world``); rank 0 returns rows.
+    """Time forward and training step of the five copies on this rank (``tp = world``); rank 0 returns rows.
 
     With ``compile_backend`` (e.g. ``"inductor"``), also ``tplower_compiled``
     and ``dtensor_compiled``: ``torch.compile`` of those two copies (sharing
@@ -144,6 +146,7 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     Rows: ``model``, ``tp``, ``variant``, ``forward_ms`` and
     ``train_step_ms`` (medians) and their samples.
     """
+    from .codegen import emit, install
     from .models import MINILM, MINILM_TP_PLAN, load_model, sentences
     from .parallelize import parallelize
     from .run.paths import parallelize_dtensor
@@ -157,6 +160,7 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     models: dict[str, nn.Module] = {}
     models["one_process"], tok = load_model(MINILM)
     models["tplower"] = parallelize(load_model(MINILM)[0], mesh, MINILM_TP_PLAN)
+    models["codegen"] = install(load_model(MINILM)[0], mesh, emit(models["one_process"], mesh, MINILM_TP_PLAN))
     models["dtensor"] = load_model(MINILM)[0]
     parallelize_dtensor(models["dtensor"], mesh, MINILM_TP_PLAN)
     models["megatron"] = megatronize(load_model(MINILM)[0], MINILM_TP_PLAN, mesh.get_group("tp"))

@@ -183,6 +183,11 @@ def target_lines(res: BenchResult) -> list[str]:
             out.append(f"- {model} train step: tplower/hand-written {t['train_step_ms'] / m['train_step_ms']:.3f} "
                        f"(target <= 1.05), DTensor/tplower {d['train_step_ms'] / t['train_step_ms']:.2f} (target > 1); "
                        f"forward tplower/hand-written {t['forward_ms'] / m['forward_ms']:.3f}")
+        gen = by.get((model, "codegen"))
+        if t and gen:
+            out.append(f"- {model} generated forwards (tplower codegen) / hooks: forward "
+                       f"{gen['forward_ms'] / t['forward_ms']:.3f}, train step "
+                       f"{gen['train_step_ms'] / t['train_step_ms']:.3f} (target <= 1)")
         tc, dc = by.get((model, "tplower_compiled")), by.get((model, "dtensor_compiled"))
         if tc and dc:
             out.append(f"- {model} compiled (torch.compile): train step DTensor/tplower "

@@ -142,12 +142,18 @@ def _q(text: str) -> str:
 
 
 def _wrap(indent: str, head: str, args: list[str]) -> list[str]:
-    """``head(args)`` on one line when it fits in 120 columns, else one argument per line."""
+    """``head(args)`` on one line when it fits in 120 columns, else arguments on continuation lines."""
     one = f"{indent}{head}({', '.join(args)})"
     if len(one) <= 120:
         return [one]
-    inner = indent + "    "
-    return [f"{indent}{head}(", *(f"{inner}{a}," for a in args), f"{indent})"]
+    inner, lines = indent + "    ", [f"{indent}{head}("]
+    line = ""
+    for a in args:  # fill each continuation line up to 120 columns
+        if line and len(inner) + len(line) + len(a) + 2 > 120:
+            lines.append(f"{inner}{line.rstrip()}")
+            line = ""
+        line += f"{a}, "
+    return [*lines, f"{inner}{line.rstrip(', ')},", f"{indent})"]
 
 
 def _call(var: str, mv: _Move, mode: str, n: Mapping[str, int], indent: str) -> list[str]:
