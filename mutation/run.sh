@@ -27,7 +27,8 @@ if [ ! -f session.sqlite ]; then
     # the unmutated code must pass the test command, or every mutant would count as killed
     cosmic-ray baseline cosmic-ray.toml || { echo "baseline failed: fix the tests first" >&2; exit 1; }
     cosmic-ray init cosmic-ray.toml session.sqlite
+    python "$root/mutation/skip_annotations.py" session.sqlite   # equivalent by construction
 fi
 nice -n 19 cosmic-ray exec cosmic-ray.toml session.sqlite
-cr-report session.sqlite --show-pending
+python "$root/mutation/score.py" session.sqlite --survivors
 echo "session: $work/session.sqlite (survivors: cr-report --surviving-only $work/session.sqlite)"

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 import tplower.collectives as C
 import tplower.redistribute as R
-from tplower import TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
+from tplower import TPExecutionOp, TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
 from tplower.agreement import check_agreement
 from tplower.conformance import Case, check_cases
 from tplower.testing import RankFailure, run_processes, run_threaded
@@ -182,6 +184,8 @@ _BINDS = [
     ("nccl", "S(0)", "S(1)", "all_to_all", None),
     ("ucc", "S(0)", "S(1)", "all_to_all", None),
     ("mpi", "S(0)", "S(1)", "all_to_all", None),
+    ("threaded", "S(0)", "S(1)", "all_to_all", None),
+    ("fake", "S(0)", "S(1)", "all_to_all", None),  # the benchmarks' fake group times the native call
     ("a-backend-tplower-does-not-know", "S(0)", "S(1)", "all_to_all_via_gather", None),
 ]
 
@@ -417,3 +421,38 @@ def test_plans_are_immutable() -> None:
         for field in dataclasses.fields(obj):
             with pytest.raises(dataclasses.FrozenInstanceError):
                 setattr(obj, field.name, None)
+
+
+# Survivors of the mutation run of collectives, redistribute and lowering ------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [3, -3, 2])
+def test_execution_op_dims_out_of_range_for_the_tensor(dim: int) -> None:
+    """Survivors: ``-nd <= dim < nd`` as ``~nd <= dim`` (lets ``-nd - 1`` through) or ``dim is not nd``."""
+    op = TPExecutionOp(kind="all_gather", group=cast(ProcessGroup, None), group_size=2, group_rank=0,
+                       tensor_dim=dim)
+    with pytest.raises(ValueError, match=f"tensor_dim={dim} is out of range for a 2-d tensor"):
+        op._build((4, 6), "cpu")
+
+
+def test_execution_op_placements_normalise_negative_dims() -> None:
+    """Survivor: ``dst_dim % ndim`` as ``dst_dim ** ndim`` (0 and 1 are fixed points, so use -2 on 3 dims)."""
+    op = TPExecutionOp(kind="all_to_all", group=cast(ProcessGroup, None), group_size=2, group_rank=0,
+                       tensor_dim=-1, dst_dim=-2)
+    assert op.placements(3) == (Shard(2), Shard(1), Shard(1))
+
+
+def test_execution_op_group_rank_beyond_the_group() -> None:
+    """Survivor: ``group_rank < group_size`` as ``is not`` (only ``group_rank == group_size`` was tested)."""
+    with pytest.raises(ValueError, match="group_rank=3 is outside a group of group_size=2"):
+        TPExecutionOp(kind="all_reduce", group=cast(ProcessGroup, None), group_size=2, group_rank=3)
+
+
+def test_mesh_axis_and_process_group_with_other_ranks_is_refused() -> None:
+    """Survivor: ``sorted(mesh) != sorted(group)`` as ``is`` (never true): a group of other ranks passed."""
+    lowerer = cast(R.MeshLowerer, SimpleNamespace(names=("tp",)))
+    with pytest.raises(TPLowerError, match=r"mesh axis 'tp' holds ranks \[0, 1\] but its process group holds "
+                                           r"\[0, 2\]"):
+        R.MeshLowerer._axis_order(lowerer, 0, [0, 1], [0, 2])
+    assert R.MeshLowerer._axis_order(lowerer, 0, [0, 1], [0, 1]) is None
+    assert R.MeshLowerer._axis_order(lowerer, 0, [1, 0], [0, 1]) == (1, 0)

@@ -177,7 +177,8 @@ class _Writer:
             self.reason = "it has an instance forward of its own"
         elif b.lookup is not None and type(module) is not nn.Embedding:
             self.reason = "its masked_lookup is written out for nn.Embedding only"
-        self.direct = type(module) in (nn.Linear, nn.Embedding) and not b.info.form.form == "region"
+        # nn.Linear and nn.Embedding are written out unless the plan injects their local compute
+        self.direct = type(module) in (nn.Linear, nn.Embedding) and not isinstance(b.compute, functools.partial)
         if self.direct and any(mv.slot > 0 for mv in b.outs):
             self.reason = f"{type(module).__name__} returns one tensor but the plan moves output {b.outs[0].slot}"
 
