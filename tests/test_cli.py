@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tplower.cli import main
 from tplower.cli_explain import parse_mesh
@@ -88,3 +89,21 @@ def test_demo_matches_dtensor(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "all 7 transitions match DTensor forward and backward on every rank" in out
+
+
+def _needs_an_argument(size):  # a --module factory that cannot be called with no arguments
+    return torch.nn.Linear(size, size)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "llama-tiny", "--mesh", "dp=2", "--plan", "auto"], "--axis 'tp' is not an axis of --mesh dp=2"),
+    (["--model", "llama-tiny", "--mesh", "tp=2", "--axis", "x"], "--axis 'x' is not an axis of --mesh tp=2"),
+    (["--model", "llama-tiny", "--mesh", "tp=3"], "--mesh tp=3 does not divide"),
+    (["--model", "llama-tiny", "--plan", "auto", "-o", "/nonexistent-dir/out.py"], "No such file or directory"),
+    (["--module", "test_cli:_needs_an_argument", "--plan", "auto"],
+     "--module 'test_cli:_needs_an_argument': calling it raised TypeError"),
+    (["--module", "test_cli:_needs_an_argument"], "--module needs --plan FILE or --plan auto"),
+])
+def test_codegen_errors_exit_2_naming_the_option(argv, message, capsys):
+    assert main(["codegen", *argv]) == 2
+    assert message in capsys.readouterr().err

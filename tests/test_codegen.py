@@ -104,7 +104,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _forwards(source: str) -> set[str]:
     """The module names of the FORWARDS table (a regex: ``ast`` is not safe in threads on Python 3.11)."""
-    table = source[source.index("FORWARDS = {"):source.index("MODES = {")]
+    table = source[source.index("FORWARDS = {"):source.index("FINGERPRINTS = {")]
     found = set(re.findall(r'^    "([^"]*)": forward_\w+,$', table, flags=re.M))
     assert found, "no FORWARDS table"
     return found
@@ -148,6 +148,11 @@ def _threaded_body(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     for name, (model, plan, inputs) in _models(("minilm", "llama", "block_sp")).items():
         _compare(name, mesh, model, plan, inputs, world, rank)
+    # a file for a (dp, tp) mesh does not install on the same ranks named (tp, dp): its placements name axes in order
+    model, plan, _ = _models(("block_sp",))["block_sp"]
+    source = emit(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), plan)
+    with pytest.raises(TPLowerError, match=r"emitted for mesh dp=2,tp=2, this mesh is tp=2,dp=2"):
+        install(copy.deepcopy(model), init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")), source)
 
 
 def test_generated_forwards_are_bit_identical_threaded_world4() -> None:
@@ -161,11 +166,18 @@ def _errors_body(rank: int, world: int) -> list[str]:
     model, plan, inputs = _models(("block_sp",))["block_sp"]
     source = emit(model, mesh, plan)
     seen = []
-    for bad in (source.replace('"tp": 2', '"tp": 4'), "x = 1\n",
+    for bad in (source.replace('[["tp", 2]]', '[["tp", 4]]'), "x = 1\n",
                 source.replace('"mlp.up": forward_mlp_up,\n', "")):
         with pytest.raises(TPLowerError) as info:
             install(copy.deepcopy(model), mesh, bad)
         seen.append(str(info.value))
+    # a module unlike the one the file was written for (here: no bias) is refused, and the model is left as it was
+    other = copy.deepcopy(model)
+    other.mlp.up = nn.Linear(16, 32, bias=False)
+    with pytest.raises(TPLowerError) as info:
+        install(other, mesh, source)
+    seen.append(str(info.value))
+    assert not any(isinstance(p, DTensor) for p in other.parameters()) and "forward" not in other.mlp.down.__dict__
     renamed = source.replace("input = ops.all_gather(input, ", "input = ops.all_reduce(input, ")
     edited = install(copy.deepcopy(model), mesh, renamed)
     with pytest.raises(TPLowerError) as info:
@@ -180,11 +192,69 @@ def _errors_body(rank: int, world: int) -> list[str]:
 
 def test_install_refuses_files_that_do_not_match_and_edited_operators() -> None:
     seen = run_threaded(2, _errors_body)[0]
-    assert "emitted for mesh {'tp': 4}" in seen[0]
+    assert "emitted for mesh tp=4, this mesh is tp=2" in seen[0]
     assert "defines no AXIS" in seen[1]
     assert "planned modules without a generated forward ['mlp.up']" in seen[2]
-    assert "S(1) -> R is all_gather, not ops.all_reduce" in seen[3]
-    assert "before tplower.codegen.install" in seen[4]
+    assert "module 'mlp.up' (Linear) is not the one the file was emitted for" in seen[3]
+    assert "S(1) -> R is all_gather, not ops.all_reduce" in seen[4]
+    assert "before tplower.codegen.install" in seen[5]
+
+
+class _Odd(nn.Module):
+    """Forwards the generated code cannot write out: an input in ``*args``, a non-tensor default, a ``type``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = _Star(), _Default(), _Type()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)), type=None)
+
+
+class _Star(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(16, 16)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(xs[0])
+
+
+class _Default(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(16, 16)
+
+    def forward(self, x: torch.Tensor, scale: Any = 1.0) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * (scale if isinstance(scale, float) else scale.mean())
+
+
+class _Type(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(16, 16)
+
+    def forward(self, x: torch.Tensor, type: Any = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
+_ODD_PLAN = {"a": {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}},
+             "b": {"style": "rowwise", "in_src": {"scale": {"tp": "R"}}, "in_grad": {"scale": {"tp": "P(sum)"}}},
+             "c": "colwise_gather_output"}
+
+
+def _odd_body(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16).chunk(world, 1)[rank].clone().requires_grad_()
+    return _compare("odd", mesh, _Odd(), _ODD_PLAN, lambda w, r: {"x": x.detach().clone().requires_grad_()},
+                    world, rank)
+
+
+def test_forwards_that_cannot_be_written_out_run_the_installed_boundary() -> None:
+    """``*args`` inputs, non-tensor defaults and a parameter named ``type`` fall back to the hook, bit-identical."""
+    source = run_threaded(2, _odd_body)[0]
+    assert source.count("# not written out:") == 3 and source.count("return ops.hooked(self, *args, **kwargs)") == 3
+    for why in ("input '0' it moves arrives in *xs", "input 'scale' it moves has a default (1.0)",
+                "its forward has parameters named ['type']"):
+        assert why in source, why
 
 
 def test_emit_refuses_a_plan_that_is_not_literal() -> None:

@@ -50,7 +50,11 @@ def _model_and_plan(args: argparse.Namespace, tp: int) -> tuple[nn.Module, Any]:
     factory, _ = _import(args.module)
     if args.plan is None:
         raise TPLowerError("--module needs --plan FILE or --plan auto")
-    model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+    try:
+        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+    except Exception as exc:
+        raise TPLowerError(f"--module {args.module!r}: calling it raised {type(exc).__name__}: {exc} (it must build "
+                           "the model with no arguments)") from None
     if not isinstance(model, nn.Module):
         raise TPLowerError(f"--module {args.module!r} gave a {type(model).__name__}, not a torch.nn.Module")
     return model, args.plan
@@ -68,6 +72,8 @@ def emit_file(args: argparse.Namespace) -> str:
     from .codegen import emit
 
     names, sizes = parse_mesh(args.mesh)
+    if args.axis not in names:
+        raise TPLowerError(f"--axis {args.axis!r} is not an axis of --mesh {args.mesh} (axes: {', '.join(names)})")
     if args.plan not in (None, "auto") and not Path(args.plan).is_file():
         raise TPLowerError(f"--plan {args.plan!r}: no such file (or write 'auto')")
     tp = sizes[names.index(args.axis)] if args.axis in names else 1
@@ -87,13 +93,14 @@ def main(args: argparse.Namespace) -> int:
     """Write the file; exit 0, or 2 on an error (printed on standard error)."""
     try:
         source = emit_file(args)
+        if args.out is not None:
+            Path(args.out).write_text(source)
     except (TPLowerError, ValueError, TypeError, OSError) as exc:
         print(f"tplower codegen: error: {exc}", file=sys.stderr)
         return 2
     if args.out is None:
         sys.stdout.write(source)
         return 0
-    Path(args.out).write_text(source)
     lines = source.count("\n")
     forwards = source.count("\ndef forward_")
     print(f"tplower codegen: wrote {args.out} ({forwards} forwards, {lines} lines); install it with "

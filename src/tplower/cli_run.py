@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after training, save tplower's model to DIR with torch.distributed.checkpoint, reload "
                              "it into the unparallelized model in one process and compare outputs")
     parser.add_argument("--codegen", nargs="?", const="", default=None, metavar="FILE.py",
-                        help="run tplower's copy through its generated forwards (tplower codegen) instead of the "
-                             "hooks; the file is written to FILE.py (default tplower_<model>_tp<N>.py here)")
+                        help="run tplower's copy through generated forwards (tplower codegen) instead of the hooks: "
+                             "those in FILE.py if it exists (e.g. from tplower codegen, edited or not), else new "
+                             "ones written there (default FILE: tplower_<model>_tp<N>.py here)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="also torch.compile tplower's model and the one-process reference (backend, default "
                              "inductor), check the compiled forward against eager and report compiled step times")

@@ -37,12 +37,14 @@ import ast
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import json
 import pprint
 import re
 import sys
+import textwrap
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -60,24 +62,73 @@ from .codegen_text import move_comment
 from .errors import TPLowerError
 from .hf_plans import resolve_model_plan
 from .parallelize import REPLACED, _Boundary, _Move, parallelize
+from .params import check_plain_parameter
 from .placements import format_placements
 from .plans import PlanValue
+from .redistribute import mesh_lowerer
 
 __all__ = ["GeneratedOps", "emit", "install"]
 
 #: names the generated code uses for its own values; a forward whose signature uses one is not written out
-_RESERVED = frozenset({"ops", "torch", "tplower", "self", "out", "outs", "saved", "weight", "bias", "head", "tail",
-                       "mine", "ids", "first", "rows", "padding_idx"})
+_RESERVED = frozenset({"ops", "torch", "tplower", "type", "self", "out", "outs", "saved", "weight", "bias", "head",
+                       "tail", "mine", "ids", "first", "rows", "padding_idx"})
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on the meta device (no weights copied)."""
+def _meta_copy(model: nn.Module, func: str) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no weights copied).
+
+    Raises:
+        TPLowerError: a parameter is already a DTensor, or the model cannot be deep-copied.
+    """
     memo: dict[int, Any] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
+    for name, p in model.named_parameters(remove_duplicate=False):
+        check_plain_parameter(p, f"{func}: parameter {name!r}")
         memo.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
     for _, b in model.named_buffers(remove_duplicate=False):
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
-    return copy.deepcopy(model, memo)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # e.g. a lock or a process group held by a module
+        raise TPLowerError(f"{func}: the model cannot be deep-copied ({type(exc).__name__}: {exc}); {func} works "
+                           "on a weightless copy of it") from None
+
+
+def _boundaries(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue], axis: str, func: str,
+                quiet: bool) -> tuple[nn.Module, dict[str, tuple[nn.Module, _Boundary]]]:
+    """Parallelize a meta copy of ``model``: the copy and, per planned module, (module, its installed boundary)."""
+    shadow = _meta_copy(model, func)
+    with warnings.catch_warnings():
+        if quiet:  # the warnings come again when the live model is parallelized
+            warnings.simplefilter("ignore")
+        parallelize(shadow, mesh, plan, axis=axis)
+    found = {}
+    for qual, module in shadow.named_modules():
+        b = module.__dict__.get("forward")
+        if isinstance(b, _Boundary):
+            found[qual] = (module, b)
+    return shadow, found
+
+
+def _fingerprint(module: nn.Module, b: _Boundary, original: nn.Module) -> str:
+    """What a generated forward assumes about its module: class, parameters and placements, moves, extras."""
+    layouts = dict(b.params)
+    parts = [f"{type(module).__module__}.{type(module).__qualname__}", b.info.form.form, b.info.mode,
+             str(b.info.deferred_bias), str(b.lookup is not None), str(b.tail), str(type(b.compute).__name__),
+             str("forward" in original.__dict__), str(inspect.signature(type(module).forward))]
+    for name, p in module._parameters.items():
+        layout = layouts.get(name)
+        parts.append(f"{name}:{None if p is None else tuple(p.shape)}:"
+                     f"{None if layout is None else (format_placements(layout.placements), layout.grad)}")
+    for mv in b.ins + b.outs:
+        parts.append(repr((mv.slot, mv.keyword, mv.name, format_placements(mv.src), format_placements(mv.dst),
+                           format_placements(mv.grad), mv.uneven)))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _mesh_axes(mesh: DeviceMesh) -> list[list[Any]]:
+    """``[[axis name, size], ...]`` in mesh order (unnamed axes as tplower names them: ``dim0``, ...)."""
+    lowerer = mesh_lowerer(mesh)
+    return [[name, size] for name, size in zip(lowerer.names, lowerer.shape, strict=True)]
 
 
 def _literal(value: Any) -> str | None:
@@ -95,6 +146,7 @@ class _Signature:
     def __init__(self, fn: Callable[..., Any]) -> None:
         params = list(inspect.signature(fn).parameters.values())[1:]  # drop self
         self.names = [p.name for p in params]
+        self.params = params
         self.problem: str | None = None
         defs: list[str] = []
         call: list[str] = []
@@ -181,18 +233,30 @@ class _Writer:
         self.direct = type(module) in (nn.Linear, nn.Embedding) and not isinstance(b.compute, functools.partial)
         if self.direct and any(mv.slot > 0 for mv in b.outs):
             self.reason = f"{type(module).__name__} returns one tensor but the plan moves output {b.outs[0].slot}"
+        for mv in b.ins:
+            p = self.sig.params[mv.slot] if 0 <= mv.slot < len(self.sig.params) else None
+            if p is None and mv.keyword in self.sig.names:
+                p = self.sig.params[self.sig.names.index(mv.keyword)]
+            if p is not None and p.kind == p.VAR_POSITIONAL:
+                self.reason = f"input {mv.name!r} it moves arrives in *{p.name}"
+            elif p is not None and p.default is not p.empty and p.default is not None:
+                self.reason = (f"input {mv.name!r} it moves has a default ({p.default!r}) that is not a tensor, "
+                               "and only a call shows whether it was given")
 
     def _header(self, name: str) -> list[str]:
         info = self.b.info
         why = f", {info.reason}" if info.reason else ""
         doc = f"{self.qual or '(root)'} ({type(self.module).__name__}): {info.form.form} boundary, {info.mode}{why}."
+        doc = doc.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')  # a module name is any string
         return [f"def {name}({self.sig.defs}):", f'    """{doc}"""']
 
     def lines(self, name: str) -> list[str]:
+        if self.reason is not None:  # the boundary's own calling convention: every argument passes as given
+            self.sig.defs = "self, *args, **kwargs"
+            note = textwrap.wrap(f"not written out: {self.reason}; the installed boundary runs it", 110)
+            return [*self._header(name), *(f"    # {line}" for line in note),
+                    "    return ops.hooked(self, *args, **kwargs)"]
         out = self._header(name)
-        if self.reason is not None:
-            return [*out, f"    # not written out: {self.reason}; the installed boundary runs it",
-                    f"    return ops.hooked(self, {self.sig.call})"]
         out += self._inputs()
         out += self._compute()
         out += self._outputs()
@@ -322,24 +386,19 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
     check_mesh(mesh, "mesh", "emit")
     resolved = resolve_model_plan(plan, model)
     plan_text = _plan_text(resolved)
-    shadow = _meta_copy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # parallelize on the live model warns again; the file records the mode
-        parallelize(shadow, mesh, resolved, axis=axis)
-    names = tuple(mesh.mesh_dim_names or ())
-    n = {name: mesh.size(i) for i, name in enumerate(names)}
+    _, found = _boundaries(model, mesh, resolved, axis, "emit", quiet=False)
+    axes = _mesh_axes(mesh)
+    n = {name: size for name, size in axes}
     originals = dict(model.named_modules())
     taken: set[str] = set()
     bodies: list[str] = []
     table: list[tuple[str, str, str]] = []
-    for qual, module in shadow.named_modules():
-        b = module.__dict__.get("forward")
-        if not isinstance(b, _Boundary):
-            continue
+    for qual, (module, b) in found.items():
         name = _fn_name(qual, taken)
         bodies.append("\n".join(_Writer(qual, module, b, n, originals[qual]).lines(name)))
-        table.append((qual, name, b.info.mode))
+        table.append((qual, name, _fingerprint(module, b, originals[qual])))
     mesh_text = ", ".join(f"{k}={v}" for k, v in n.items())
+    uses_torch = any("torch." in body for body in bodies)
     head = [
         f'"""Forwards of {type(model).__name__} parallelized by tplower on mesh {mesh_text}, written out.',
         "",
@@ -351,23 +410,28 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
         "",
         "from __future__ import annotations",
         "",
-        "import torch",
-        "",
+        *(["import torch", ""] if uses_torch else []),
         "import tplower.codegen",
         "",
         f"AXIS = {_q(axis)}",
-        f"MESH = {json.dumps(n)}",
+        "#: the mesh's axes and sizes, in order",
+        f"MESH = {json.dumps(axes)}",
         f"PLAN = {plan_text}",
         "",
         "#: bound to the live mesh by tplower.codegen.install",
         "ops = tplower.codegen.GeneratedOps.unbound()",
     ]
     forwards = ["FORWARDS = {", *(f"    {_q(q)}: {f}," for q, f, _ in table), "}",
-                "MODES = {", *(f"    {_q(q)}: {_q(m)}," for q, _, m in table), "}"]
+                "#: what each forward assumes of its module (class, parameters, placements, moves); install checks it",
+                "FINGERPRINTS = {", *(f"    {_q(q)}: {_q(h)}," for q, _, h in table), "}"]
     return "\n".join(head) + "\n\n\n" + "\n\n\n".join(bodies) + "\n\n\n" + "\n".join(forwards) + "\n"
 
 
 _INSTALLS = itertools.count()
+
+
+def _mesh_text(axes: list[list[Any]]) -> str:
+    return ",".join(f"{name}={size}" for name, size in axes) if isinstance(axes, list) else repr(axes)
 
 
 def _namespace(source: str | Path) -> dict[str, Any]:
@@ -386,7 +450,7 @@ def _namespace(source: str | Path) -> dict[str, Any]:
     sys.modules[module.__name__] = module
     ns: dict[str, Any] = module.__dict__
     exec(compile(text, filename, "exec"), ns)
-    for key in ("AXIS", "MESH", "PLAN", "FORWARDS", "MODES", "ops"):
+    for key in ("AXIS", "MESH", "PLAN", "FORWARDS", "FINGERPRINTS", "ops"):
         if key not in ns:
             raise TPLowerError(f"install: {filename} defines no {key}; it is not a file tplower.codegen.emit wrote")
     return ns
@@ -408,31 +472,39 @@ def install(model: nn.Module, mesh: DeviceMesh, source: str | Path) -> nn.Module
     Raises:
         TypeError: as :func:`tplower.parallelize`, or ``source`` of another type.
         TPLowerError: the file is not from :func:`emit`, was written for
-            another mesh shape, or no longer matches the model (a module it
-            writes is not planned, or one planned has no generated forward,
-            or a boundary runs in another mode than the file says).
+            another mesh (axis names, order or sizes), or no longer matches
+            the model (a planned module without a generated forward, a
+            forward of no planned module, or a module whose class,
+            parameters, placements or moves differ from those it was
+            emitted for). Every check runs on a weightless copy before the
+            model is touched: a refused install leaves ``model`` as it was.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"install: model must be a torch.nn.Module, got {type(model).__name__}")
     check_mesh(mesh, "mesh", "install")
     ns = _namespace(source)
-    names = tuple(mesh.mesh_dim_names or ())
-    live = {name: mesh.size(i) for i, name in enumerate(names)}
-    if live != ns["MESH"]:
-        raise TPLowerError(f"install: the file was emitted for mesh {ns['MESH']}, this mesh is {live}; emit it again")
+    axes = _mesh_axes(mesh)
+    if axes != ns["MESH"]:
+        raise TPLowerError(f"install: the file was emitted for mesh {_mesh_text(ns['MESH'])}, this mesh is "
+                           f"{_mesh_text(axes)}; emit it again")
+    _, found = _boundaries(model, mesh, ns["PLAN"], ns["AXIS"], "install", quiet=True)
+    forwards: dict[str, Callable[..., Any]] = ns["FORWARDS"]
+    if set(forwards) != set(found):
+        missing, extra = sorted(set(found) - set(forwards)), sorted(set(forwards) - set(found))
+        raise TPLowerError(f"install: the file does not match the model: planned modules without a generated "
+                           f"forward {missing}, generated forwards of no planned module {extra}; emit it again")
+    originals = dict(model.named_modules())
+    for qual, (module, b) in found.items():
+        if _fingerprint(module, b, originals[qual]) != ns["FINGERPRINTS"].get(qual):
+            raise TPLowerError(f"install: module {qual!r} ({type(module).__name__}) is not the one the file was "
+                               "emitted for (its class, parameters, placements or moves differ); emit it again")
     parallelize(model, mesh, ns["PLAN"], axis=ns["AXIS"])
     ops = GeneratedOps(mesh)
     ns["ops"] = ops
-    boundaries = {q: m for q, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _Boundary)}
-    forwards: dict[str, Callable[..., Any]] = ns["FORWARDS"]
-    if set(forwards) != set(boundaries):
-        missing, extra = sorted(set(boundaries) - set(forwards)), sorted(set(forwards) - set(boundaries))
-        raise TPLowerError(f"install: the file does not match the model: planned modules without a generated "
-                           f"forward {missing}, generated forwards of no planned module {extra}; emit it again")
-    for qual, module in boundaries.items():
-        b: _Boundary = module.__dict__["forward"]
-        if b.info.mode != ns["MODES"][qual]:
-            raise TPLowerError(f"install: module {qual!r} runs {b.info.mode} here but the file was emitted for "
-                               f"{ns['MODES'][qual]} ({b.info.reason}); emit it again on this mesh")
-        ops.bind(module, b)
-        module.__dict__[REPLACED] = b
+    for qual in found:
+        module = originals[qual]
+        live: _Boundary = module.__dict__["forward"]
+        ops.bind(module, live)
+        module.__dict__[REPLACED] = live
         module.forward = types.MethodType(forwards[qual], module)
     return model

@@ -124,10 +124,11 @@ def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
                         axis: str = "tp", codegen: str | None = None) -> BoundaryLog:
     """:func:`tplower.parallelize.parallelize` ``model`` in place on ``mesh`` by ``plan``; record its boundaries.
 
-    With ``codegen`` (a file path) the model's forwards are generated
-    (:func:`tplower.codegen.emit`, the same text on every rank; rank 0 writes
-    it to ``codegen``) and installed in place of the hooks
-    (:func:`tplower.codegen.install`).
+    With ``codegen`` (a file path) the model runs generated forwards in
+    place of the hooks (:func:`tplower.codegen.install`): those of the file
+    when it exists (edited or not; install refuses one emitted for another
+    model, plan or mesh), else freshly emitted ones (:func:`tplower.codegen.emit`,
+    the same text on every rank), which rank 0 writes there.
 
     Returns:
         A :class:`BoundaryLog` that fills in as each boundary first runs.
@@ -142,9 +143,13 @@ def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
         else:
             from ..codegen import emit, install
 
-            source = emit(model, mesh, plan, axis=axis)
-            if dist.get_rank() == 0:
-                Path(codegen).write_text(source)
+            if Path(codegen).is_file():
+                source = Path(codegen).read_text()
+            else:
+                source = emit(model, mesh, plan, axis=axis)
+                dist.barrier()  # every rank has looked for the file before rank 0 writes it
+                if dist.get_rank() == 0:
+                    Path(codegen).write_text(source)
             install(model, mesh, source)
         keys = match_plan(plan, [n for n, _ in model.named_modules()])
     except TPLowerError as exc:
