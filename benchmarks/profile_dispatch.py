@@ -28,7 +28,7 @@ def _time(label: str, fn: Callable[[], object], calls: int) -> None:
 
 def _profile_case(case: Any, mesh: Any, calls: int) -> None:
     from tplower import mesh_lowerer, redistribute_local
-    from tplower.bench_cases import build, setup
+    from tplower.bench.cases import build, setup
 
     low = mesh_lowerer(mesh)
     s = setup(case, mesh, 16 * 16 * 4 * mesh.size(), torch.device("cpu"))
@@ -58,7 +58,7 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tplower.bench_cases import CASES
+    from tplower.bench.cases import CASES
 
     mesh = init_device_mesh("cpu", (args.world,), mesh_dim_names=("tp",))
     for case in [c for c in CASES if c.mesh is None]:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import tplower.agreement
-import tplower.collectives
+import tplower.core.agreement
+import tplower.core.collectives
 from tplower import (
     TPCollectiveLowerer,
     TPExecutionOp,
@@ -44,8 +44,8 @@ from tplower import (
     replicate_partials,
 )
 from tplower.conformance import Case, check_case, check_cases, make_mesh
-from tplower.errors import TPLowerError, TPLowerTypeError
-from tplower.parallelize import parallelize
+from tplower.core.errors import TPLowerError, TPLowerTypeError
+from tplower.nn.parallelize import parallelize
 from tplower.testing import run_threaded
 
 BAD: dict[str, Any] = {"list": [[1.0, 2.0]], "ndarray": np.array([1.0, 2.0]), "None": None}
@@ -143,9 +143,10 @@ def collective_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     for name in COLLECTIVES:
         monkeypatch.setattr(dist, name, counted(getattr(dist, name)))
-    for module in (tplower.collectives, tplower.agreement):
+    for module in (tplower.core.collectives, tplower.core.agreement):
         monkeypatch.setattr(module, "_all_gather_base", counted(module._all_gather_base))
-    monkeypatch.setattr(tplower.collectives, "_reduce_scatter_base", counted(tplower.collectives._reduce_scatter_base))
+    coll = tplower.core.collectives
+    monkeypatch.setattr(coll, "_reduce_scatter_base", counted(coll._reduce_scatter_base))
     return calls
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tplower.bench_cases import global_shape, size_label
+from tplower.bench.cases import global_shape, size_label
 from tplower.cli import main
-from tplower.cli_bench import parse_size
+from tplower.cli.bench import parse_size
 
 
 def test_sizes_and_shapes() -> None:
@@ -54,8 +54,8 @@ def _megatron_parity(rank: int, world: int) -> tuple[float, float, float]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tplower.bench_model import _task, megatronize
-    from tplower.models import MINILM, MINILM_TP_PLAN, load_model, sentences
+    from tplower.bench.model import _task, megatronize
+    from tplower.run.models import MINILM, MINILM_TP_PLAN, load_model, sentences
 
     task = _task()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -15,7 +15,7 @@ import torch
 
 from tplower.bench import peak_bytes
 from tplower.cli import main
-from tplower.quiet import KINETO_NOISE, filtered_stderr
+from tplower.run.quiet import KINETO_NOISE, filtered_stderr
 
 
 def test_peak_bytes_is_exact_and_quiet(capfd: pytest.CaptureFixture[str]) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tplower.cli import main
-from tplower.cli_explain import parse_mesh
-from tplower.errors import TPLowerError
-from tplower.explain import format_bytes
+from tplower.cli.explain import parse_mesh
+from tplower.core.errors import TPLowerError
+from tplower.core.explain import format_bytes
 
 
 def test_explain_table_hand_computed(capsys):

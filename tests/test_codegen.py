@@ -1,4 +1,4 @@
-"""Generated forwards (tplower.codegen): bit-identical to ``parallelize``'s hooks, plain code, fullgraph.
+"""Generated forwards (tplower.nn.codegen): bit-identical to ``parallelize``'s hooks, plain code, fullgraph.
 
 The oracle is the same model after :func:`tplower.parallelize` on the same
 mesh and input: outputs, the input gradient where there is one, and every
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import tplower
 from tplower import TPLowerError
-from tplower.codegen import GeneratedOps, emit, install
+from tplower.nn.codegen import GeneratedOps, emit, install
 from tplower.testing import run_processes, run_threaded
 
 from test_parallelize import PLANS, Block, _make
@@ -42,13 +42,13 @@ ROOT = Path(__file__).parent.parent
 
 def _models(names: tuple[str, ...]) -> dict[str, tuple[nn.Module, Any, Any]]:
     """name -> (fresh unparallelized model, plan, a function of the rank giving the forward's inputs)."""
-    from tplower.models import MINILM, load_model
+    from tplower.run.models import MINILM, load_model
 
     out: dict[str, tuple[nn.Module, Any, Any]] = {}
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 250, (2, 7), generator=gen)
     if "minilm" in names:
-        from tplower.models import MINILM_TP_PLAN
+        from tplower.run.models import MINILM_TP_PLAN
 
         model, _ = load_model(MINILM)
         out["minilm"] = (model, MINILM_TP_PLAN, lambda world, rank: {"input_ids": ids,
@@ -197,7 +197,7 @@ def test_install_refuses_files_that_do_not_match_and_edited_operators() -> None:
     assert "planned modules without a generated forward ['mlp.up']" in seen[2]
     assert "module 'mlp.up' (Linear) is not the one the file was emitted for" in seen[3]
     assert "S(1) -> R is all_gather, not ops.all_reduce" in seen[4]
-    assert "before tplower.codegen.install" in seen[5]
+    assert "before tplower.nn.codegen.install" in seen[5]
 
 
 class _Odd(nn.Module):

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-import tplower.collectives as C
+import tplower.core.collectives as C
 from tplower.conformance import Case, check_cases, failures, one_axis_cases, summarize
 from tplower.testing import run_processes, run_threaded
 

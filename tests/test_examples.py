@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tplower.cli import main
-from tplower.plans import load_plan
+from tplower.nn.plans import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -85,8 +85,8 @@ def test_llama_plan_is_transformers_own_for_llama_tiny() -> None:
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
 
-    from tplower.models import LLAMA_TINY, check_plan_modules, skeleton
     from tplower.run import RunConfig, check_config
+    from tplower.run.models import LLAMA_TINY, check_plan_modules, skeleton
 
     plan = load_plan(EXAMPLES / "plans" / "llama_tp.yaml")
     # transformers' own plan for LlamaModel, each key under LlamaForCausalLM's "model." attribute
@@ -100,7 +100,7 @@ def test_llama_plan_is_transformers_own_for_llama_tiny() -> None:
 def test_llama_plan_file_runs_with_llama_tiny(tmp_path: Path) -> None:
     """The command of the field report, which exited 2 ("names no module of LlamaForCausalLM"), on 8 sentences."""
     pytest.importorskip("transformers")
-    from tplower.models import LLAMA_TINY, load_model, sentences
+    from tplower.run.models import LLAMA_TINY, load_model, sentences
     from tplower.run.tasks import make_batch, training_loss
 
     texts, report = tmp_path / "in.txt", tmp_path / "report.json"
@@ -124,8 +124,8 @@ def test_llama_plan_file_runs_with_llama_tiny(tmp_path: Path) -> None:
 
 def test_bert_plan_is_the_minilm_plan_the_default_run_checks() -> None:
     pytest.importorskip("transformers")
-    from tplower.models import MINILM, MINILM_TP_PLAN
     from tplower.run import RunConfig, check_config
+    from tplower.run.models import MINILM, MINILM_TP_PLAN
 
     plan = load_plan(EXAMPLES / "plans" / "bert_tp.yaml")
     assert plan == MINILM_TP_PLAN  # the plan test_run's default run checks against one process

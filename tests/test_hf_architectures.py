@@ -1,7 +1,7 @@
 """Hugging Face decoders under ``parallelize(model, mesh, "auto")``: logits equal one process at tp=2 on gloo.
 
 The fast part runs a handful of representative architectures (tiny random
-configs from :mod:`tplower.hf_table`) and checks that an MoE architecture is
+configs from :mod:`tplower.run.hf_table`) and checks that an MoE architecture is
 refused naming its style. The full table, every causal-LM architecture whose
 config defines ``base_model_tp_plan`` next to transformers' own TP on the
 same weights, runs with ``TPLOWER_HF_TABLE=1`` (a few minutes on 2 CPUs).
@@ -14,7 +14,18 @@ import os
 import pytest
 
 from tplower import TPLowerError
-from tplower.hf_table import TOL, Arch, Outcome, Row, architectures, by_design, gaps, markdown, run_table, tiny_config
+from tplower.run.hf_table import (
+    TOL,
+    Arch,
+    Outcome,
+    Row,
+    architectures,
+    by_design,
+    gaps,
+    markdown,
+    run_table,
+    tiny_config,
+)
 
 # dense decoders of distinct families: plain, qk-norm, sliding window, gemma norms, fused qkv + gather/split,
 # GPT-NeoX's fused qkv and vocab-parallel embedding, OLMo-2's gather/split styles, MiniCPM3's latent attention

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tplower import TPLowerError
-from tplower.hf_plans import model_tp_plan, resolve_model_plan
-from tplower.parallelize import parallelize
+from tplower.nn.hf_plans import model_tp_plan, resolve_model_plan
+from tplower.nn.parallelize import parallelize
 from tplower.testing import run_threaded
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}

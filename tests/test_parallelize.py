@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplower import TPLowerError
-from tplower.parallelize import installed_boundary, parallelize
+from tplower.nn.parallelize import installed_boundary, parallelize
 from tplower.testing import run_processes, run_threaded
 
 B, T, D, H, HEADS = 2, 8, 16, 32, 4
@@ -249,7 +249,7 @@ def _live_mesh_body(rank: int, world: int) -> tuple[str | None, list[str]]:
     # A backend tplower does not know: that boundary runs on DTensor, with a warning.
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with warnings.catch_warnings(record=True) as caught, \
-            mock.patch("tplower.parallelize.dist.get_backend", return_value="mystery"):
+            mock.patch("tplower.nn.parallelize.dist.get_backend", return_value="mystery"):
         warnings.simplefilter("always")
         model = parallelize(copy.deepcopy(ref), mesh, PLANS["mlp"])
     torch.testing.assert_close(_run(model, x, g)[0], want, **TOL)

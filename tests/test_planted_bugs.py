@@ -26,13 +26,13 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-import tplower.collectives as C
-import tplower.redistribute as R
+import tplower.core.collectives as C
+import tplower.core.redistribute as R
 from tplower import TPExecutionOp, TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
-from tplower.agreement import check_agreement
 from tplower.conformance import Case, check_cases
+from tplower.core.agreement import check_agreement
+from tplower.core.transitions import chunk_size_and_offset, local_shape
 from tplower.testing import RankFailure, run_processes, run_threaded
-from tplower.transitions import chunk_size_and_offset, local_shape
 
 from test_permuted_mesh import _body as permuted_mesh_check
 

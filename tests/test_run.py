@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from tplower.cli import main
-from tplower.models import (
+from tplower.run import RunConfig, RunError, check_config
+from tplower.run.launch import explain_failure
+from tplower.run.models import (
     LLAMA_TINY,
     MINILM,
     MissingPackageError,
@@ -30,8 +32,6 @@ from tplower.models import (
     sentences,
     skeleton,
 )
-from tplower.run import RunConfig, RunError, check_config
-from tplower.run.launch import explain_failure
 from tplower.run.tasks import make_batch, training_loss
 from tplower.testing import RankFailure
 
@@ -220,7 +220,7 @@ def test_config_errors_before_any_process(cfg: RunConfig, message: str) -> None:
 def _shard_and_record(rank: int, world: int) -> dict[str, object]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tplower.models import MINILM_TP_PLAN
+    from tplower.run.models import MINILM_TP_PLAN
     from tplower.run.paths import parallelize_tplower
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))

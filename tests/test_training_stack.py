@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tplower import TPLowerError
-from tplower.parallelize import parallelize
+from tplower.nn.parallelize import parallelize
 from tplower.testing import run_processes, run_threaded
 
 from blocks import PLAIN, SP, Block, D

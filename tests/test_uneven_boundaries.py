@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tplower import TPLowerError
-from tplower.parallelize import parallelize
-from tplower.plans import resolve_entry
+from tplower.nn.parallelize import parallelize
+from tplower.nn.plans import resolve_entry
 from tplower.testing import RankFailure, run_processes, run_threaded
 
 from blocks import Block, D

@@ -6,28 +6,32 @@ and backward, on plain local tensors.
 
 from __future__ import annotations
 
-from .boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
-from .cache import set_cache_size
-from .errors import TPLowerError, TPLowerTypeError
-from .lowering import (
+from .core.cache import set_cache_size
+from .core.errors import TPLowerError, TPLowerTypeError
+from .core.lowering import (
     TPCollectiveLowerer,
     TPExecutionOp,
     classify_tp_transition,
     create_tp_collective_lowerer,
 )
-from .parallelize import parallelize
-from .placements import (
+from .core.placements import (
     format_placement,
     format_placements,
     parse_placement,
     parse_placements,
     replicate_partials,
 )
-from .plans import BoundaryEntry, load_plan
-from .redistribute import MeshLowerer, mesh_lowerer, redistribute_local
-from .transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
-from .verify import verify
-from .verify_report import VerifyReport
+from .core.redistribute import MeshLowerer, mesh_lowerer, redistribute_local
+from .core.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
+from .nn.boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
+from .nn.parallelize import parallelize
+from .nn.plans import BoundaryEntry, load_plan
+from .nn.verify import verify
+from .nn.verify_report import VerifyReport
+
+from . import _moved  # isort: skip
+
+_moved.install()  # module paths from before the layer sub-packages (tplower.collectives, ...) still import
 
 __version__ = "0.1.0"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
-from .. import plans
-from ..errors import TPLowerError
-from ..models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
+from ..core.errors import TPLowerError
+from ..nn import plans
+from .models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
 
 __all__ = ["DTENSOR_STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
 
@@ -29,7 +29,7 @@ class RunConfig:
     """One run, fully resolved (see ``tplower run --help`` for each field).
 
     Attributes:
-        model: a name in :data:`tplower.models.MODELS`.
+        model: a name in :data:`tplower.run.models.MODELS`.
         world: number of ranks; ``tp * dp``.
         tp, dp: ranks of the tensor-parallel and data-parallel mesh axes.
         texts: the sentences; consecutive pairs are the training pairs.
@@ -48,8 +48,8 @@ class RunConfig:
         compile: a ``torch.compile`` backend (``"inductor"``): also compile
             tplower's model and the reference and time them (``None``: eager only).
         codegen: a file path: rank 0 writes the model's generated forwards
-            there (:func:`tplower.codegen.emit`) and every rank runs
-            tplower's copy through them (:func:`tplower.codegen.install`)
+            there (:func:`tplower.nn.codegen.emit`) and every rank runs
+            tplower's copy through them (:func:`tplower.nn.codegen.install`)
             instead of the hooks (``None``: the hooks).
     """
 
@@ -92,7 +92,7 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def load_plan(path: str | Path) -> dict[str, Any]:
-    """Read a plan file (JSON or YAML): module name/glob -> HF style or boundary entry (:mod:`tplower.plans`).
+    """Read a plan file (JSON or YAML): module name/glob -> HF style or boundary entry (:mod:`tplower.nn.plans`).
 
     Raises:
         RunError: the file cannot be read or parsed, or an entry breaks the

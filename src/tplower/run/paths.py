@@ -1,6 +1,6 @@
 """The two tensor-parallel paths a run compares, and how their parameters are gathered back.
 
-* :func:`parallelize_tplower`: :func:`tplower.parallelize.parallelize`.
+* :func:`parallelize_tplower`: :func:`tplower.nn.parallelize.parallelize`.
   Parameters become plain local shards; every boundary runs tplower's
   lowered collectives. Each installed boundary is recorded on its first
   call (local shapes, so the bytes it sends are known) for the report.
@@ -21,15 +21,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..boundaries import BoundaryOp, parse_spec
-from ..errors import TPLowerError
-from ..models import localize_heads
-from ..parallelize import installed_boundary, parallelize
-from ..placements import format_placement
-from ..plans import PlanValue, match_plan, resolve_entry
-from ..redistribute import MeshLowerer, mesh_lowerer
-from ..transitions import global_shape_from_local, plan_transition
+from ..core.errors import TPLowerError
+from ..core.placements import format_placement
+from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.transitions import global_shape_from_local, plan_transition
+from ..nn.boundaries import BoundaryOp, parse_spec
+from ..nn.parallelize import installed_boundary, parallelize
+from ..nn.plans import PlanValue, match_plan, resolve_entry
 from .config import DTENSOR_STYLES, RunError
+from .models import localize_heads
 
 __all__ = ["BoundaryLog", "BoundaryRecord", "gather_params", "parallelize_dtensor", "parallelize_tplower",
            "shard_dims"]
@@ -122,26 +122,26 @@ class _Recorder:
 
 def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue], *,
                         axis: str = "tp", codegen: str | None = None) -> BoundaryLog:
-    """:func:`tplower.parallelize.parallelize` ``model`` in place on ``mesh`` by ``plan``; record its boundaries.
+    """:func:`tplower.nn.parallelize.parallelize` ``model`` in place on ``mesh`` by ``plan``; record its boundaries.
 
     With ``codegen`` (a file path) the model runs generated forwards in
-    place of the hooks (:func:`tplower.codegen.install`): those of the file
+    place of the hooks (:func:`tplower.nn.codegen.install`): those of the file
     when it exists (edited or not; install refuses one emitted for another
-    model, plan or mesh), else freshly emitted ones (:func:`tplower.codegen.emit`,
+    model, plan or mesh), else freshly emitted ones (:func:`tplower.nn.codegen.emit`,
     the same text on every rank), which rank 0 writes there.
 
     Returns:
         A :class:`BoundaryLog` that fills in as each boundary first runs.
 
     Raises:
-        RunError: anything :func:`~tplower.parallelize.parallelize` rejects
+        RunError: anything :func:`~tplower.nn.parallelize.parallelize` rejects
             (its message names the module, field and value).
     """
     try:
         if codegen is None:
             parallelize(model, mesh, plan, axis=axis)
         else:
-            from ..codegen import emit, install
+            from ..nn.codegen import emit, install
 
             if Path(codegen).is_file():
                 source = Path(codegen).read_text()
@@ -168,7 +168,7 @@ def parallelize_dtensor(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
     """PyTorch's ``parallelize_module`` on ``mesh[axis]`` with Colwise/RowwiseParallel per ``plan`` (in place).
 
     Entries that only make attributes local (``{"local_attrs": ...}``) are
-    left to :func:`tplower.models.localize_heads`.
+    left to :func:`tplower.run.models.localize_heads`.
 
     Raises:
         RunError: an entry other than ``"colwise"``/``"rowwise"`` or ``local_attrs``.
@@ -194,7 +194,7 @@ def shard_dims(model: nn.Module, plan: Mapping[str, PlanValue], mesh: DeviceMesh
                axis: str = "tp") -> dict[str, int]:
     """Parameter name -> the tensor dim ``plan`` shards it on along ``axis`` (others are replicated there).
 
-    Read from the plan's own entries (:func:`tplower.plans.resolve_entry`),
+    Read from the plan's own entries (:func:`tplower.nn.plans.resolve_entry`),
     so a gather does not trust the sharded model's state.
     """
     names = tuple(mesh.mesh_dim_names or ())

@@ -1,6 +1,6 @@
 """What ``tplower run`` computes with a model: batches, the compared output, the training loss.
 
-Two tasks (:attr:`tplower.models.ModelSpec.task`):
+Two tasks (:attr:`tplower.run.models.ModelSpec.task`):
 
 * ``embedding`` (all-MiniLM-L6-v2): mean-pooled, L2-normalised embeddings;
   training is an in-batch contrastive loss (InfoNCE) on sentence pairs.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import LLAMA_TINY_CONFIG
+from .models import LLAMA_TINY_CONFIG
 
 __all__ = ["contrastive_loss", "make_batch", "mean_pool", "model_output", "training_loss"]
 

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..conformance import quiet_dtensor_logs
-from ..models import load_model, model_spec
 from .config import RunConfig
+from .models import load_model, model_spec
 from .paths import BoundaryLog, gather_params, parallelize_dtensor, parallelize_tplower, shard_dims
 from .tasks import make_batch, model_output, training_loss
 
@@ -234,7 +234,7 @@ class _Run:
         "first"}`` (the first divergence or ``None``); ``None`` with ``dp > 1``,
         since verify takes a one-axis mesh.
         """
-        from ..verify import verify
+        from ..nn.verify import verify
 
         if self.cfg.dp != 1:
             return None

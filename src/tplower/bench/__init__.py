@@ -1,0 +1,13 @@
+"""``tplower bench``: timings and memory of tplower against the raw collective, DTensor and hand-written code.
+
+:mod:`~tplower.bench.phases` runs the phases, :mod:`~tplower.bench.cases` holds the transitions and the
+implementations timed, :mod:`~tplower.bench.model` the real-model phase, :mod:`~tplower.bench.report`
+the tables and plots. The names below are those of :mod:`~tplower.bench.phases`.
+"""
+
+from __future__ import annotations
+
+from .phases import PHASES, BenchConfig, fake_rank, micro_rank, peak_bytes, plan_cache_rows, run_bench, summarize
+
+__all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "plan_cache_rows", "run_bench",
+           "summarize"]

@@ -1,0 +1,500 @@
+"""``tplower bench``: tplower against the raw collective and DTensor, interleaved in the same processes.
+
+Phases (each optional, all written to one JSON file with every sample):
+
+* ``micro``: per transition (:data:`tplower.bench.cases.CASES`), size and
+  mode (``fwd``, ``fwd_bwd``), the implementations run in rounds
+  ``A B C A B C ...`` after a warm-up, on real ranks (gloo processes, or
+  the launcher's ranks under ``torchrun``, NCCL on GPUs). A sample is the
+  mean of ``inner`` back-to-back calls, in microseconds, timed on rank 0.
+* ``fake``: the same calls on the ``fake`` backend (no data moves) in one
+  process: CPU dispatch overhead alone, microseconds per call; and the cost
+  of a plan-cache miss (planning and binding one transition) next to a hit,
+  with the memory one cached program holds (:func:`plan_cache_rows`).
+* ``memory``: extra bytes one call allocates, forward and backward, for
+  tplower and DTensor (torch profiler memory events on CPU,
+  ``torch.cuda.max_memory_allocated`` on GPU).
+* ``model``: :mod:`tplower.bench.model` (per-step time of a real model and
+  per-rank resident memory).
+
+Timings are never asserted anywhere; they depend on the machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..conformance import quiet_dtensor_logs
+from ..core.cache import cache_size
+from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..run.quiet import filtered_stderr
+from ..testing import run_processes
+from .cases import CASES, IMPLS, SIZES, Case, build, describe, dtensor_leaf, raw_call, setup
+
+__all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "plan_cache_rows", "run_bench",
+           "summarize"]
+
+#: Phases ``tplower bench`` can run.
+PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one bench run measures.
+
+    Attributes:
+        worlds: world sizes of the micro phase (spawned gloo processes; under
+            ``torchrun`` the launcher's world is used instead).
+        sizes: global tensor sizes in bytes (float32).
+        cases: transition names (``S(0)->R``, ``S(0),S(1)->R,R@2x2``).
+        impls: implementations of the micro phase.
+        modes: ``fwd`` and/or ``fwd_bwd``.
+        reps: timed rounds at sizes up to 64 KiB (fewer above).
+        warmup: untimed rounds first.
+        fake_world: ranks the ``fake`` backend pretends to have.
+        fake_calls: calls per fake-backend sample.
+        fake_reps: fake-backend samples per implementation.
+        memory_size: bytes of the tensor the memory phase uses.
+        phases: subset of :data:`PHASES`.
+        device: ``cpu`` or ``cuda``.
+        model_steps: timed rounds of the model phase.
+        compile_backend: also time ``torch.compile`` of tplower's and
+            ``parallelize_module``'s model with this backend (``None``: eager only).
+        multi_axis_only_at: worlds whose micro phase runs only the
+            multi-axis cases (the quick preset covers the 1-D ones at world 2).
+        timeout: seconds for each spawned group of ranks.
+    """
+
+    worlds: tuple[int, ...] = (2, 4)
+    sizes: tuple[int, ...] = SIZES
+    cases: tuple[str, ...] = tuple(c.name for c in CASES)
+    impls: tuple[str, ...] = ("raw", "tplower", "seed_op", "dtensor")
+    modes: tuple[str, ...] = ("fwd", "fwd_bwd")
+    reps: int = 30
+    warmup: int = 3
+    fake_world: int = 4
+    fake_calls: int = 300
+    fake_reps: int = 15
+    memory_size: int = 4 << 20
+    phases: tuple[str, ...] = PHASES
+    device: str = "cpu"
+    model_steps: int = 10
+    compile_backend: str | None = None
+    multi_axis_only_at: tuple[int, ...] = ()
+    timeout: float = 900.0
+
+    @staticmethod
+    def quick() -> BenchConfig:
+        """The ``--quick`` preset: world 2 (and 4 for the 2x2 case), sizes up to 4 MiB, few rounds."""
+        return BenchConfig(worlds=(2, 4), sizes=SIZES[:3], reps=13, warmup=2, fake_calls=150, fake_reps=7,
+                           model_steps=7, multi_axis_only_at=(4,))
+
+    def case_objs(self) -> list[Case]:
+        """The selected :class:`Case` objects, in table order."""
+        return [c for c in CASES if c.name in self.cases]
+
+
+def _check(cfg: BenchConfig) -> None:
+    known = {c.name for c in CASES}
+    bad = [c for c in cfg.cases if c not in known]
+    if bad:
+        raise ValueError(f"cases={bad} are unknown; allowed: {', '.join(sorted(known))}")
+    for name, values, allowed in (("impls", cfg.impls, IMPLS), ("modes", cfg.modes, ("fwd", "fwd_bwd")),
+                                  ("phases", cfg.phases, PHASES)):
+        wrong = [v for v in values if v not in allowed]
+        if wrong:
+            raise ValueError(f"{name}={wrong} are unknown; allowed: {', '.join(allowed)}")
+    if any(w < 2 for w in cfg.worlds):
+        raise ValueError(f"worlds={cfg.worlds}: every world size must be at least 2")
+    for nbytes in cfg.sizes:
+        for w in cfg.worlds:
+            if nbytes < 1 or nbytes % (4 * w * w):
+                raise ValueError(f"sizes: {nbytes} B does not split into a float32 [a, b] tensor with a and b "
+                                 f"divisible by world {w}; give multiples of {4 * w * w} B (e.g. 1KiB, 64KiB, 4MiB)")
+    if cfg.reps < 1 or cfg.warmup < 0:
+        raise ValueError(f"reps={cfg.reps} must be >= 1 and warmup={cfg.warmup} >= 0")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"device={cfg.device!r}; allowed: cpu, cuda")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inner(nbytes: int) -> int:
+    """Back-to-back calls per sample: enough to lift a small call above the timer's noise."""
+    return 10 if nbytes <= 4 << 10 else 5 if nbytes <= 256 << 10 else 1
+
+
+def _reps(cfg: BenchConfig, nbytes: int) -> int:
+    return cfg.reps if nbytes <= 1 << 20 else max(5, cfg.reps // 2) if nbytes <= 16 << 20 else max(3, cfg.reps // 5)
+
+
+def interleave(calls: dict[str, Callable[[], object]], rounds: int, warmup: int, inner: int,
+               device: torch.device) -> dict[str, list[float]]:
+    """Run ``calls`` in rounds ``A B C A B C ...``; per call name the samples in microseconds per call.
+
+    Every rank must pass the same names in the same order (their collectives
+    pair up); each sample times ``inner`` back-to-back calls.
+    """
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    for r in range(warmup + rounds):
+        for name, fn in calls.items():
+            _sync(device)
+            t0 = time.perf_counter_ns()
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            if r >= warmup:
+                samples[name].append((time.perf_counter_ns() - t0) / 1e3 / inner)
+    return samples
+
+
+def _meshes(world: int, device: str) -> dict[tuple[int, ...], DeviceMesh]:
+    meshes: dict[tuple[int, ...], DeviceMesh] = {(world,): init_device_mesh(device, (world,), mesh_dim_names=("tp",))}
+    if world == 4:
+        meshes[(2, 2)] = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
+    return meshes
+
+
+def _cases_for(cfg: BenchConfig, world: int) -> list[Case]:
+    out = []
+    for c in cfg.case_objs():
+        if c.mesh is None or (world == 4 and c.mesh == (2, 2)):
+            out.append(c)
+    return out
+
+
+def micro_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
+    """One rank of the micro phase (and the memory phase at the smallest world); rank 0's rows are returned.
+
+    Returns:
+        ``{"micro": [row, ...], "memory": [row, ...]}``; a row holds world,
+        case, size (bytes), mode, impl and ``samples_us``.
+    """
+    quiet_dtensor_logs()
+    device = torch.device("cpu")
+    if cfg.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    meshes = _meshes(world, cfg.device)
+    rows: list[dict[str, Any]] = []
+    selected = [c for c in _cases_for(cfg, world) if world not in cfg.multi_axis_only_at or c.mesh is not None]
+    for case in selected:
+        mesh = meshes[case.mesh_shape(world)]
+        for nbytes in cfg.sizes:
+            s = setup(case, mesh, nbytes, device)
+            for mode in cfg.modes:
+                calls = {impl: fn for impl in cfg.impls if (fn := build(impl, case, s, mode)) is not None}
+                got = interleave(calls, _reps(cfg, nbytes), cfg.warmup, _inner(nbytes), device)
+                rows += [{"world": world, "case": case.name, "plan": describe(case, s), "size": nbytes,
+                          "mode": mode, "impl": impl, "samples_us": v} for impl, v in got.items()]
+            del s
+    on_memory_world = "memory" in cfg.phases and world == min(cfg.worlds)
+    memory = memory_rows(cfg, meshes, world, device, _cases_for(cfg, world)) if on_memory_world else []
+    dist.barrier()
+    return {"micro": rows if rank == 0 else [], "memory": memory if rank == 0 else []}
+
+
+# ---- memory -------------------------------------------------------------------------------------
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, object]:
+    """Peak extra bytes allocated while ``fn()`` runs (its result kept alive), and the result.
+
+    CPU: the running sum of the torch profiler's memory events
+    (``profile_memory=True``; its allocation timeline where available),
+    ordered by time; CUDA:
+    ``max_memory_allocated`` above what was allocated before. The
+    profiler's own status lines (``profiler_start``/``profiler_stop``, two
+    per call) are kept off the terminal (:func:`tplower.run.quiet.filtered_stderr`);
+    everything else on stderr passes.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base), out
+    from torch.profiler import ProfilerActivity, profile
+
+    with filtered_stderr():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            out = fn()
+        try:  # exact: every allocation and free, in order (the profiler's memory timeline)
+            timeline = prof._memory_profile().timeline
+            deltas = [(t, size if action.name == "CREATE" else -size) for t, action, _, size in timeline
+                      if action.name in ("CREATE", "DESTROY") and t >= 0]
+        except (AttributeError, RuntimeError, ValueError):  # coarser: each op's own net bytes at its start
+            deltas = [(ev.time_range.start, int(ev.self_cpu_memory_usage)) for ev in prof.events()]
+    running = peak = 0
+    for _, delta in sorted(deltas, key=lambda d: d[0]):
+        running += delta
+        peak = max(peak, running)
+    return peak, out
+
+
+def _memory_calls(case: Case, s: Any, impl: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """(forward under no grad, backward of a fresh forward's output) of ``impl``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from ..core.redistribute import redistribute_local
+
+    if impl == "raw":
+        fwd_raw, bwd_raw = raw_call(s.fwd, s.mesh, s.local.device), raw_call(s.bwd, s.mesh, s.local.device)
+        return fwd_raw, lambda _: bwd_raw
+    if impl == "tplower":
+        x = s.local.detach().clone().requires_grad_(True)
+
+        def fwd() -> Any:
+            with torch.no_grad():
+                return redistribute_local(x, s.mesh, s.src, s.dst)
+
+        def fwd_graph() -> Any:
+            return redistribute_local(x, s.mesh, s.src, s.dst)
+        leaf, g = x, s.grad_out
+    else:
+        dt = dtensor_leaf(torch.zeros(s.gshape, device=s.local.device), s.mesh, s.src, True)
+        g = distribute_tensor(torch.zeros(s.gshape, device=s.local.device), s.mesh, s.grad)
+
+        def fwd() -> Any:
+            with torch.no_grad():
+                return dt.redistribute(s.mesh, s.dst)
+
+        def fwd_graph() -> Any:
+            return dt.redistribute(s.mesh, s.dst)
+        leaf = dt
+
+    def bwd_of(_: Any) -> Any:
+        y = fwd_graph()
+        return lambda: torch.autograd.grad(y, leaf, g)
+    return fwd, bwd_of
+
+
+def memory_rows(cfg: BenchConfig, meshes: dict[tuple[int, ...], DeviceMesh], world: int, device: torch.device,
+                cases: Sequence[Case]) -> list[dict[str, Any]]:
+    """Peak extra bytes per call of tplower and DTensor, forward and backward, at ``cfg.memory_size``.
+
+    ``raw`` (preallocated buffers) shows what the backend itself allocates
+    inside the collective. Targets: forward ``out_bytes`` plus one padded
+    staging buffer (the largest buffer a step moves); backward the input
+    gradient plus one such buffer.
+    """
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        s = setup(case, meshes[case.mesh_shape(world)], cfg.memory_size, device)
+        el = s.local.element_size()
+        out_bytes = _numel(s.fwd[-1].out_shape if s.fwd else s.local.shape) * el
+        in_bytes = s.local.numel() * el
+        staging = max([max(_numel(st.in_shape), _numel(st.out_shape)) * el for st in s.fwd] or [0])
+        bstaging = max([max(_numel(st.in_shape), _numel(st.out_shape)) * el for st in s.bwd] or [0])
+        for impl in ("raw", "tplower", "dtensor"):
+            fwd, bwd_of = _memory_calls(case, s, impl)
+            fwd()  # warm: plans, caches, DTensor's sharding propagation
+            bwd_of(None)()
+            f_peak, out = peak_bytes(fwd, device)
+            del out
+            run_bwd = bwd_of(None)
+            b_peak, _ = peak_bytes(run_bwd, device)
+            rows.append({"world": world, "case": case.name, "size": cfg.memory_size, "impl": impl, "fwd_peak": f_peak,
+                         "bwd_peak": b_peak, "out_bytes": out_bytes, "in_bytes": in_bytes,
+                         "fwd_target": out_bytes + staging, "bwd_target": in_bytes + bstaging})
+    return rows
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# ---- fake backend -------------------------------------------------------------------------------
+
+
+def fake_rank(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Dispatch overhead on the ``fake`` backend, in this (single) process.
+
+    Replaces the harness's process group with a ``fake`` one of
+    ``cfg.fake_world`` ranks (collectives return at once, no data moves),
+    then times every implementation per call, interleaved.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    quiet_dtensor_logs()
+    del rank, world
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.fake_world)
+    meshes = _meshes(cfg.fake_world, "cpu")
+    rows: list[dict[str, Any]] = []
+    for case in _cases_for(cfg, cfg.fake_world):
+        s = setup(case, meshes[case.mesh_shape(cfg.fake_world)], 1 << 10 if case.mesh is None else 4 << 10,
+                  torch.device("cpu"))
+        for mode in ("fwd", "fwd_grad", "fwd_bwd"):
+            calls = {impl: fn for impl in IMPLS if (fn := build(impl, case, s, mode)) is not None}
+            got = interleave(calls, cfg.fake_reps, cfg.warmup, cfg.fake_calls, torch.device("cpu"))
+            rows += [{"world": cfg.fake_world, "case": case.name, "mode": mode, "impl": impl, "samples_us": v}
+                     for impl, v in got.items()]
+    return rows
+
+
+def plan_cache_rows(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Per transition, the cost of a plan-cache miss next to a hit, on the ``fake`` backend (already initialised).
+
+    A miss is :meth:`~tplower.core.redistribute.MeshLowerer.program` with the
+    program dropped from the cache first (planning and binding one
+    transition, as a new local shape or an evicted entry costs); a hit is
+    the same call with the program cached. Both run interleaved,
+    ``cfg.fake_calls`` calls per sample, microseconds per call.
+
+    Returns:
+        Rows of world, case, ``miss_us`` and ``hit_us`` (samples),
+        ``program_kib`` (Python memory one program holds, from
+        ``tracemalloc`` over 200 builds) and ``cache_size`` (the bound).
+    """
+    import tracemalloc
+
+    meshes = _meshes(cfg.fake_world, "cpu")
+    rows: list[dict[str, Any]] = []
+    for case in _cases_for(cfg, cfg.fake_world):
+        calls = _miss_and_hit(mesh_lowerer(meshes[case.mesh_shape(cfg.fake_world)]), case.src, case.dst)
+        got = interleave(calls, cfg.fake_reps, cfg.warmup, cfg.fake_calls, torch.device("cpu"))
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [calls["miss"]() for _ in range(200)]
+        per_program = (tracemalloc.get_traced_memory()[0] - before) / len(kept) / 1024
+        tracemalloc.stop()
+        rows.append({"world": cfg.fake_world, "case": case.name, "miss_us": got["miss"], "hit_us": got["hit"],
+                     "program_kib": per_program, "cache_size": cache_size()})
+    return rows
+
+
+def _miss_and_hit(lowerer: MeshLowerer, src: str, dst: str) -> dict[str, Callable[[], object]]:
+    shape = (64, 16)
+
+    def miss() -> object:
+        lowerer._cache.clear()  # as if evicted: the next call plans and binds again
+        return lowerer.program(src, dst, shape, "cpu")
+
+    return {"miss": miss, "hit": lambda: lowerer.program(src, dst, shape, "cpu")}
+
+
+def _fake_phase(rank: int, world: int, cfg: BenchConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    rows = fake_rank(rank, world, cfg)
+    return rows, plan_cache_rows(cfg)
+
+
+# ---- driver -------------------------------------------------------------------------------------
+
+
+def _torchrun() -> tuple[int, int] | None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were taken: host, CPUs, torch, device."""
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+@dataclass
+class BenchResult:
+    """Every sample of one run, and what it ran on."""
+
+    config: dict[str, Any]
+    meta: dict[str, Any]
+    micro: list[dict[str, Any]] = field(default_factory=list)
+    fake: list[dict[str, Any]] = field(default_factory=list)
+    plan_cache: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    model: list[dict[str, Any]] = field(default_factory=list)
+    rss: dict[str, Any] = field(default_factory=dict)
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult | None:
+    """Run the selected phases; ``None`` on a ``torchrun`` rank other than 0.
+
+    Without ``torchrun`` each world size is a group of spawned processes on
+    ``gloo``; under ``torchrun`` the launcher's ranks run the micro and
+    memory phases (NCCL for ``device="cuda"``) and the fake and model phases
+    are skipped.
+
+    Raises:
+        ValueError: a bad field of ``cfg``.
+        tplower.testing.RankFailure: a rank failed.
+    """
+    _check(cfg)
+    t0 = time.time()
+    res = BenchResult(config=asdict(cfg), meta=machine() | {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    launched = _torchrun()
+    if launched is not None:
+        rank, world = launched
+        res.meta["launcher"] = "torchrun"
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        dist.init_process_group(backend)
+        try:
+            got = micro_rank(rank, world, replace(cfg, worlds=(world,), multi_axis_only_at=()))
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return None
+        res.micro, res.memory, res.meta["backend"] = got["micro"], got["memory"], backend
+        return res
+    res.meta["backend"] = "gloo"
+    if "micro" in cfg.phases or "memory" in cfg.phases:
+        micro_cfg = cfg if "micro" in cfg.phases else replace(cfg, sizes=(), worlds=(2,))
+        for world in micro_cfg.worlds:
+            progress(f"micro: world {world}")
+            got = run_processes(world, micro_rank, micro_cfg, timeout=cfg.timeout)[0]
+            res.micro += got["micro"]
+            res.memory += got["memory"]
+    if "fake" in cfg.phases:
+        progress("fake backend: dispatch overhead, plan cache miss and hit")
+        res.fake, res.plan_cache = run_processes(1, _fake_phase, cfg, timeout=cfg.timeout)[0]
+    if "model" in cfg.phases:
+        from .model import model_phase
+
+        res.model, res.rss = model_phase(cfg.model_steps, timeout=cfg.timeout, compile_backend=cfg.compile_backend,
+                                         progress=progress)
+    res.meta["elapsed_s"] = round(time.time() - t0, 1)
+    return res
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median and spread (10th/90th percentile) of samples, microseconds."""
+    xs = sorted(samples)
+    if not xs:
+        return {"median": float("nan"), "p10": float("nan"), "p90": float("nan")}
+
+    def pct(q: float) -> float:
+        return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+    return {"median": statistics.median(xs), "p10": pct(0.1), "p90": pct(0.9)}
+
+
+def write_json(res: BenchResult, path: Path) -> None:
+    """Every sample of ``res`` to ``path`` as JSON."""
+    path.write_text(json.dumps(asdict(res), indent=1))
+

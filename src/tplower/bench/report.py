@@ -1,0 +1,336 @@
+"""Tables, target checks and plots of a ``tplower bench`` run (:class:`tplower.bench.BenchResult`).
+
+All times are medians in microseconds per call; the spread shown is the
+10th-90th percentile half-width relative to the median. Targets are reported,
+never asserted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .cases import IMPLS, size_label
+from .phases import BenchResult, summarize
+
+__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "plan_cache_table",
+           "rss_table", "target_lines", "write_plots"]
+
+_COLOR = {"raw": "tab:blue", "tplower": "tab:orange", "seed_op": "tab:green", "megatron": "tab:purple",
+          "funcol": "tab:brown", "dtensor": "tab:red"}
+_LABEL = {"raw": "raw", "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
+          "funcol": "funcol", "dtensor": "DTensor"}
+
+
+def _med(row: dict[str, Any]) -> float:
+    return summarize(row["samples_us"])["median"]
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    s = summarize(row["samples_us"])
+    spread = (s["p90"] - s["p10"]) / 2 / s["median"] * 100 if s["median"] else 0.0
+    return f"{_fmt_us(s['median'])} ±{spread:.0f}%"
+
+
+def _fmt_us(us: float) -> str:
+    return f"{us:.1f}" if us < 100 else f"{us:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or not b else f"{a / b:.2f}"
+
+
+def _index(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple[Any, ...], dict[str, dict[str, Any]]]:
+    out: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        out[tuple(r[k] for k in keys)][r["impl"]] = r
+    return out
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def micro_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the micro phase, one per (world, transition, size, mode)."""
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in res.micro)]
+    head = ["world", "transition", "size", "mode", *(_LABEL[i] + " µs" for i in impls), "tplower/raw",
+            "DTensor/tplower", "tplower/raw at p10"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (world, case, size, mode), got in _index(res.micro, "world", "case", "size", "mode").items():
+        med = {k: _med(v) for k, v in got.items()}
+        cells = [str(world), f"`{case}`", size_label(size), mode, *(_cell(got.get(i)) for i in impls),
+                 _ratio(med.get("tplower"), med.get("raw")), _ratio(med.get("dtensor"), med.get("tplower")),
+                 _ratio(_p10(got.get("tplower")), _p10(got.get("raw")))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _p10(row: dict[str, Any] | None) -> float | None:
+    return None if row is None else summarize(row["samples_us"])["p10"]
+
+
+def fake_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the fake-backend dispatch overhead."""
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in res.fake)]
+    head = ["transition", "mode", *(_LABEL[i] + " µs" for i in impls), "tplower/hand-written", "DTensor/tplower"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (case, mode), got in _index(res.fake, "case", "mode").items():
+        med = {k: _med(v) for k, v in got.items()}
+        cells = [f"`{case}`", mode, *(_fmt_us(med[i]) if i in med else "-" for i in impls),
+                 _ratio(med.get("tplower"), med.get("megatron")), _ratio(med.get("dtensor"), med.get("tplower"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plan_cache_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the plan cache: a miss (plan and bind one transition) next to a hit, µs per call."""
+    head = ["transition", "miss µs (plan + bind)", "hit µs (lookup)", "miss/hit", "KiB per program"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res.plan_cache:
+        miss, hit = summarize(r["miss_us"])["median"], summarize(r["hit_us"])["median"]
+        lines.append(f"| `{r['case']}` | {_fmt_us(miss)} | {hit:.2f} | {f'{miss / hit:.0f}' if hit else '-'} | "
+                     f"{r['program_kib']:.1f} |")
+    return lines
+
+
+def memory_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the per-op memory phase (MiB)."""
+    head = ["transition", "impl", "out MiB", "fwd peak MiB", "fwd target MiB", "bwd peak MiB", "bwd target MiB",
+            "within target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res.memory:
+        ok = r["fwd_peak"] <= r["fwd_target"] and r["bwd_peak"] <= r["bwd_target"]
+        lines.append("| " + " | ".join([f"`{r['case']}`", _LABEL[r["impl"]], _mb(r["out_bytes"]), _mb(r["fwd_peak"]),
+                                        _mb(r["fwd_target"]), _mb(r["bwd_peak"]), _mb(r["bwd_target"]),
+                                        "yes" if ok else "**no**"]) + " |")
+    return lines
+
+
+def model_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the model phase (milliseconds)."""
+    head = ["model", "tp", "variant", "forward ms", "train step ms", "step / hand-written"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {(r["model"], r["variant"]): r for r in res.model}
+    for r in res.model:
+        ref = by.get((r["model"], "megatron"))
+        ratio = _ratio(r["train_step_ms"], ref["train_step_ms"]) if ref else "-"
+        lines.append(f"| {r['model']} | {r['tp']} | {r['variant']} | {r['forward_ms']:.1f} | "
+                     f"{r['train_step_ms']:.1f} | {ratio} |")
+    return lines
+
+
+def target_lines(res: BenchResult) -> list[str]:
+    """One line per target of issue 6: the measured figure and whether it is met."""
+    out: list[str] = []
+    micro = _index(res.micro, "world", "case", "size", "mode")
+    ratios = [(_med(g["tplower"]) / _med(g["raw"]), k) for k, g in micro.items() if "tplower" in g and "raw" in g
+              and k[1] != "R->S(0)"]
+    if ratios:
+        worst = max(ratios)
+        met = sum(r <= 1.10 for r, _ in ratios)
+        out.append(f"- tplower/raw <= 1.10 (communicating transitions): {met}/{len(ratios)} rows met; worst "
+                   f"{worst[0]:.2f} at world {worst[1][0]} `{worst[1][1]}` {size_label(worst[1][2])} {worst[1][3]}; "
+                   f"median of ratios {sorted(r for r, _ in ratios)[len(ratios) // 2]:.2f}")
+        p10 = [summarize(g["tplower"]["samples_us"])["p10"] / summarize(g["raw"]["samples_us"])["p10"]
+               for k, g in micro.items() if "tplower" in g and "raw" in g and k[1] != "R->S(0)"]
+        out.append(f"- the same on 10th percentiles (the least disturbed calls): {sum(r <= 1.10 for r in p10)}/"
+                   f"{len(p10)} rows met; median of ratios {sorted(p10)[len(p10) // 2]:.2f}")
+    s2s = [(_med(g["dtensor"]) / _med(g["tplower"]), k) for k, g in micro.items()
+           if k[1] == "S(0)->S(1)" and "dtensor" in g and "tplower" in g]
+    if s2s:
+        low = min(s2s)
+        out.append(f"- S(0)->S(1) DTensor/tplower >= 2 on gloo: {sum(r >= 2 for r, _ in s2s)}/{len(s2s)} rows met; "
+                   f"lowest {low[0]:.2f} at world {low[1][0]} {size_label(low[1][2])} {low[1][3]}")
+    fake = _index(res.fake, "case", "mode")
+    hw = [(_med(g["tplower"]) / _med(g["megatron"]), k) for k, g in fake.items() if "megatron" in g]
+    if hw:
+        worst = max(hw)
+        out.append(f"- fake backend tplower/hand-written <= 1.2: {sum(r <= 1.2 for r, _ in hw)}/{len(hw)} met; "
+                   f"worst {worst[0]:.2f} (`{worst[1][0]}` {worst[1][1]})")
+    dt = [(_med(g["dtensor"]) / _med(g["tplower"]), k) for k, g in fake.items()]
+    if dt:
+        low = min(dt)
+        out.append(f"- fake backend DTensor/tplower >= 5: {sum(r >= 5 for r, _ in dt)}/{len(dt)} met; lowest "
+                   f"{low[0]:.2f} (`{low[1][0]}` {low[1][1]})")
+    nograd = [(_med(g["fwd"]["tplower"]), _med(g["fwd_grad"]["tplower"]), c) for c in {k[0] for k in fake}
+              if (g := {m: fake[(c, m)] for m in ("fwd", "fwd_grad") if (c, m) in fake}) and len(g) == 2]
+    if nograd:
+        out.append("- calls without grad skip autograd: tplower fwd (no grad) vs fwd (grad) µs: " +
+                   ", ".join(f"`{c}` {a:.1f} vs {b:.1f}" for a, b, c in sorted(nograd, key=lambda t: t[2])))
+    if res.plan_cache:
+        miss = sorted(summarize(r["miss_us"])["median"] for r in res.plan_cache)
+        hit = sorted(summarize(r["hit_us"])["median"] for r in res.plan_cache)
+        kib = max(r["program_kib"] for r in res.plan_cache)
+        out.append(f"- plan cache (bound {res.plan_cache[0]['cache_size']} programs per cache): a miss costs "
+                   f"{_fmt_us(miss[0])}-{_fmt_us(miss[-1])} µs, a hit {hit[0]:.2f}-{hit[-1]:.2f} µs; a program "
+                   f"holds up to {kib:.1f} KiB, so a full cache {kib * res.plan_cache[0]['cache_size'] / 1024:.0f} MiB")
+    if res.memory:
+        rows = [r for r in res.memory if r["impl"] == "tplower"]
+        ok = [r for r in rows if r["fwd_peak"] <= r["fwd_target"] and r["bwd_peak"] <= r["bwd_target"]]
+        out.append(f"- per-op memory within output + one staging buffer: {len(ok)}/{len(rows)} transitions "
+                   f"(tplower); " + ", ".join(f"`{r['case']}` fwd {_mb(r['fwd_peak'])}/{_mb(r['fwd_target'])} MiB"
+                                              for r in rows if r not in ok))
+    by = {(r["model"], r["variant"]): r for r in res.model}
+    for model in dict.fromkeys(r["model"] for r in res.model):
+        t, m, d = by.get((model, "tplower")), by.get((model, "megatron")), by.get((model, "dtensor"))
+        if t and m and d:
+            out.append(f"- {model} train step: tplower/hand-written {t['train_step_ms'] / m['train_step_ms']:.3f} "
+                       f"(target <= 1.05), DTensor/tplower {d['train_step_ms'] / t['train_step_ms']:.2f} (target > 1); "
+                       f"forward tplower/hand-written {t['forward_ms'] / m['forward_ms']:.3f}")
+        gen = by.get((model, "codegen"))
+        if t and gen:
+            out.append(f"- {model} generated forwards (tplower codegen) / hooks: forward "
+                       f"{gen['forward_ms'] / t['forward_ms']:.3f}, train step "
+                       f"{gen['train_step_ms'] / t['train_step_ms']:.3f} (target <= 1)")
+        tc, dc = by.get((model, "tplower_compiled")), by.get((model, "dtensor_compiled"))
+        if tc and dc:
+            out.append(f"- {model} compiled (torch.compile): train step DTensor/tplower "
+                       f"{dc['train_step_ms'] / tc['train_step_ms']:.2f}, forward DTensor/tplower "
+                       f"{dc['forward_ms'] / tc['forward_ms']:.2f} (tplower {tc['train_step_ms']:.1f} ms, "
+                       f"parallelize_module {dc['train_step_ms']:.1f} ms per step)")
+    if res.rss:
+        r = res.rss
+        out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
+                   f"{r['one_live_tensor_mib']:.0f} MiB in one process (no full copy kept when this is well under "
+                   "the one-process figure; replicated embeddings stay whole)")
+        out.append(f"- per-rank RSS at tp={r['tp']}: {r['tp_rank_mib']:.0f} MiB after sharding and a step "
+                   f"(peak {r['tp_peak_mib']:.0f} MiB) vs one process {r['one_mib']:.0f} MiB; fixed runtime cost "
+                   f"{r['fixed_mib']:.0f} MiB; parameter memory {r['param_mib']:.0f} MiB one process, "
+                   f"{r['tp_param_mib']:.0f} MiB per tp rank; target rank <= fixed + 60% of one process's "
+                   f"model memory = {r['target_mib']:.0f} MiB: "
+                   f"{'met' if r['tp_rank_mib'] <= r['target_mib'] else 'missed'}")
+    return out
+
+
+def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
+    """The whole report as Markdown: machine, targets, then one table per phase."""
+    m = res.meta
+    where = (f"{m.get('processor')} x{m.get('cpus')} CPUs, {m.get('platform')}, torch {m.get('torch')}, "
+             f"backend {m.get('backend')}" + (f", GPU {m['gpu']}" if m.get("gpu") else "") +
+             (", glibc keeps freed memory (--keep-freed-memory)" if m.get("keep_freed_memory") else ""))
+    parts = [f"# tplower bench ({m.get('date')})", "", f"Command: `{command}`  ", f"Machine: {where}  ",
+             f"Elapsed: {m.get('elapsed_s', '?')} s. Times: median µs per call, ± the 10th-90th percentile "
+             "half-spread; timed on rank 0, implementations interleaved in the same processes.", ""]
+    tl = target_lines(res)
+    if tl:
+        parts += ["## Targets", "", *tl, ""]
+    if res.micro:
+        parts += ["## Micro benchmark (real collectives)", "", *micro_table(res), ""]
+    if res.fake:
+        parts += ["## Dispatch overhead (fake backend, no data moves)", "",
+                  f"World {res.fake[0]['world']}; `fwd` without grad, `fwd_grad` forward of an input that requires "
+                  "grad, `fwd_bwd` forward and backward.", "", *fake_table(res), ""]
+    if res.plan_cache:
+        parts += [f"## Plan cache: miss vs hit (fake backend, world {res.plan_cache[0]['world']})", "",
+                  "A miss plans and binds one transition (`MeshLowerer.program` for a new local shape); a hit "
+                  "finds it. KiB per program: Python memory one cached program holds (tracemalloc).", "",
+                  *plan_cache_table(res), ""]
+    if res.memory:
+        parts += [f"## Memory per call ({size_label(res.memory[0]['size'])} global tensor, "
+                  f"world {res.memory[0].get('world', 2)})", "",
+                  *memory_table(res), ""]
+    if res.model:
+        parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
+    if res.rss:
+        parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
+    return "\n".join(parts)
+
+
+def rss_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the RSS phase: one process and each tp rank, at each point measured (MiB)."""
+    head = ["process", "fixed (imports, group)", "model loaded", "after a step", "after a step, trimmed", "peak",
+            "live tensors", "parameters"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    procs = [("one process", res.rss["one"])] + [(f"tp rank {r['rank']}", r) for r in res.rss["ranks"]]
+    for name, r in procs:
+        lines.append("| " + " | ".join([name, *(f"{r[k]:.0f}" for k in (
+            "fixed_mib", "loaded_mib", "after_step_mib", "after_step_trimmed_mib", "peak_mib", "live_tensor_mib",
+            "param_mib"))]) + " |")
+    return lines
+
+
+def write_plots(res: BenchResult, folder: Path) -> list[Path]:
+    """PNG plots into ``folder``: latency vs size per transition (one per mode), dispatch overhead bars.
+
+    Returns the paths written (none when matplotlib is missing or there is nothing to plot).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written: list[Path] = []
+    panels = sorted({(r["world"], r["case"]) for r in res.micro}, key=lambda t: (t[0], _case_order(res, t[1])))
+    for mode in dict.fromkeys(r["mode"] for r in res.micro):
+        cols = min(3, len(panels))
+        rows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, (world, case) in zip(axes.flat, panels, strict=False):
+            for impl in IMPLS:
+                pts = sorted((r["size"], _med(r)) for r in res.micro
+                             if r["world"] == world and r["case"] == case and r["mode"] == mode and r["impl"] == impl)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_LABEL[impl],
+                            color=_COLOR[impl])
+            ax.set_xscale("log", base=2)
+            sizes = sorted({r["size"] for r in res.micro})
+            ax.set_xticks(sizes, [size_label(x) for x in sizes])
+            ax.minorticks_off()
+            ax.set_yscale("log")
+            ax.set_title(f"{case} (world {world})", fontsize=9)
+            ax.set_xlabel("global tensor (float32)", fontsize=8)
+            ax.set_ylabel("µs per call", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(True, which="both", alpha=0.3)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle(f"latency vs size, {mode} ({res.meta.get('backend')}, torch {res.meta.get('torch')})",
+                     fontsize=10)
+        fig.tight_layout()
+        path = folder / f"latency_{mode}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    if res.fake:
+        written.append(_overhead_plot(res, folder, plt))
+    return written
+
+
+def _case_order(res: BenchResult, case: str) -> int:
+    from .cases import CASES
+
+    names = [c.name for c in CASES]
+    return names.index(case) if case in names else len(names)
+
+
+def _overhead_plot(res: BenchResult, folder: Path, plt: Any) -> Path:
+    modes = list(dict.fromkeys(r["mode"] for r in res.fake))
+    cases = list(dict.fromkeys(r["case"] for r in res.fake))
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in res.fake)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), squeeze=False)
+    fake = _index(res.fake, "case", "mode")
+    width = 0.8 / len(impls)
+    for ax, mode in zip(axes.flat, modes, strict=True):
+        for j, impl in enumerate(impls):
+            ys = [_med(fake[(c, mode)][impl]) if impl in fake.get((c, mode), {}) else 0.0 for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=_LABEL[impl], color=_COLOR[impl])
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("µs per call", fontsize=8)
+        ax.set_title(f"dispatch overhead, {mode} (fake backend)", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = folder / "overhead.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -1,0 +1,124 @@
+"""``tplower bench``: time tplower against the raw collective and DTensor; write a table, JSON and plots.
+
+Without ``torchrun`` it spawns gloo processes for each ``--worlds`` size;
+under ``torchrun`` the launcher's ranks run the micro and memory phases
+(``--device cuda`` uses NCCL). Timings are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ..bench.cases import CASES, IMPLS
+from ..bench.phases import PHASES, BenchConfig, run_bench, write_json
+from ..bench.report import format_markdown, write_plots
+from ..core.errors import TPLowerError
+from ..testing import RankFailure
+
+__all__ = ["KEEP_FREED_MEMORY", "add_arguments", "main", "parse_size", "parse_worlds"]
+
+#: glibc settings that keep freed memory in the heap instead of a fresh ``mmap`` per large buffer.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+                     "MALLOC_TOP_PAD_": str(1 << 30)}
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"64KiB"``, ``"4M"``, ``"1024"``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size.
+    """
+    t = text.strip().lower().replace(" ", "")
+    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not valid; use e.g. 1KiB, 64KiB, 4MiB, 64MiB")
+    return int(digits) * _UNITS[unit]
+
+
+def parse_worlds(text: str) -> tuple[int, ...]:
+    """World sizes of ``--worlds``: ``"2,4"`` -> ``(2, 4)``.
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not a whole number.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if not p.isdigit()]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]!r} is not a whole number; give world sizes of at "
+                                         "least 2, comma separated, e.g. 2,4")
+    return tuple(int(p) for p in parts)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(";" if "->" in text else ",") if p.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tplower bench``."""
+    parser.add_argument("--quick", action="store_true",
+                        help="short run (< 3 min on 2 CPU cores): world 2 (+4 for the 2x2 case), sizes up to 4 MiB")
+    parser.add_argument("--out", metavar="DIR", default="bench-out",
+                        help="folder for bench.md, bench.json and the PNG plots (default bench-out)")
+    parser.add_argument("--phases", type=_csv, default=None,
+                        help=f"comma-separated subset of {','.join(PHASES)} (default all)")
+    parser.add_argument("--worlds", type=parse_worlds, default=None,
+                        help="world sizes of spawned gloo runs (default 2,4)")
+    parser.add_argument("--sizes", type=lambda s: tuple(parse_size(x) for x in s.split(",")), default=None,
+                        help="global tensor sizes (default 1KiB,64KiB,4MiB,64MiB)")
+    parser.add_argument("--cases", type=_csv, default=None,
+                        help="transitions separated by ';' (default all: " + "; ".join(c.name for c in CASES) + ")")
+    parser.add_argument("--impls", type=_csv, default=None,
+                        help=f"micro implementations (default raw,tplower,seed_op,dtensor; any of {','.join(IMPLS)})")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds per size (default 30; quick 13)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="tensor device (cuda: run under torchrun, NCCL)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="model phase: also time torch.compile of tplower's and parallelize_module's model "
+                             "(backend, default inductor; compiling takes minutes on a few CPU cores)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="spawned ranks run with glibc keeping freed memory (no fresh mmap, so no page faults, "
+                             "for each large buffer): what a caching allocator gives; see benchmarks/README.md")
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    cfg = BenchConfig.quick() if args.quick else BenchConfig()
+    changes = {k: v for k, v in (("phases", args.phases), ("worlds", args.worlds), ("sizes", args.sizes),
+                                 ("cases", args.cases), ("impls", args.impls), ("reps", args.reps)) if v is not None}
+    if args.worlds is not None:
+        changes["multi_axis_only_at"] = ()
+    return replace(cfg, device=args.device, compile_backend=args.compile, **changes)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the bench; print the Markdown table; 0 on success, 2 on a bad argument or a failed rank."""
+    if args.keep_freed_memory:  # read by each spawned rank's C library at start
+        os.environ.update(KEEP_FREED_MEMORY)
+    try:
+        cfg = _config(args)
+        res = run_bench(cfg, progress=lambda what: print(f"[bench] {what}", file=sys.stderr, flush=True))
+    except (ValueError, TPLowerError, RankFailure) as exc:
+        print(f"tplower bench: error: {exc}", file=sys.stderr)
+        return 2
+    if res is None:  # a torchrun rank other than 0
+        return 0
+    res.meta["keep_freed_memory"] = bool(args.keep_freed_memory)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "tplower bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 and \
+        sys.argv[1] == "bench" else "tplower bench" + (" --quick" if args.quick else "")
+    text = format_markdown(res, command)
+    (out / "bench.md").write_text(text + "\n")
+    write_json(res, out / "bench.json")
+    plots = [] if args.no_plots else write_plots(res, out)
+    print(text)
+    print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
+    return 0

@@ -1,0 +1,118 @@
+"""``tplower explain``: the collectives a transition lowers to, forward and backward, with bytes per rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..core.errors import TPLowerError
+from ..core.explain import explain_transition, plan_to_dict, plan_to_table
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+
+
+#: The global shape ``tplower explain`` plans for when ``--shape`` is not given.
+DEFAULT_SHAPE = "8,16"
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``"dp=2,tp=4"`` -> ``(("dp", "tp"), (2, 4))``.
+
+    Raises:
+        TPLowerError: an item that is not ``name=size``, a size that is not
+            a positive integer, or a repeated name; the message quotes
+            ``--mesh`` and the item.
+    """
+    names, sizes = [], []
+    for item in text.split(","):
+        name, sep, size = (part.strip() for part in item.strip().partition("="))
+        if not sep or not name:
+            raise TPLowerError(f"--mesh {text!r}: {item.strip()!r} is not name=size; write each axis as its name, "
+                               "'=' and its number of ranks, e.g. dp=2,tp=4")
+        if not size.isdigit() or int(size) < 1:
+            raise TPLowerError(f"--mesh {text!r}: axis {name!r} has size {size!r}; a size is a whole number of "
+                               "ranks, at least 1 (e.g. tp=2)")
+        if name in names:
+            raise TPLowerError(f"--mesh {text!r}: axis {name!r} appears twice")
+        names.append(name)
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
+
+
+def _ints(option: str, text: str, what: str, example: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    for p in parts:
+        if not p.isdigit():
+            raise TPLowerError(f"{option} {text!r}: {p!r} is not a non-negative integer; give {what} as "
+                               f"comma-separated integers, e.g. {example}")
+    return tuple(int(p) for p in parts)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"8,1024,4096"`` -> ``(8, 1024, 4096)``: the global shape of ``--shape``.
+
+    Raises:
+        TPLowerError: an item that is not a non-negative integer; the message names ``--shape``.
+    """
+    return _ints("--shape", text, "the global shape", "8,1024,4096")
+
+
+def parse_coord(text: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """``"1,0"`` -> ``(1, 0)``: the mesh coordinate of ``--coord``, one index per axis of the mesh.
+
+    Raises:
+        TPLowerError: a non-integer, a count unlike the mesh's axes, or an
+            index outside its axis; the message names ``--coord`` and the mesh.
+    """
+    mesh = ",".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
+    coord = _ints("--coord", text, "one index per mesh axis", ",".join("0" for _ in names))
+    if len(coord) != len(names):
+        raise TPLowerError(f"--coord {text!r} has {len(coord)} index(es) but --mesh {mesh} has {len(names)} "
+                           f"axis(es) ({', '.join(names)}); give one index per axis")
+    for c, name, size in zip(coord, names, sizes, strict=True):
+        if c >= size:
+            raise TPLowerError(f"--coord {text!r}: index {c} on axis {name!r} is outside 0..{size - 1} "
+                               f"(--mesh {mesh})")
+    return coord
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """SRC DST placements, ``--mesh``, ``--shape``, ``--dtype``, ``--grad``, ``--coord``, ``--json``, ``--plan``."""
+    parser.add_argument("src", nargs="?", help='source placements, e.g. "S(0),P(sum)"')
+    parser.add_argument("dst", nargs="?", help='target placements, e.g. "R,S(1)"')
+    parser.add_argument("--mesh", default="tp=2", help="mesh axes, e.g. dp=2,tp=4 (default tp=2)")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE,
+                        help=f"global shape of the tensor, e.g. 8,1024,4096 (default {DEFAULT_SHAPE})")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="element type (default fp32)")
+    parser.add_argument("--grad", default=None, help="placement of the gradient at the output (default: dst, P as R)")
+    parser.add_argument("--coord", default=None,
+                        help="mesh coordinate of the rank to explain, one index per axis (default 0,...,0: the rank "
+                             "with the largest pieces)")
+    parser.add_argument("--plan", default=None, help="a module plan file (YAML/JSON): explain its boundary forms")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the explanation; exit 2 with the error on bad input."""
+    try:
+        names, sizes = parse_mesh(args.mesh)
+        if args.plan:
+            from ..nn.boundaries import explain_plan_lines
+
+            print("\n".join(explain_plan_lines(args.plan, names)))
+            return 0
+        if not args.src or not args.dst:
+            raise TPLowerError("explain needs SRC and DST placements (or --plan FILE)")
+        shape = parse_shape(args.shape)
+        coord = parse_coord(args.coord, names, sizes) if args.coord is not None else None
+        plan = explain_transition(args.src, args.dst, names, sizes, shape, grad=args.grad, coord=coord)
+    except (TPLowerError, ValueError) as exc:
+        print(f"tplower explain: error: {exc}")
+        return 2
+    info = plan_to_dict(plan, names, DTYPES[args.dtype])
+    info["mesh"] = dict(zip(names, sizes, strict=True))
+    print(json.dumps(info, indent=2) if args.json else plan_to_table(info))
+    return 0

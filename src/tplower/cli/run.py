@@ -1,0 +1,104 @@
+"""``tplower run``: shard a real model tensor-parallel on N processes and prove it matches one process.
+
+The default (no arguments) runs the pretrained all-MiniLM-L6-v2 sentence
+encoder on 2 local gloo processes with tplower's shipped plan; under
+``torchrun`` the launcher's ranks are used instead (NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.errors import TPLowerError
+from ..run import RunConfig, RunError, format_report, load_plan, run, texts_from, torchrun_env, verdict, write_json
+from ..run.models import MINILM, MODELS
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tplower run``."""
+    parser.add_argument("--model", default=MINILM, choices=sorted(MODELS),
+                        help=f"model to parallelize (default {MINILM}: pretrained, offline)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local processes to spawn (default tp x dp, or 2); ignored under torchrun")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default nproc / dp)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1; >1 makes a 2-D mesh)")
+    parser.add_argument("--input", metavar="FILE", help="sentences, one a line (default: a built-in list)")
+    parser.add_argument("--plan", metavar="FILE",
+                        help="JSON/YAML mapping module name/glob -> colwise|rowwise (default: the model's plan)")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="training steps checked against one process (default 2, at least 1)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward batch (default 16)")
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed repeats; medians are reported (default 5)")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest allowed max abs difference from one process (default 1e-5, float32)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before a stuck run is ended (default 300; 1200 with --compile, since compiling "
+                             "takes minutes on a few CPU cores)")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                        help="backend of spawned processes (default gloo; torchrun picks NCCL on GPUs)")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="after training, save tplower's model to DIR with torch.distributed.checkpoint, reload "
+                             "it into the unparallelized model in one process and compare outputs")
+    parser.add_argument("--codegen", nargs="?", const="", default=None, metavar="FILE.py",
+                        help="run tplower's copy through generated forwards (tplower codegen) instead of the hooks: "
+                             "those in FILE.py if it exists (e.g. from tplower codegen, edited or not), else new "
+                             "ones written there (default FILE: tplower_<model>_tp<N>.py here)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="also torch.compile tplower's model and the one-process reference (backend, default "
+                             "inductor), check the compiled forward against eager and report compiled step times")
+    parser.add_argument("--json", metavar="FILE", help="also write the full report to FILE as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--kill-rank", type=int, default=-1, metavar="R",
+                        help="debug: rank R exits abruptly after loading, to see how a dying rank is reported")
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    env = torchrun_env()
+    dp = args.dp
+    if env is not None:
+        world = env[1]
+    elif args.nproc is not None:
+        world = args.nproc
+    else:
+        world = (args.tp or 2) * dp
+    if world < 1:
+        raise RunError(f"--nproc {world} must be at least 1")
+    tp = args.tp if args.tp is not None else max(world // dp, 1)
+    return RunConfig(model=args.model, world=world, tp=tp, dp=dp, texts=texts_from(args.input),
+                     plan=load_plan(args.plan) if args.plan else None, steps=args.steps, batch_size=args.batch_size,
+                     lr=args.lr, repeat=args.repeat, tolerance=args.tolerance,
+                     timeout=args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0,
+                     backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,
+                     checkpoint=args.checkpoint, compile=args.compile,
+                     codegen=_codegen_path(args.codegen, args.model, tp))
+
+
+def _codegen_path(value: str | None, model: str, tp: int) -> str | None:
+    if value is None:
+        return None
+    return str(Path(value or f"tplower_{model.replace('-', '_')}_tp{tp}.py").resolve())
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run; exit code 0 when every difference from one process is within the tolerance, 1 otherwise, 2 on error."""
+    try:
+        cfg = _config(args)
+        if cfg.progress and torchrun_env() is None:
+            print(f"tplower run: {cfg.model}, checking the plan, then starting {cfg.world} processes ...",
+                  file=sys.stderr, flush=True)
+        report = run(cfg)
+    except TPLowerError as exc:
+        print(f"tplower run: error: {exc}", file=sys.stderr)
+        return 2
+    if report is None:  # a torchrun rank other than 0: rank 0 prints
+        return 0
+    print(format_report(report, cfg))
+    if args.json:
+        write_json(args.json, report, cfg)
+        print(f"report written to {args.json}")
+    return 0 if verdict(report, cfg.tolerance) else 1

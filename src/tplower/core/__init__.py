@@ -1,0 +1,13 @@
+"""The core: placement transitions planned, bound to a mesh's process groups and run as collectives.
+
+Imports nothing else of tplower (the layer contract in ``pyproject.toml``):
+
+* :mod:`~tplower.core.placements`: parsing and formatting placements.
+* :mod:`~tplower.core.transitions`: the pure planner (steps, shapes, bytes).
+* :mod:`~tplower.core.collectives`: the collectives on local tensors and the one autograd Function.
+* :mod:`~tplower.core.redistribute`: :class:`MeshLowerer` (plans bound to a live mesh) and ``redistribute_local``.
+* :mod:`~tplower.core.lowering`: the seed API (``classify_tp_transition``, ``TPExecutionOp``, ...).
+* :mod:`~tplower.core.agreement`, :mod:`~tplower.core.argcheck`, :mod:`~tplower.core.cache`,
+  :mod:`~tplower.core.errors`, :mod:`~tplower.core.explain`: the debug check, argument checks,
+  bounded caches, errors and the text of ``tplower explain``.
+"""

@@ -1,0 +1,394 @@
+"""Collectives on plain local tensors over one ``ProcessGroup``, and the autograd glue.
+
+Every function here takes a local tensor and returns a new one; inputs are
+never modified. Uneven shards follow ``torch.chunk`` semantics, as DTensor:
+a piece holds ``c = ceil(L / n)`` elements, trailing pieces may hold fewer
+or none; collectives pad each piece to ``c``, move equal-sized buffers and
+unpad. Inputs are made contiguous before any collective (gloo's
+``all_to_all_single`` rejects strided input). Collectives over tensors with
+no elements are skipped on every rank alike (gloo can abort on them).
+
+Which collective carries a step is chosen once per backend and device by
+:func:`backend_caps`, never on the hot path: a backend without a native
+collective gets an equivalent (``reduce_scatter`` as ``all_reduce`` plus the
+local piece, ``all_to_all`` as ``all_gather`` plus the local piece, ``avg``
+as ``sum`` then a division).
+
+:class:`LoweredTransition` is the one autograd Function: forward runs a
+list of bound steps, backward runs the bound steps of the backward
+transition (itself planned by the same table), so every gradient path is a
+public forward path too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "BackendCaps",
+    "LoweredTransition",
+    "StepProgram",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_chunk",
+    "all_to_all",
+    "all_to_all_via_gather",
+    "backend_caps",
+    "backend_for_device",
+    "backend_name_for",
+    "check_device",
+    "chunk",
+    "partition",
+    "reduce_scatter",
+    "run_steps",
+    "zero_fill",
+]
+
+BoundStep = Callable[[torch.Tensor], torch.Tensor]
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+           "min": dist.ReduceOp.MIN}
+
+# torch 2.13 names these all_gather_single / reduce_scatter_single and warns on the
+# old names; older releases only have the old names.
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    """What one backend does natively for tensors of one device type.
+
+    Attributes:
+        name: backend name (``gloo``, ``nccl``, ``threaded``, ...).
+        reduce_scatter_ops: reduce ops with a native ``reduce_scatter``.
+        all_reduce_ops: reduce ops with a native ``all_reduce``.
+        all_to_all: whether ``all_to_all_single`` exists.
+    """
+
+    name: str
+    reduce_scatter_ops: frozenset[str]
+    all_reduce_ops: frozenset[str]
+    all_to_all: bool
+
+
+_ALL = frozenset(("sum", "avg", "max", "min"))
+_NO_AVG = frozenset(("sum", "max", "min"))
+# gloo on torch >= 2.13 has reduce_scatter_single for sum/avg/max/min and
+# all_reduce with AVG (checked on 2 gloo processes); the threaded test group only
+# reduce-scatters sum/avg; mpi lacks the tensor form of reduce_scatter.
+_CAPS: dict[str, BackendCaps] = {
+    "nccl": BackendCaps("nccl", _ALL, _ALL, True),
+    "gloo": BackendCaps("gloo", _ALL, _ALL, True),
+    "threaded": BackendCaps("threaded", frozenset(("sum", "avg")), _ALL, True),
+    "fake": BackendCaps("fake", _ALL, _ALL, True),
+    "ucc": BackendCaps("ucc", _NO_AVG, _NO_AVG, True),
+    "mpi": BackendCaps("mpi", frozenset(), _NO_AVG, True),
+}
+
+
+def backend_caps(name: str) -> BackendCaps:
+    """Capabilities of a backend by name; an unknown name gets the safe minimum.
+
+    The safe minimum (``all_reduce`` of sum/max/min only, no native
+    ``reduce_scatter`` or ``all_to_all``) is correct on any backend that
+    has ``all_reduce`` and ``all_gather``.
+    """
+    caps = _CAPS.get(name.lower())
+    return caps if caps is not None else BackendCaps(name, frozenset(), _NO_AVG, False)
+
+
+def backend_name_for(group: ProcessGroup, device_type: str) -> str:
+    """Name of the backend that carries tensors of ``device_type`` on ``group``.
+
+    A ``cpu:gloo,cuda:nccl`` group carries CUDA tensors on NCCL and CPU
+    tensors on gloo; a single-backend group carries everything on its one
+    backend.
+    """
+    return backend_for_device(str(dist.get_backend(group)), device_type)
+
+
+#: device types each backend carries (``None``: any); backends not listed are not checked.
+_DEVICES: dict[str, frozenset[str] | None] = {
+    "nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu", "cuda"}), "mpi": frozenset({"cpu"}),
+    "ucc": frozenset({"cpu", "cuda"}), "threaded": None, "fake": None,
+}
+
+
+def check_device(backend: str, device_type: str, where: str = "the process group") -> None:
+    """Raise unless ``backend`` (possibly ``cpu:gloo,cuda:nccl``) carries ``device_type`` tensors.
+
+    Raises:
+        TPLowerError: the backend carries no tensors of that device type;
+            the message names the backend and the device types it carries.
+    """
+    from .errors import TPLowerError
+
+    if ":" in backend:
+        table = dict(part.split(":", 1) for part in backend.split(","))
+        if device_type not in table:
+            raise TPLowerError(f"the tensor is on {device_type!r} but {where} has backends for "
+                               f"{sorted(table)} only ({backend!r}); move the tensor or add a backend for it")
+        backend = table[device_type]
+    devices = _DEVICES.get(backend.lower())
+    if devices is not None and device_type not in devices:
+        raise TPLowerError(f"the tensor is on {device_type!r} but {where} runs on {backend!r}, which carries "
+                           f"{sorted(devices)} tensors; move the tensor or use a group with a "
+                           f"{device_type} backend")
+
+
+def backend_for_device(backend: str, device_type: str) -> str:
+    """The single backend of ``backend`` that carries ``device_type`` tensors.
+
+    ``backend_for_device("cpu:gloo,cuda:nccl", "cuda") == "nccl"``; a plain
+    name is returned as it is.
+    """
+    if ":" not in backend:
+        return backend
+    table = dict(part.split(":", 1) for part in backend.split(","))
+    return table.get(device_type, table.get("cpu", backend))
+
+
+def _pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    have = x.size(dim)
+    if have == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, have).copy_(x)
+    return out
+
+
+def _piece(size: int, n: int, rank: int) -> tuple[int, int]:
+    c = -(-size // n)
+    start = min(c * rank, size)
+    return start, min(c, size - start)
+
+
+def _blocks(t: torch.Tensor, n: int, order: Sequence[int] | None) -> torch.Tensor:
+    # Reorder the n equal blocks of dim 0: block k of the result is block order[k] of t.
+    if order is None or not t.numel():
+        return t
+    index = torch.tensor(order, device=t.device)
+    out: torch.Tensor = t.unflatten(0, (n, -1)).index_select(0, index).flatten(0, 1)
+    return out
+
+
+def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: int,
+               order: Sequence[int] | None = None) -> torch.Tensor:
+    """``S(dim) -> R``: concatenate every rank's piece along ``dim``.
+
+    ========  =====================  ==========================
+    in        ``x``                  ``[..., piece_r, ...]``
+    out       gathered               ``[..., size, ...]``
+    ========  =====================  ==========================
+
+    ``size`` is the logical length of ``dim`` across the group; pieces are
+    padded to ``ceil(size / n)``, gathered with one ``all_gather`` and the
+    padding is cut off. ``order[c]``, when given, is the group rank of the
+    rank at mesh coordinate ``c`` (a group that orders ranks unlike the
+    mesh); pieces are put in mesh-coordinate order. Backward:
+    ``reduce_scatter`` (gradient ``P``) or :func:`chunk` (gradient ``R``).
+    """
+    # The common case (even pieces of dim 0, group in mesh order) issues no op but the gather.
+    c = -(-size // n)
+    if x.size(dim) != c:
+        x = _pad_to(x, dim, c)
+    if dim:
+        x = x.movedim(dim, 0)
+    x = x.contiguous()
+    out = x.new_empty((n * c, *x.shape[1:]))
+    if out.numel():
+        _all_gather_base(out, x, group=group)
+        if order is not None:
+            out = _blocks(out, n, order)
+    if n * c != size:
+        out = out.narrow(0, 0, size)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True) -> torch.Tensor:
+    """``P(op) -> R``: reduce every rank's value; shape unchanged.
+
+    With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``.
+    Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
+    """
+    out = x.clone(memory_format=torch.contiguous_format)
+    if not out.numel():
+        return out
+    if op == "avg" and not native:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out.div_(n)
+    dist.all_reduce(out, op=_REDUCE[op], group=group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, dim: int, op: str,
+                   native_avg: bool = True, order: Sequence[int] | None = None) -> torch.Tensor:
+    """``P(op) -> S(dim)``: reduce, keep this rank's ``torch.chunk`` piece of ``dim``.
+
+    ========  =====================  ==========================
+    in        ``x`` (partial)        ``[..., L, ...]``
+    out       piece ``rank``         ``[..., piece_r(L), ...]``
+    ========  =====================  ==========================
+
+    One native ``reduce_scatter`` over ``dim`` padded to ``n * ceil(L/n)``.
+    ``rank`` is the mesh coordinate; ``order`` as :func:`all_gather`.
+    Backward: ``all_gather`` along ``dim``.
+    """
+    size = x.size(dim)
+    c = -(-size // n)
+    buf = x if size == n * c else _pad_to(x, dim, n * c)
+    buf = (buf.movedim(dim, 0) if dim else buf).contiguous()
+    if order is not None:
+        buf = _blocks(buf, n, _inverse(order))
+    out = buf.new_empty((c, *buf.shape[1:]))
+    if out.numel():
+        if op == "avg" and not native_avg:
+            _reduce_scatter_base(out, buf, op=dist.ReduceOp.SUM, group=group)
+            out.div_(n)
+        else:
+            _reduce_scatter_base(out, buf, op=_REDUCE[op], group=group)
+    if size != n * c:
+        out = out.narrow(0, 0, _piece(size, n, rank)[1])
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def all_reduce_chunk(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, dim: int, op: str,
+                     native_avg: bool = True) -> torch.Tensor:
+    """``P(op) -> S(dim)`` for a backend without that ``reduce_scatter``: ``all_reduce`` then :func:`chunk`."""
+    return chunk(all_reduce(x, group=group, op=op, n=n, native=native_avg), n=n, rank=rank, dim=dim)
+
+
+def chunk(x: torch.Tensor, *, n: int, rank: int, dim: int) -> torch.Tensor:
+    """``R -> S(dim)``: a copy of this rank's ``torch.chunk`` piece; no communication.
+
+    Backward: ``all_gather`` along ``dim``.
+    """
+    start, length = _piece(x.size(dim), n, rank)
+    return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+
+
+def _inverse(order: Sequence[int]) -> list[int]:
+    inv = [0] * len(order)
+    for coord, grank in enumerate(order):
+        inv[grank] = coord
+    return inv
+
+
+def all_to_all(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_dim: int, dst_dim: int,
+               src_size: int, dst_size: int, order: Sequence[int] | None = None) -> torch.Tensor:
+    """``S(src_dim) -> S(dst_dim)``: one ``all_to_all_single`` trades pieces.
+
+    ========  ==========================================================
+    in        ``x[..., piece_r(src_size) at src_dim, dst_size at dst_dim]``
+    out       ``[..., src_size at src_dim, piece_r(dst_size) at dst_dim]``
+    ========  ==========================================================
+
+    Both dims are padded to ``ceil(size / n)`` pieces so every rank sends
+    ``n`` equal blocks. ``rank`` is the mesh coordinate; ``order`` as
+    :func:`all_gather`. Backward: ``all_to_all`` from ``dst_dim`` back to
+    ``src_dim``.
+    """
+    ci, cj = -(-src_size // n), -(-dst_size // n)
+    x = _pad_to(_pad_to(x, src_dim, ci), dst_dim, n * cj)
+    send = x.unflatten(dst_dim, (n, cj)).movedim(dst_dim, 0).contiguous()
+    if order is not None:  # group rank k gets the piece of the coordinate it holds
+        send = send.index_select(0, torch.tensor(_inverse(order), device=send.device))
+    recv = torch.empty_like(send)
+    if send.numel():
+        dist.all_to_all_single(recv, send, group=group)
+    if order is not None:  # block k came from group rank k: put it at that rank's coordinate
+        recv = recv.index_select(0, torch.tensor(order, device=recv.device))
+    # recv[k] is rank k's block: its piece of src_dim, this rank's piece of dst_dim.
+    out = (recv.movedim(0, src_dim) if src_dim else recv).flatten(src_dim, src_dim + 1)
+    if n * ci != src_size:
+        out = out.narrow(src_dim, 0, src_size)
+    if n * cj != dst_size:
+        out = out.narrow(dst_dim, 0, _piece(dst_size, n, rank)[1])
+    return out.contiguous()
+
+
+def all_to_all_via_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_dim: int,
+                          dst_dim: int, src_size: int, dst_size: int,
+                          order: Sequence[int] | None = None) -> torch.Tensor:
+    """``S(src_dim) -> S(dst_dim)`` for a backend without ``all_to_all``: gather, then the local piece."""
+    del dst_size
+    full = all_gather(x, group=group, n=n, dim=src_dim, size=src_size, order=order)
+    return chunk(full, n=n, rank=rank, dim=dst_dim)
+
+
+def partition(x: torch.Tensor, *, n: int, op: str) -> torch.Tensor:
+    """``R -> P(op)``: ``sum`` divides by ``n``; ``avg``/``max``/``min`` keep the value (as DTensor)."""
+    return x / n if op == "sum" else x.clone(memory_format=torch.contiguous_format)
+
+
+def zero_fill(x: torch.Tensor, *, n: int, rank: int, dim: int, size: int, op: str) -> torch.Tensor:
+    """``S(dim) -> P(op)``: this rank's piece in place, the rest the reduce op's neutral element.
+
+    ``sum``: zeros; ``avg``: zeros and the piece scaled by ``n`` (so the
+    average of the ranks is the value); ``max``/``min``: the lowest/highest
+    value of the dtype. No communication.
+    """
+    shape = list(x.shape)
+    shape[dim] = size
+    if op in ("sum", "avg"):
+        fill: float | int = 0
+    else:
+        info: Any = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
+        fill = info.min if op == "max" else info.max
+    out = x.new_full(shape, fill)
+    start, length = _piece(size, n, rank)
+    out.narrow(dim, start, length).copy_(x * n if op == "avg" else x)
+    return out
+
+
+def run_steps(x: torch.Tensor, steps: Sequence[BoundStep]) -> torch.Tensor:
+    """Apply bound steps in order (no autograd)."""
+    for step in steps:
+        x = step(x)
+    return x
+
+
+class StepProgram(Protocol):
+    """What :class:`LoweredTransition` runs: bound forward and backward steps."""
+
+    @property
+    def forward(self) -> Sequence[BoundStep]: ...
+
+    @property
+    def backward(self) -> Sequence[BoundStep]: ...
+
+
+class LoweredTransition(torch.autograd.Function):
+    """Forward: the bound forward steps; backward: the bound backward steps.
+
+    Both step lists come from one plan (:mod:`tplower.core.transitions`), so the
+    gradient path is the lowering of ``grad -> src`` and nothing is written
+    twice. Double backward (``create_graph=True``) raises: the collectives
+    are not themselves recorded for autograd.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, program: StepProgram) -> torch.Tensor:  # type: ignore[override]
+        # One object argument, not two tuples: autograd inspects each argument of apply, and
+        # tuples cost about 3 us more a call.
+        ctx.program = program
+        out = run_steps(x, program.forward)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        # A cheaper guard than once_differentiable (about 4 us a call): grad mode is on in
+        # backward only under create_graph=True, where these steps would record nothing.
+        if torch.is_grad_enabled():
+            raise RuntimeError("tplower transitions are differentiable once; double backward "
+                               "(create_graph=True) through them is not supported")
+        return run_steps(grad.contiguous(), ctx.program.backward), None

@@ -1,0 +1,481 @@
+"""Plans bound to a live mesh, and the general entry point :func:`redistribute_local`.
+
+A :class:`MeshLowerer` belongs to one ``DeviceMesh``: it checks once that each
+axis's process group orders its ranks as the mesh does, keeps a cache of
+bound programs keyed on ``(src, dst, grad, shape, device)`` (least recently
+used dropped beyond :func:`tplower.set_cache_size`'s bound), and runs them.
+Everything it cannot lower goes to DTensor's ``redistribute`` (forward and
+backward), logged at debug level with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from . import collectives as C
+from .agreement import check_agreement, debug_enabled
+from .argcheck import check_bool, check_local_tensor, check_mesh, check_shape
+from .cache import CacheInfo, LRUCache
+from .errors import TPLowerError
+from .placements import (
+    REDUCE_OPS,
+    PlacementsLike,
+    check_reduce_ops,
+    format_placements,
+    parse_placements,
+    replicate_partials,
+)
+from .transitions import Step, TransitionPlan, global_shape_from_local, plan_transition
+
+__all__ = ["MeshLowerer", "Program", "bind_step", "mesh_lowerer", "redistribute_local"]
+
+log = logging.getLogger("tplower")
+
+
+def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
+              force_all_reduce_shard: bool = False, order: tuple[int, ...] | None = None) -> C.BoundStep:
+    """The collective function that carries ``step`` on ``group``, arguments bound.
+
+    The remap for a backend without a native collective is chosen here,
+    once, from ``caps``: ``reduce_scatter`` becomes ``all_reduce`` + chunk,
+    ``all_to_all`` becomes ``all_gather`` + chunk, ``avg`` becomes sum + divide.
+    ``order[c]`` is the group rank of mesh coordinate ``c`` when the group
+    orders its ranks unlike the mesh (``None`` when they agree). ``group``
+    may be ``None`` only for steps that do not communicate.
+    """
+    n, r, ls, d = step.group_size, step.rank, step.logical_shape, step.tensor_dim
+    op = step.reduce_op or "sum"
+    kind = step.kind
+    if kind == "chunk":
+        assert d is not None
+        return functools.partial(C.chunk, n=n, rank=r, dim=d)
+    if kind == "partition":
+        return functools.partial(C.partition, n=n, op=op)
+    if kind == "zero_fill":
+        assert d is not None
+        return functools.partial(C.zero_fill, n=n, rank=r, dim=d, size=ls[d], op=op)
+    assert group is not None, f"step {step} needs a process group"
+    native_avg = "avg" in caps.all_reduce_ops
+    if kind == "all_gather":
+        assert d is not None
+        return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d], order=order)
+    if kind == "all_reduce":
+        return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops)
+    if kind == "reduce_scatter":
+        assert d is not None
+        if not force_all_reduce_shard and op in caps.reduce_scatter_ops:
+            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, order=order)
+        if not force_all_reduce_shard and op == "avg" and "sum" in caps.reduce_scatter_ops:
+            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, native_avg=False,
+                                     order=order)
+        return functools.partial(C.all_reduce_chunk, group=group, n=n, rank=r, dim=d, op=op, native_avg=native_avg)
+    if kind == "all_to_all":
+        j = step.dst_dim
+        assert d is not None and j is not None
+        fn = C.all_to_all if caps.all_to_all else C.all_to_all_via_gather
+        return functools.partial(fn, group=group, n=n, rank=r, src_dim=d, dst_dim=j, src_size=ls[d], dst_size=ls[j],
+                                 order=order)
+    raise AssertionError(f"unknown step kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Program:
+    """A transition ready to run on one rank: bound forward and backward steps, or a fallback.
+
+    Attributes:
+        plan: the pure plan (``None`` when falling back).
+        forward, backward: bound steps.
+        fallback_reason: why DTensor runs this transition, or ``None``.
+        global_shape: the global shape given or inferred.
+    """
+
+    plan: TransitionPlan | None
+    forward: tuple[C.BoundStep, ...]
+    backward: tuple[C.BoundStep, ...]
+    fallback_reason: str | None = None
+    global_shape: tuple[int, ...] | None = None
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        """Run forward; differentiable through :class:`~tplower.core.collectives.LoweredTransition`."""
+        if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
+            return self.forward[0](local)
+        if local.requires_grad and torch.is_grad_enabled():
+            out: torch.Tensor = C.LoweredTransition.apply(local, self)
+            return out
+        return C.run_steps(local, self.forward)
+
+
+def _key(spec: Any) -> Hashable:
+    if spec is None or isinstance(spec, str):
+        return spec
+    if isinstance(spec, dict):
+        return ("map", tuple(spec.items()))
+    if not isinstance(spec, Sequence):  # a tensor, an array, a number: never iterate it
+        raise TypeError(f"placements must be a str, a sequence or a mapping, got {type(spec).__name__}")
+    return tuple(spec)
+
+
+def _name_type_error(names: Sequence[str], src: Any, dst: Any, grad: Any, global_shape: Any) -> None:
+    """After a ``TypeError`` while building a program: raise it again naming the argument that caused it."""
+    parse_placements(src, names, arg="src")
+    parse_placements(dst, names, arg="dst")
+    if grad is not None:
+        parse_placements(grad, names, arg="grad")
+    if global_shape is not None:
+        check_shape(global_shape, "global_shape", "redistribute_local")
+
+
+def _describe(spec: PlacementsLike, names: Sequence[str]) -> str:
+    try:
+        return format_placements(parse_placements(spec, names))
+    except (TPLowerError, TypeError):
+        return repr(spec)
+
+
+_MeshFacts = tuple[tuple[int, ...] | None, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
+
+
+def _read_mesh_facts(mesh: DeviceMesh) -> _MeshFacts:
+    """This rank's coordinate, and per axis the ranks along it in mesh order and in its group's order.
+
+    Read from the mesh's rank tensor and the process groups: under
+    ``torch.compile`` this runs once, eagerly, and its result is a constant
+    of the graph (reading a mesh tensor inside a graph would break it).
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None, (), ()
+    along = []
+    for axis in range(mesh.ndim):
+        index: list[int | slice] = list(coord)
+        index[axis] = slice(None)
+        along.append(tuple(int(r) for r in mesh.mesh[tuple(index)].tolist()))
+    groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(i))) for i in range(mesh.ndim))
+    return tuple(coord), tuple(along), groups
+
+
+_mesh_facts: Callable[[DeviceMesh], _MeshFacts] = torch.compiler.assume_constant_result(_read_mesh_facts)
+
+
+class MeshLowerer:
+    """Lowers transitions on one ``DeviceMesh`` for this rank; owns the plan cache.
+
+    Args:
+        mesh: the device mesh; this rank must be part of it.
+
+    Attributes:
+        names: mesh axis names (``dim0``, ``dim1``, ... when the mesh has none).
+        shape: ranks per axis.
+        coord: this rank's mesh coordinate.
+        groups: the process group of each axis.
+        orders: per axis, ``None`` when the group orders its ranks as the
+            mesh does along that axis, else ``order[c]`` = the group rank of
+            mesh coordinate ``c``: collectives then put pieces in mesh order,
+            so results follow the mesh coordinates (as DTensor's placements
+            mean) whatever order the group was built in.
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        check_mesh(mesh, "mesh", "MeshLowerer")
+        coord, mesh_ranks, group_ranks = _mesh_facts(mesh)
+        if coord is None:
+            raise TPLowerError(f"mesh={mesh!r}: this rank ({dist.get_rank()}) is not part of the mesh")
+        # Held weakly: the module-level map of lowerers must not keep meshes (and, through DTensor's
+        # weakref-keyed caches, their stale plans) alive after the caller drops them.
+        self._mesh_ref = weakref.ref(mesh)
+        self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+        self.shape: tuple[int, ...] = tuple(mesh.shape)
+        self.coord: tuple[int, ...] = tuple(coord)
+        self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
+        self.orders: tuple[tuple[int, ...] | None, ...] = tuple(
+            self._axis_order(i, list(mesh_ranks[i]), list(group_ranks[i])) for i in range(mesh.ndim))
+        self._cache: LRUCache[Hashable, Program] = LRUCache()
+        self._flat_group: ProcessGroup | None = None
+        self._planned_dims: LRUCache[Hashable, tuple[frozenset[int] | None]] = LRUCache()
+        #: run the debug check on every call (``TPLOWER_DEBUG=1`` when the lowerer was made)
+        self.debug: bool = debug_enabled()
+
+    @property
+    def ordered(self) -> tuple[bool, ...]:
+        """Per axis, whether its process group orders ranks as the mesh does."""
+        return tuple(o is None for o in self.orders)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh (raises :class:`TPLowerError` if it was garbage collected)."""
+        mesh = self._mesh_ref()
+        if mesh is None:
+            raise TPLowerError("the DeviceMesh of this lowerer no longer exists; make a lowerer for a live mesh")
+        return mesh
+
+    def _axis_order(self, axis: int, mesh_ranks: list[int], group_ranks: list[int]) -> tuple[int, ...] | None:
+        if sorted(mesh_ranks) != sorted(group_ranks):
+            raise TPLowerError(f"mesh axis {self.names[axis]!r} holds ranks {mesh_ranks} but its process group "
+                               f"holds {group_ranks}")
+        if mesh_ranks == group_ranks:
+            return None
+        return tuple(group_ranks.index(r) for r in mesh_ranks)
+
+    def parse(self, spec: PlacementsLike, tensor_ndim: int, arg: str) -> tuple[Placement, ...]:
+        """Placements of this mesh from any accepted form, shard dims normalised."""
+        return parse_placements(spec, self.names, tensor_ndim=tensor_ndim, arg=arg)
+
+    def program(self, src: PlacementsLike, dst: PlacementsLike, local_shape: Sequence[int], device_type: str, *,
+                grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None) -> Program:
+        """The cached program for a transition of a local tensor of ``local_shape`` (see :func:`redistribute_local`).
+
+        The cache is bounded (:mod:`tplower.core.cache`): beyond its bound the least
+        recently used program is dropped and rebuilt, the same, when next needed.
+        """
+        pkey = (_key(src), _key(dst), _key(grad), None if global_shape is None else tuple(global_shape),
+                len(local_shape), device_type)
+        compiling = torch.compiler.is_compiling()
+        found = self._planned_dims.peek(pkey)
+        if found is None:
+            found = (self._shaping_dims(src, dst, grad, len(local_shape), global_shape),)
+            self._planned_dims.put(pkey, found)
+        dims = found[0]
+        # Only the sizes of sharded dims change a plan: the others stay out of the key (1 in the planned
+        # shape), so a batch dim can stay dynamic under torch.compile.
+        shape = tuple(local_shape) if dims is None else tuple(s if i in dims else 1 for i, s in enumerate(local_shape))
+        key = (pkey, shape)
+        # Under torch.compile: no hit/miss counters and no reordering, which a graph would guard on.
+        prog = self._cache.peek(key) if compiling else self._cache.get(key)
+        if prog is None:
+            prog = self._build(src, dst, grad, shape, global_shape, device_type)
+            self._cache.put(key, prog)
+        return prog
+
+    def _shaping_dims(self, src: PlacementsLike, dst: PlacementsLike, grad: PlacementsLike | None, ndim: int,
+                      global_shape: Sequence[int] | None) -> frozenset[int] | None:
+        """The tensor dims whose sizes a plan depends on: those any placement shards (``None``: every dim)."""
+        if global_shape is not None:
+            return None
+        try:
+            parsed = [self.parse(spec, ndim, arg) for spec, arg in ((src, "src"), (dst, "dst"))]
+            if grad is not None:
+                parsed.append(self.parse(grad, ndim, "grad"))
+        except (TPLowerError, TypeError, ValueError):
+            return None  # the build raises the error with the real shape
+        if any(self._fallback_reason(ps, ps, ps) is not None for ps in parsed):
+            return None  # DTensor runs it on the real global shape
+        return frozenset(p.dim for ps in parsed for p in ps if isinstance(p, Shard))
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, size, bound and evictions of this mesh's program cache."""
+        return self._cache.cache_info()
+
+    def _build(self, src_spec: PlacementsLike, dst_spec: PlacementsLike, grad_spec: PlacementsLike | None,
+               lshape: tuple[int, ...], global_shape: Sequence[int] | None, device_type: str) -> Program:
+        nd = len(lshape)
+        src = self.parse(src_spec, nd, "src")
+        dst = self.parse(dst_spec, nd, "dst")
+        grad = replicate_partials(dst) if grad_spec is None else self.parse(grad_spec, nd, "grad")
+        for ps, arg in ((src, "src"), (dst, "dst"), (grad, "grad")):
+            check_reduce_ops(ps, arg)
+        if global_shape is None:
+            gshape = global_shape_from_local(lshape, src, self.shape)
+        else:
+            gshape = check_shape(global_shape, "global_shape", "redistribute_local")
+            if len(gshape) != nd:
+                raise TPLowerError(f"global_shape={gshape} has {len(gshape)} dims but the local tensor has {nd}")
+        reason = self._fallback_reason(src, dst, grad)
+        if reason is not None:
+            log.debug("tplower: %s -> %s falls back to DTensor: %s", format_placements(src),
+                      format_placements(dst), reason)
+            fallback = functools.partial(self.dtensor_redistribute, src=src, dst=dst, grad=grad, gshape=gshape)
+            return Program(None, (fallback,), (), reason, gshape)
+        plan = plan_transition(src, dst, gshape, self.shape, self.coord, grad)
+        if plan.in_shape != lshape:
+            raise TPLowerError(
+                f"local tensor has shape {lshape} but {format_placements(src)!r} of global shape {gshape} on mesh "
+                f"{dict(zip(self.names, self.shape, strict=True))} gives {plan.in_shape} at coordinate {self.coord}; "
+                "pass global_shape= for uneven shards")
+        for axis, g in enumerate(self.groups):
+            C.check_device(str(dist.get_backend(g)), device_type, f"mesh axis {self.names[axis]!r}")
+        caps = [C.backend_caps(C.backend_name_for(g, device_type)) for g in self.groups]
+        fwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.forward)
+        bwd = tuple(bind_step(s, self.groups[s.axis], caps[s.axis], order=self.orders[s.axis]) for s in plan.backward)
+        return Program(plan, fwd, bwd, None, gshape)
+
+    def checked(self, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
+                grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
+                where: str | None = None, hint: str | None = None) -> torch.Tensor:
+        """:func:`redistribute_local` after the debug check (:mod:`tplower.core.agreement`); collective.
+
+        ``where`` (what is moved, e.g. ``module 'up', input '0'``) starts the
+        error message; ``hint`` says how to fix local sizes that differ
+        (default: pass ``global_shape=``).
+
+        Raises:
+            TPLowerError: on every rank alike when the ranks' calls disagree
+                or any rank's call is invalid; it is also a ``TypeError``
+                (:class:`~tplower.core.errors.TPLowerTypeError`) when a rank's
+                call had an argument of the wrong type (``local`` a list, a
+                NumPy array, ``None`` or a DTensor).
+        """
+        prog, error, type_error = None, None, False
+        is_tensor = isinstance(local, torch.Tensor) and not isinstance(local, DTensor)
+        gshape: Any = global_shape
+        try:
+            local = check_local_tensor(local, "local", "redistribute_local")
+            if global_shape is not None:
+                gshape = check_shape(global_shape, "global_shape", "redistribute_local")
+            try:
+                prog = self.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
+            except TypeError:
+                _name_type_error(self.names, src, dst, grad, global_shape)
+                raise
+            if global_shape is None:  # the program's own shape has 1 for dims no placement shards (its cache key)
+                gshape = global_shape_from_local(local.shape, self.parse(src, local.ndim, "src"), self.shape)
+        except (TPLowerError, TypeError, ValueError) as exc:
+            error, type_error = f"{type(exc).__name__}: {exc}", isinstance(exc, TypeError)
+        record = {"rank": dist.get_rank(), "src": _describe(src, self.names), "dst": _describe(dst, self.names),
+                  "grad": None if grad is None else _describe(grad, self.names),
+                  "dtype": str(local.dtype) if is_tensor else type(local).__name__,
+                  "device": local.device.type if is_tensor else self.mesh.device_type, "error": error,
+                  "type_error": type_error, "global_shape": gshape,
+                  "local_shape": tuple(local.shape) if is_tensor else None}
+        check_agreement(record, self._debug_group(), local.device if is_tensor else self.mesh.device_type,
+                        where=where, **({} if hint is None else {"hint": hint}))
+        assert prog is not None  # check_agreement raised otherwise
+        return prog(local)
+
+    def _debug_group(self) -> ProcessGroup | None:
+        if self.mesh.mesh.numel() == dist.get_world_size():
+            return None
+        if self.mesh.ndim == 1:
+            return self.groups[0]
+        if self._flat_group is None:
+            self._flat_group = self.mesh._flatten().get_group()
+        return self._flat_group
+
+    def _fallback_reason(self, src: Sequence[Placement], dst: Sequence[Placement],
+                         grad: Sequence[Placement]) -> str | None:
+        for ps in (src, dst, grad):
+            for p in ps:
+                if isinstance(p, Partial) and p.reduce_op not in REDUCE_OPS:
+                    return f"Partial({p.reduce_op!r}) is not lowered"
+                if type(p).__name__ not in ("Shard", "Replicate", "Partial"):
+                    return f"placement {p!r} is not lowered"
+        return None
+
+    def dtensor_redistribute(self, local: torch.Tensor, *, src: Sequence[Placement], dst: Sequence[Placement],
+                             grad: Sequence[Placement], gshape: Sequence[int]) -> torch.Tensor:
+        """DTensor's ``redistribute`` of ``local`` (global shape ``gshape``), forward and backward: the fallback.
+
+        ``src``/``dst``/``grad`` are parsed placements with non-negative shard dims.
+        """
+        stride = torch.empty(gshape, device="meta").stride()
+        dt = DTensor.from_local(local, self.mesh, tuple(src), run_check=False, shape=torch.Size(gshape),
+                                stride=stride)
+        return dt.redistribute(self.mesh, tuple(dst)).to_local(grad_placements=tuple(grad))
+
+
+_LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyDictionary()
+
+
+def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
+    """The :class:`MeshLowerer` of ``mesh`` (one per live mesh object, made on first use).
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        TPLowerError: this rank is not part of ``mesh``.
+    """
+    try:
+        lowerer = _LOWERERS.get(mesh)
+    except TypeError:  # not weak-referenceable: certainly not a mesh
+        check_mesh(mesh, "mesh", "mesh_lowerer")
+        raise
+    if lowerer is None or lowerer._mesh_ref() is not mesh:  # an equal but other mesh object
+        check_mesh(mesh, "mesh", "mesh_lowerer")
+        lowerer = MeshLowerer(mesh)
+        _LOWERERS[mesh] = lowerer
+    return lowerer
+
+
+def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLike, dst: PlacementsLike, *,
+                       grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
+                       check: bool | None = None) -> torch.Tensor:
+    """Move this rank's local tensor from ``src`` to ``dst`` placements on ``mesh``.
+
+    Args:
+        local: this rank's local tensor (any dtype the backend carries;
+            non-contiguous is fine; never modified).
+        mesh: the device mesh; ``src``/``dst``/``grad`` have one placement
+            per mesh axis.
+        src, dst: placements in any form :func:`~tplower.parse_placements`
+            accepts (``"S(0),R"``, ``[Shard(0), Replicate()]``,
+            ``{"tp": "S(1)"}``).
+        grad: placement of the gradient arriving at the output in backward;
+            default ``dst`` with every ``Partial`` read as ``Replicate`` (the
+            gradient of a partial sum is the full gradient on every rank;
+            DTensor's ``to_local`` default in torch 2.13). Backward moves it
+            to ``src`` with ``Partial`` read as ``Replicate``.
+        global_shape: logical shape of the whole tensor; needed when shards
+            are uneven (``torch.chunk`` semantics). Without it every shard is
+            assumed even and the global shape is inferred from ``local``.
+        check: run the debug check first (every rank describes its call, the
+            ranks compare, all raise alike on a difference or on any rank's
+            error); it costs one small ``all_gather`` of a 64-bit digest per
+            call, and the full descriptions travel (``all_gather_object``)
+            only when the digests differ (:mod:`tplower.core.agreement`). Default
+            ``TPLOWER_DEBUG=1``. Must be the same on every rank.
+
+    Returns:
+        The local tensor of ``dst``: a new tensor, except that an identity
+        transition outside autograd returns ``local`` itself.
+
+    Raises:
+        TPLowerError: bad placements, a pair with no correct lowering
+            (``P(x) -> P(y)`` on one axis; a tensor ``Partial`` with ``max`` or
+            ``min`` and another reduce op on other axes), a ``grad`` that does
+            not fit the output, or a ``local`` whose shape does not match
+            ``src`` and ``global_shape``; with ``check``, on every rank when
+            any rank's call differs or fails.
+        TypeError: an argument of the wrong type (``local`` not a
+            ``torch.Tensor`` or a DTensor, ``mesh`` not a ``DeviceMesh``,
+            placements neither a string, a sequence nor a mapping,
+            ``global_shape`` not a sequence of ints, ``check`` not a bool),
+            raised before any collective, naming the argument. With
+            ``check``, a wrong ``local`` (or placements) on any rank raises
+            :class:`~tplower.core.errors.TPLowerTypeError` (a ``TypeError`` and a
+            ``TPLowerError``) on every rank.
+
+    Lowered to direct collectives when :mod:`tplower.core.transitions` can plan
+    it; otherwise (placements other than Shard/Replicate/Partial of
+    sum/avg/max/min) DTensor's ``redistribute`` runs it, forward and
+    backward. Shards follow mesh coordinates even where an axis's process
+    group orders its ranks differently (DTensor gets uneven shards wrong there).
+    """
+    try:
+        lowerer = mesh_lowerer(mesh)
+    except TypeError:
+        check_mesh(mesh, "mesh", "redistribute_local")
+        raise
+    if check is not None and not isinstance(check, bool):
+        check_bool(check, "check", "redistribute_local", optional=True)
+    if check or (check is None and lowerer.debug):
+        return lowerer.checked(local, src, dst, grad=grad, global_shape=global_shape)
+    if type(local) is not torch.Tensor:  # a Parameter passes; a DTensor, a list or None does not
+        check_local_tensor(local, "local", "redistribute_local")
+    if global_shape is not None and not isinstance(global_shape, tuple | list):  # never iterate a tensor or array
+        check_shape(global_shape, "global_shape", "redistribute_local")
+    try:
+        prog = lowerer.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
+    except TypeError:  # e.g. an unhashable spec fails in the cache lookup: name the argument instead
+        _name_type_error(lowerer.names, src, dst, grad, global_shape)
+        raise
+    return prog(local)

@@ -1,0 +1,235 @@
+"""The runtime a generated forward calls: named bare operators bound to one mesh (see :mod:`tplower.nn.codegen`).
+
+A file from :func:`tplower.nn.codegen.emit` holds, per module, a ``forward``
+written out as straight-line code. Everything in it that depends on the rank
+or the live process group goes through one :class:`GeneratedOps` object,
+``ops``, which :func:`tplower.nn.codegen.install` binds:
+
+* ``ops.all_gather(x, "S(1)", "R", grad="P(sum)", where=...)`` and its
+  siblings (``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``chunk``,
+  ``identity`` for a transition that moves only in backward, ``transition``
+  for one of several collectives) run the transition as the hook installed by
+  :func:`tplower.parallelize` runs it: the same cached program of
+  :class:`~tplower.MeshLowerer` (so outputs and gradients are bit-identical),
+  the debug check under ``TPLOWER_DEBUG=1``, sizes exchanged for an
+  ``uneven`` tensor. The name is checked against the transition the first
+  time a call site runs, so an edited file cannot call a collective under
+  another's name. ``ops.dtensor`` runs a generic boundary on DTensor.
+* ``ops.param(self, "weight")`` is a parameter's local tensor
+  (:func:`tplower.nn.params.local_parameter`: a view forward, the gradient's
+  reduction and DTensor ``.grad`` in backward).
+* ``ops.local_params`` / ``ops.restore_params`` swap a module's parameters
+  for their local tensors around a call of the module's own ``forward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.errors import TPLowerError
+from ..core.placements import parse_placements
+from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.transitions import classify_axis
+from .parallelize import _Boundary, _dtensor, _lowered, _Move
+from .params import ParamLayout, local_parameter
+from .uneven import exchanged_global_shape
+
+__all__ = ["OPERATORS", "GeneratedOps", "operator_name"]
+
+#: the named operators a generated file may call for a transition
+OPERATORS: tuple[str, ...] = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "chunk", "identity",
+                              "transition")
+
+
+def operator_name(src: Sequence[Any], dst: Sequence[Any]) -> str:
+    """The operator that names ``src -> dst`` (one placement per axis): its one forward collective.
+
+    ``identity`` when nothing moves forward (a transition that moves only its
+    gradient, e.g. ``R -> R`` with gradient ``P(sum)``: Megatron's
+    ``copy_to_tp_region``), ``transition`` when several axes move; otherwise
+    the kind of :func:`tplower.classify_axis` (``all_gather``,
+    ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``chunk``, ...).
+    """
+    moved = [classify_axis(a, b)[0] for a, b in zip(src, dst, strict=True) if a != b]
+    if not moved:
+        return "identity"
+    return moved[0] if len(moved) == 1 and moved[0] in OPERATORS else "transition"
+
+
+@dataclass
+class _Bound:
+    """What one module's generated forward needs from its install: layouts, lookup rows, the hook."""
+
+    layouts: dict[str, ParamLayout]
+    boundary: _Boundary
+
+
+class GeneratedOps:
+    """The bare operators of generated forwards, bound to ``mesh`` by :func:`tplower.nn.codegen.install`.
+
+    Args:
+        mesh: the live device mesh the model was parallelized on.
+
+    A generated file creates ``ops = tplower.nn.codegen.GeneratedOps.unbound()``;
+    calling an operator before :func:`~tplower.nn.codegen.install` binds it raises
+    :class:`~tplower.TPLowerError`.
+    """
+
+    def __init__(self, mesh: DeviceMesh | None) -> None:
+        self._lowerer: MeshLowerer | None = None if mesh is None else mesh_lowerer(mesh)
+        self._moves: dict[tuple[Any, ...], tuple[_Move, Callable[..., torch.Tensor]]] = {}
+        self._bound: dict[int, _Bound] = {}
+
+    @classmethod
+    def unbound(cls) -> GeneratedOps:
+        """A placeholder whose operators raise until :func:`tplower.nn.codegen.install` binds a mesh."""
+        return cls(None)
+
+    @property
+    def lowerer(self) -> MeshLowerer:
+        """The bound mesh's lowerer.
+
+        Raises:
+            TPLowerError: not bound (the file was imported, not installed).
+        """
+        if self._lowerer is None:
+            raise TPLowerError("a generated forward ran before tplower.nn.codegen.install(model, mesh, file) bound "
+                               "its operators to a mesh")
+        return self._lowerer
+
+    def bind(self, module: nn.Module, boundary: _Boundary) -> None:
+        """Record what ``module``'s generated forward needs from the boundary :func:`tplower.parallelize` made."""
+        self._bound[id(module)] = _Bound(dict(boundary.params), boundary)
+
+    def _entry(self, module: nn.Module) -> _Bound:
+        bound = self._bound.get(id(module))
+        if bound is None:
+            raise TPLowerError(f"{type(module).__name__}: its generated forward was not bound by "
+                               "tplower.nn.codegen.install")
+        return bound
+
+    # ---- transitions ---------------------------------------------------------------------------
+
+    def _move(self, name: str, t: Any, src: str, dst: str, grad: str, where: str, uneven: bool,
+              dtensor: bool) -> Any:
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where} is a {type(t).__name__}, not a tensor")
+        key = (name, src, dst, grad, where, uneven, t.ndim)
+        found = self._moves.get(key)
+        if found is None:
+            low = self.lowerer
+            ps = tuple(parse_placements(p, low.names, arg=f"{where}: {arg}", tensor_ndim=t.ndim)
+                       for p, arg in ((src, "src"), (dst, "dst"), (grad, "grad")))
+            if not dtensor and operator_name(ps[0], ps[1]) != name:
+                raise TPLowerError(f"{where}: {src} -> {dst} is {operator_name(ps[0], ps[1])}, not ops.{name}; "
+                                   "the generated file was edited or is for another plan: emit it again")
+            found = (_Move(-1, None, where, ps[0], ps[1], ps[2], where, uneven), _dtensor if dtensor else _lowered)
+            self._moves[key] = found
+        mv, run = found
+        gshape = exchanged_global_shape(t, mv.src, self.lowerer, mv.where) if mv.uneven else None
+        return run(t, self.lowerer, mv, gshape)
+
+    def all_gather(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """``S(d) -> R`` on one axis: ``all_gather``; ``None`` passes through. Shapes: ``[.., s, ..] -> [.., n*s, ..]``.
+
+        Raises:
+            TypeError: ``t`` is neither a tensor nor ``None``.
+            TPLowerError: ``src -> dst`` is not an ``all_gather``, or as :func:`tplower.redistribute_local`.
+        """
+        return self._move("all_gather", t, src, dst, grad, where, uneven, False)
+
+    def all_reduce(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """``P(op) -> R`` on one axis: ``all_reduce``, shape unchanged (raises as :meth:`all_gather`)."""
+        return self._move("all_reduce", t, src, dst, grad, where, uneven, False)
+
+    def reduce_scatter(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """``P(op) -> S(d)`` on one axis: ``reduce_scatter``, ``[.., L, ..] -> [.., L/n, ..]`` (raises as above)."""
+        return self._move("reduce_scatter", t, src, dst, grad, where, uneven, False)
+
+    def all_to_all(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """``S(i) -> S(j)`` on one axis: ``all_to_all`` (raises as :meth:`all_gather`)."""
+        return self._move("all_to_all", t, src, dst, grad, where, uneven, False)
+
+    def chunk(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """``R -> S(d)`` on one axis: this rank's ``torch.chunk`` piece, no communication forward."""
+        return self._move("chunk", t, src, dst, grad, where, uneven, False)
+
+    def identity(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """Nothing moves forward; backward moves the gradient ``grad -> src`` (e.g. ``all_reduce``)."""
+        return self._move("identity", t, src, dst, grad, where, uneven, False)
+
+    def transition(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """Several collectives (several axes move): the program :mod:`tplower.core.transitions` plans."""
+        return self._move("transition", t, src, dst, grad, where, uneven, False)
+
+    def dtensor(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        """A generic boundary: DTensor's ``redistribute`` runs it, forward and backward."""
+        return self._move("dtensor", t, src, dst, grad, where, uneven, True)
+
+    # ---- parameters and module calls ------------------------------------------------------------
+
+    def param(self, module: nn.Module, name: str) -> Any:
+        """``module``'s parameter ``name`` as its local tensor (``None`` stays ``None``), differentiable."""
+        p = module._parameters[name]
+        if p is None:
+            return None
+        layout = self._entry(module).layouts.get(name)
+        return p if layout is None else local_parameter(p, layout)
+
+    def local_params(self, module: nn.Module, names: Sequence[str], drop: Sequence[str] = ()) -> dict[str, Any]:
+        """Swap ``names`` for their local tensors and set ``drop`` to ``None``; returns what to restore."""
+        params = module._parameters
+        saved = {n: params[n] for n in (*names, *drop)}
+        for n in names:
+            params[n] = self.param(module, n)
+        for n in drop:
+            params[n] = None
+        return saved
+
+    @staticmethod
+    def restore_params(module: nn.Module, saved: dict[str, Any]) -> None:
+        """Put back what :meth:`local_params` swapped."""
+        module._parameters.update(saved)
+
+    def lookup_rows(self, module: nn.Module) -> tuple[int, int, int | None]:
+        """A vocabulary-parallel lookup's ``(first row, rows, local padding_idx)`` on this rank."""
+        lk = self._entry(module).boundary.lookup
+        if lk is None:
+            raise TPLowerError(f"{type(module).__name__}: no masked_lookup was installed")
+        return lk.offset, lk.rows, lk.padding_idx
+
+    def compute(self, module: nn.Module) -> Callable[..., Any]:
+        """The module's plan-injected ``local_compute`` function, bound to the module."""
+        return self._entry(module).boundary.compute
+
+    def hooked(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Run ``module``'s boundary as :func:`tplower.parallelize` installed it (for what is not written out)."""
+        return self._entry(module).boundary(*args, **kwargs)
+
+    @staticmethod
+    def outputs(out: Any, need: int, where: str) -> list[Any]:
+        """The values ``forward`` returned, as a list (one tensor: ``[out]``).
+
+        Raises:
+            TPLowerError: fewer than ``need`` values.
+        """
+        items = list(out) if isinstance(out, tuple | list) else [out]
+        if len(items) < need:
+            raise TPLowerError(f"{where}: output index {need - 1} is declared but forward returned "
+                               f"{len(items)} value(s)")
+        return items
+
+    @staticmethod
+    def pack(out: Any, items: list[Any]) -> Any:
+        """``items`` in the container ``out`` came in (a tensor, tuple, list or named tuple)."""
+        if not isinstance(out, tuple | list):
+            return items[0]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)

@@ -1,0 +1,143 @@
+"""Hugging Face transformers plans as they ship: ``"auto"``, base-model prefixes, parameter-level keys.
+
+transformers (5.x) keeps a model's tensor-parallel plan in two places: the
+config's ``base_model_tp_plan`` (keys relative to the base model, e.g.
+``layers.*.mlp.up_proj``) and the model's own ``tp_plan``/``_tp_plan``
+(the base plan under ``base_model_prefix``, e.g. ``model.layers.*...``, plus
+the head: ``lm_head: colwise_gather_output``). Some keys name a parameter
+rather than a module (``layers.*.self_attn.sinks``): that parameter is
+placed, and its module's entry (``local_params``) runs on local tensors.
+
+:func:`resolve_model_plan` turns ``"auto"`` or a dict taken from either
+place into keys of the model's own module names; :func:`param_key_placement`
+gives the placement a style means for a single parameter, following
+transformers' ``shard_param`` rules.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..core.errors import TPLowerError
+from .plans import PlanValue, load_plan, match_plan
+
+__all__ = ["AUTO", "model_tp_plan", "param_key_placement", "resolve_model_plan"]
+
+#: the plan argument that means "the model's own plan"
+AUTO = "auto"
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own tensor-parallel plan: ``tp_plan`` / ``_tp_plan``, else the config's under the prefix.
+
+    Raises:
+        TPLowerError: the model carries no plan (not a transformers model,
+            or an architecture without ``base_model_tp_plan``).
+    """
+    plan: Any = None
+    for attr in ("tp_plan", "_tp_plan"):
+        try:
+            plan = getattr(model, attr, None)
+        except Exception:  # a property of a model that cannot build its plan: try the next source
+            plan = None
+        if plan:
+            break
+    if not plan:
+        config = getattr(model, "config", None)
+        base = getattr(config, "base_model_tp_plan", None)
+        if base:
+            plan = _under_prefix(dict(base), model) or dict(base)
+    if not plan:
+        raise TPLowerError(f"plan='auto': {type(model).__name__} has no tp_plan, _tp_plan or "
+                           "config.base_model_tp_plan; pass a plan mapping")
+    return {str(k): str(v) for k, v in plan.items()}
+
+
+def _names(model: nn.Module) -> list[str]:
+    modules = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    return list(dict.fromkeys([*modules, *params]))
+
+
+def _under_prefix(plan: Mapping[str, PlanValue], model: nn.Module) -> dict[str, PlanValue] | None:
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        return None
+    return {f"{prefix}.{k}" if k else prefix: v for k, v in plan.items()}
+
+
+def _matches_any(plan: Mapping[str, PlanValue], names: Iterable[str]) -> bool:
+    with warnings.catch_warnings():  # only a probe: no warnings for keys that match nothing
+        warnings.simplefilter("ignore")
+        try:
+            return bool(match_plan(plan, names))
+        except TPLowerError:
+            return False
+
+
+def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module) -> dict[str, PlanValue]:
+    """The plan keyed by ``model``'s own names.
+
+    Args:
+        plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`), a
+            mapping, or a YAML/JSON file path.
+        model: the model it is for.
+
+    Returns:
+        The checked plan; when no key matches the model but every key
+        matches under the model's ``base_model_prefix`` (a
+        ``config.base_model_tp_plan`` applied to a ``*ForCausalLM``), the
+        keys prefixed.
+
+    Raises:
+        TPLowerError: as :func:`tplower.nn.plans.load_plan`, or ``"auto"`` on a
+            model without a plan.
+    """
+    if isinstance(plan, str) and plan == AUTO:
+        return load_plan(model_tp_plan(model))
+    loaded = load_plan(plan)
+    names = _names(model)
+    if loaded and not _matches_any(loaded, names):
+        prefixed = _under_prefix(loaded, model)
+        if prefixed is not None and _matches_any(prefixed, names):
+            return prefixed
+    return loaded
+
+
+# transformers' shard_param rules, per style, for a key that names one parameter
+_COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
+_ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise")
+
+
+def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str) -> tuple[dict[str, str],
+                                                                                       dict[str, str] | None]:
+    """The placement (and partial-gradient placement) an HF style gives one parameter named by a plan key.
+
+    Colwise styles shard dim ``ndim - 2`` (dim 0 of a vector), rowwise
+    styles the last dim (a ``bias`` is replicated), ``embedding_rowwise``
+    rows and ``embedding_colwise`` columns, as transformers'
+    ``shard_param``; ``replicate`` keeps the whole value and
+    ``replicated_with_grad_allreduce`` also reduces its gradient.
+
+    Raises:
+        TPLowerError: a style that has no meaning for a single parameter.
+    """
+    if style in _COLWISE:
+        return {axis: f"S({max(ndim - 2, 0)})"}, None
+    if style in _ROWWISE:
+        return {axis: "R" if name == "bias" else "S(-1)"}, None
+    if style == "embedding_rowwise":
+        return {axis: "S(0)"}, None
+    if style == "embedding_colwise":
+        return {axis: "S(1)"}, None
+    if style == "replicate":
+        return {axis: "R"}, None
+    if style == "replicated_with_grad_allreduce":
+        return {axis: "R"}, {axis: "P(sum)"}
+    raise TPLowerError(f"{where}: style {style!r} on a parameter has no translation; a parameter key takes one of "
+                       f"{', '.join((*_COLWISE, *_ROWWISE, 'embedding_rowwise', 'embedding_colwise', 'replicate'))}")

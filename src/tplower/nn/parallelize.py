@@ -1,0 +1,567 @@
+"""Install a plan on an ``nn.Module``: shard parameters in place, lower each boundary once.
+
+:func:`parallelize` walks the model's modules, finds each one's plan entry
+(:func:`tplower.nn.plans.match_plan`), classifies its boundary
+(:func:`tplower.nn.boundaries.classify_boundary_form`) and then, per module:
+
+* replaces every declared parameter by an ``nn.Parameter`` holding a
+  DTensor of the plan's placements (``torch.chunk`` pieces in mesh-axis
+  order, as DTensor; no full copy stays), see :mod:`tplower.nn.params`;
+* divides ``local_attrs`` (local head counts of attention);
+* replaces ``forward`` on the instance (never the class or its source) with
+  a boundary that takes the parameters' local tensors (with the reduction a
+  partial parameter gradient needs in backward), moves the declared inputs,
+  runs the local compute, moves the declared outputs and adds a deferred
+  bias.
+
+Attention head counts: with colwise q/k/v each rank holds ``heads / tp``
+heads. A module that reshapes by a stored head count needs its entry to
+make it local, e.g. ``local_attrs: {num_attention_heads: divide,
+all_head_size: divide}`` on ``encoder.layer.*.attention.self`` for BERT of
+older transformers releases (its ``transpose_for_scores``); Llama and BERT
+of recent releases (checked on 5.24) reshape with ``-1`` heads and need none.
+
+Activations' sharded dims must divide evenly over their axes (the global
+shape is inferred as ``n * local``), unless the entry names the input or
+output in ``uneven``: then the ranks exchange their local sizes each call
+(:mod:`tplower.nn.uneven`) and the shards follow ``torch.chunk``. Under the debug
+check (``TPLOWER_DEBUG=1``) a lowered boundary runs
+:meth:`~tplower.MeshLowerer.checked`, so undeclared uneven sizes raise the same
+error on every rank naming the module, the input or output and the dim.
+Every sharded parameter dim must divide evenly.
+
+Run modes: a ``tp_collective`` or ``region`` boundary runs the bound
+programs of :class:`tplower.MeshLowerer` (direct collectives, no DTensor);
+a ``generic`` one runs DTensor's ``redistribute``. Install re-validates a
+lowerable boundary against the live mesh: every axis the plan names must be
+in it (else :class:`~tplower.TPLowerError`), and each moved axis must run on
+a backend tplower knows; where it does not, the boundary runs generic and a
+warning names the module and the reason. An axis whose process group orders
+its ranks unlike the mesh is lowered too: the lowerer puts pieces in
+mesh-coordinate order (DTensor there is wrong for uneven shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ..core import collectives as C
+from ..core.argcheck import check_mesh
+from ..core.errors import TPLowerError
+from ..core.placements import parse_placements, replicate_partials
+from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.transitions import global_shape_from_local
+from .boundaries import (
+    BoundaryForm,
+    BoundaryOp,
+    Placements,
+    classify_boundary_form,
+    deferred_bias_grad,
+    parse_spec,
+)
+from .hf_plans import param_key_placement, resolve_model_plan
+from .params import ParamLayout, check_plain_parameter, local_parameter, param_layout, shard_parameter
+from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
+from .uneven import exchanged_global_shape
+
+__all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
+
+_KINDS: tuple[tuple[type[nn.Module], str], ...] = ((nn.Linear, "linear"), (nn.Embedding, "embedding"))
+
+
+def _kind(module: nn.Module) -> str:
+    return next((k for t, k in _KINDS if isinstance(module, t)), "other")
+
+
+@dataclass(frozen=True)
+class _Move:
+    slot: int  # input: position (-1: keyword only); output: index
+    keyword: str | None
+    name: str
+    src: Placements
+    dst: Placements
+    grad: Placements
+    where: str  # for messages: module 'up', input '0'
+    uneven: bool  # named in the entry's ``uneven``: exchange local sizes each call
+
+
+_Mover = Callable[[torch.Tensor, MeshLowerer, _Move, tuple[int, ...] | None], torch.Tensor]
+
+
+def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
+    if lowerer.debug:
+        return lowerer.checked(t, mv.src, mv.dst, grad=mv.grad, global_shape=gshape, where=mv.where,
+                               hint=f"uneven shards: name {mv.name!r} in the entry's 'uneven' field")
+    return lowerer.program(mv.src, mv.dst, t.shape, t.device.type, grad=mv.grad, global_shape=gshape)(t)
+
+
+def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
+    src, dst, grad = (parse_placements(p, tensor_ndim=t.ndim) for p in (mv.src, mv.dst, mv.grad))
+    if gshape is None:
+        gshape = global_shape_from_local(t.shape, src, lowerer.shape)
+    return lowerer.dtensor_redistribute(t, src=src, dst=dst, grad=grad, gshape=gshape)
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """A vocabulary-parallel lookup: the ids input, this rank's first row, its row count, its padding row."""
+
+    slot: int
+    keyword: str | None
+    offset: int
+    rows: int
+    padding_idx: int | None
+
+
+@dataclass(frozen=True)
+class InstalledBoundary:
+    """What :func:`parallelize` installed on one module.
+
+    Attributes:
+        module: the module's qualified name.
+        form: the classified boundary.
+        mode: how it runs: ``lowered`` (direct collectives) or ``dtensor``.
+        reason: why a lowerable boundary runs ``dtensor``, or ``None``.
+        deferred_bias: the parameter added after the output transition, or ``None``.
+    """
+
+    module: str
+    form: BoundaryForm
+    mode: str
+    reason: str | None
+    deferred_bias: str | None
+
+
+class _Boundary:
+    """The instance ``forward``: local parameters in, move inputs, run local compute, move outputs, add the bias.
+
+    The module's DTensor parameters are swapped for their local tensors
+    (:func:`tplower.nn.params.local_parameter`) for the duration of the call
+    and put back afterwards, so the module's own code computes on local
+    tensors and wrappers (FSDP2) that replace the parameter objects between
+    calls are followed.
+    """
+
+    def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
+                 ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer,
+                 params: tuple[tuple[str, ParamLayout], ...] = (), lookup: _Lookup | None = None) -> None:
+        self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
+        self.lowerer, self.params, self.lookup = lowerer, params, lookup
+        #: ``partial_tail``: features at the end of the output whose gradient is partial, and the placements
+        #: (``R`` on every axis) and gradient placements (``P(sum)`` on the entry's axis) of that transition
+        self.tail = 0
+        self.tail_rep: Placements = ()
+        self.tail_grad: Placements = ()
+        self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
+
+    def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+        """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
+        lk = self.lookup
+        assert lk is not None
+        key = lk.keyword if lk.keyword is not None and lk.keyword in kwargs else None
+        ids = kwargs[key] if key is not None else args[lk.slot]
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"module {self.info.module!r}: the ids input is a {type(ids).__name__}, not a tensor")
+        local = ids - lk.offset
+        mine = (local >= 0) & (local < lk.rows)
+        local = local.masked_fill(~mine, 0)
+        if key is not None:
+            kwargs[key] = local
+        else:
+            args[lk.slot] = local
+        return mine
+
+    def _apply(self, value: Any, mv: _Move) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"module {self.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
+        gshape = exchanged_global_shape(value, mv.src, self.lowerer, mv.where) if mv.uneven else None
+        return self.move(value, self.lowerer, mv, gshape)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args_l = list(args)
+        for mv in self.ins:
+            if mv.keyword is not None and mv.keyword in kwargs:
+                kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
+            elif 0 <= mv.slot < len(args_l):
+                args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
+        mine = self._mask_ids(args_l, kwargs) if self.lookup is not None else None
+        params = self.owner._parameters
+        saved = {name: params[name] for name, _ in self.params}
+        bias_name = self.info.deferred_bias
+        pad = getattr(self.owner, "padding_idx", None) if self.lookup is not None else None
+        try:
+            for name, layout in self.params:
+                p = saved[name]
+                if p is not None:
+                    params[name] = local_parameter(p, layout)  # type: ignore[assignment]
+            bias = None
+            if bias_name is not None:
+                bias, params[bias_name] = params[bias_name], None
+            if self.lookup is not None:
+                self.owner.__dict__["padding_idx"] = self.lookup.padding_idx
+            out = self.compute(*args_l, **kwargs)
+        finally:
+            params.update(saved)
+            if self.lookup is not None:
+                self.owner.__dict__["padding_idx"] = pad
+        if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
+            out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        return self._outputs(out, bias)
+
+    def _reduce_tail_grad(self, out: torch.Tensor) -> torch.Tensor:
+        """The last ``tail`` features pass forward unchanged; their gradient is all-reduced in backward."""
+        head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
+        tail = self.lowerer.program(self.tail_rep, self.tail_rep, tail.shape, tail.device.type,
+                                    grad=self.tail_grad)(tail)
+        return torch.cat([head, tail], dim=-1)
+
+    def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
+        is_seq = isinstance(out, tuple | list)
+        items = list(out) if is_seq else [out]
+        for mv in self.outs:
+            if mv.slot >= len(items):
+                raise TPLowerError(f"module {self.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
+                                   f"returned {len(items)} value(s)")
+            items[mv.slot] = self._apply(items[mv.slot], mv)
+        if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
+            items[0] = items[0] + bias.to(items[0].dtype)
+        if self.tail:
+            items[0] = self._reduce_tail_grad(items[0])
+        if not is_seq:
+            return items[0]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+               inspect.Parameter.VAR_POSITIONAL)
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _input_slot(name: str, fwd: Callable[..., Any], where: str) -> tuple[int, str | None]:
+    """Where input ``name`` (a ``forward`` parameter name or a position) arrives: (position or -1, keyword)."""
+    sig = list(inspect.signature(fwd).parameters.values())
+    named = [p for p in sig if p.kind != p.VAR_KEYWORD]
+    if name.isdigit():
+        p = named[int(name)] if int(name) < len(named) else None
+    else:
+        p = next((q for q in named if q.name == name), None)
+    if p is None and (name.isdigit() or len(named) == len(sig)):  # no **kwargs to catch the name
+        raise TPLowerError(f"{where}: forward has no input {name!r}; it has {[q.name for q in named]} "
+                           "(or positions '0', '1', ...)")
+    pos = named.index(p) if p is not None and p.kind in _POSITIONAL else -1
+    return pos, name if p is None else (p.name if p.kind in _KEYWORD else None)
+
+
+def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str,
+                 uneven: tuple[str, ...] = ()) -> tuple[_Move, ...]:
+    return tuple(_Move(*_input_slot(op.name, fwd, f"plan[{module!r}].in"), op.name, op.src, op.dst, op.grad,
+                       f"module {module!r}, input {op.name!r}", op.name in uneven)
+                 for op in ops if not op.identity)
+
+
+def _lookup(module: nn.Module, entry: BoundaryEntry, layouts: Mapping[str, ParamLayout], fwd: Callable[..., Any],
+            qual: str) -> _Lookup | None:
+    if entry.masked_lookup is None:
+        return None
+    where = f"plan[{qual!r}].masked_lookup"
+    layout = layouts.get("weight")
+    sharded = [i for i, q in enumerate(layout.placements) if isinstance(q, Shard)] if layout else []
+    if layout is None or len(sharded) != 1 or layout.placements[sharded[0]] != Shard(0):
+        raise TPLowerError(f"{where}: needs a 'weight' parameter sharded S(0) on one axis (its rows)")
+    p = module._parameters["weight"]
+    assert p is not None
+    n, c = layout.mesh.size(sharded[0]), layout.mesh.get_coordinate()
+    assert c is not None
+    rows = p.shape[0] // n
+    offset = c[sharded[0]] * rows
+    pad = getattr(module, "padding_idx", None)
+    local_pad = pad - offset if isinstance(pad, int) and 0 <= pad - offset < rows else None
+    return _Lookup(*_input_slot(entry.masked_lookup, fwd, where), offset, rows, local_pad)
+
+
+def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str) -> tuple[_Move, ...]:
+    moves = []
+    for op in ops:
+        if op.identity:
+            continue
+        if op.name == "out" or op.name.isdigit():
+            idx = 0 if op.name == "out" else int(op.name)
+        elif entry.out_names is not None and op.name in entry.out_names:
+            idx = entry.out_names.index(op.name)
+        else:
+            raise TPLowerError(f"plan[{module!r}].out: output {op.name!r} is not 'out', a position or one of "
+                               f"out_names={entry.out_names}")
+        moves.append(_Move(idx, None, op.name, op.src, op.dst, op.grad, f"module {module!r}, output {op.name!r}",
+                           op.name in entry.uneven))
+    return tuple(moves)
+
+
+def _param_specs(module: nn.Module, specs: Mapping[str, Any], field: str, qual: str) -> dict[str, Any]:
+    own = dict(module.named_parameters(recurse=False))
+    out: dict[str, Any] = {}
+    for name, spec in specs.items():
+        if name == "*":
+            out.update({n: spec for n in own if n not in specs})
+        elif name in own:
+            out[name] = spec
+        elif name not in module._parameters:  # a declared but absent bias (None) is fine
+            raise TPLowerError(f"plan[{qual!r}].{field}: module has no parameter {name!r}; it has {list(own)}")
+    return out
+
+
+def _param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, Any], lowerer: MeshLowerer,
+                   axis: str, qual: str) -> dict[str, ParamLayout]:
+    """Each placed parameter's layout; a parameter named only in ``grads`` is replicated."""
+    places = _param_specs(module, entry.params, "params", qual)
+    grad_specs = _param_specs(module, grads, "param_grads", qual)
+    out: dict[str, ParamLayout] = {}
+    for name in dict.fromkeys([*places, *grad_specs]):
+        p = module._parameters[name]
+        assert p is not None
+        where = f"plan[{qual!r}].params[{name!r}]"
+        ps = parse_spec(places.get(name, {}), lowerer.names, (axis,), where, tensor_ndim=p.ndim)
+        if any(isinstance(q, Partial) for q in ps):
+            raise TPLowerError(f"{where}: a parameter cannot be Partial; use R or S(d)")
+        g = None
+        if name in grad_specs:
+            g = parse_spec(grad_specs[name], lowerer.names, (axis,), f"plan[{qual!r}].param_grads[{name!r}]",
+                           tensor_ndim=p.ndim)
+            g = None if g == replicate_partials(g) else g
+        packed = entry.packed.get(name, 1)
+        if packed > 1 and not any(isinstance(q, Shard) for q in ps):
+            raise TPLowerError(f"plan[{qual!r}].packed[{name!r}]: a packed parameter must be sharded (S(d))")
+        out[name] = param_layout(lowerer.mesh, ps, g, axis, packed)
+    return out
+
+
+def _shard_params(module: nn.Module, layouts: Mapping[str, ParamLayout], qual: str,
+                  seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]]) -> None:
+    for name, layout in layouts.items():
+        p = module._parameters[name]
+        assert p is not None
+        where = f"plan[{qual!r}].params[{name!r}]"
+        if id(p) in seen:  # a shared (tied) parameter met again
+            first, new, _ = seen[id(p)]
+            if (first.mesh, first.placements) != (layout.mesh, layout.placements):
+                raise TPLowerError(f"{where}: a shared parameter gets two placements")
+            module._parameters[name] = new
+            continue
+        check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
+        new = shard_parameter(p, layout, where)
+        module._parameters[name] = new
+        seen[id(p)] = (layout, new, p)  # the old object stays referenced, so its id is not reused
+
+
+def _localize_attrs(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str) -> None:
+    n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
+    for attr in entry.local_attrs:  # the only rule is "divide"
+        value = getattr(module, attr, None)
+        if not isinstance(value, int) or value % n:
+            raise TPLowerError(f"plan[{qual!r}].local_attrs[{attr!r}]: {value!r} is not an integer that divides "
+                               f"over {n} ranks of axis {axis!r}")
+        setattr(module, attr, value // n)
+
+
+def _deferred_bias(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm, qual: str) -> str | None:
+    name = entry.deferred_bias
+    partial_out = [o for o in form.outputs if any(isinstance(p, Partial) for p in o.src)]
+    if name is None and partial_out and module._parameters.get("bias") is not None:
+        if any(isinstance(p, Partial) for o in partial_out for p in o.dst):
+            raise TPLowerError(f"module {qual!r}: its output stays Partial, so its bias would be added on every "
+                               "rank; use a style that reduces the output (rowwise) or a module without bias")
+        name = "bias"
+    return name if name is not None and module._parameters.get(name) is not None else None
+
+
+def _live_reason(lowerer: MeshLowerer, form: BoundaryForm) -> str | None:
+    for op in form.inputs + form.outputs:
+        for i in sorted(set(_axes_moved(op))):
+            backend = C.backend_for_device(str(dist.get_backend(lowerer.groups[i])), lowerer.mesh.device_type)
+            if not C.backend_caps(backend).all_to_all:  # the safe minimum: a backend tplower does not know
+                return f"axis {lowerer.names[i]!r}: backend {backend!r} is unknown to tplower"
+    return None
+
+
+def _axes_moved(op: BoundaryOp) -> list[int]:
+    home = replicate_partials(op.src)
+    return [i for i in range(len(op.src)) if op.src[i] != op.dst[i] or op.grad[i] != home[i]]
+
+
+def _load_compute(module: nn.Module, path: str, qual: str) -> Callable[..., Any]:
+    mod_name, _, fn_name = path.replace(":", ".").rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise TPLowerError(f"plan[{qual!r}].local_compute: {path!r} cannot be imported: {exc}") from None
+    return functools.partial(fn, module)
+
+
+def _tail_size(value: int | str, config: Any, qual: str) -> int:
+    if isinstance(value, int):
+        return value
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, value, None)
+    if not isinstance(size, int) or size <= 0:
+        raise TPLowerError(f"plan[{qual!r}].partial_tail: the model's config has no positive integer {value!r}")
+    return size
+
+
+def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str,
+             seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]], config: Any = None
+             ) -> InstalledBoundary | None:
+    form = classify_boundary_form(entry, lowerer.names, axes=(axis,), module=qual)
+    declared = [op.name for op in form.inputs + form.outputs]
+    if unknown := [n for n in entry.uneven if n not in declared]:
+        raise TPLowerError(f"plan[{qual!r}].uneven: {unknown} name no declared input or output; the entry "
+                           f"declares {declared}")
+    for name, p in module.named_parameters(recurse=False):
+        check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
+    bias = _deferred_bias(module, entry, form, qual)
+    grads: dict[str, Any] = dict(entry.param_grads)
+    if bias is not None and bias not in grads:
+        grads[bias] = deferred_bias_grad(form)
+    layouts = _param_layouts(module, entry, grads, lowerer, axis, qual)
+    _shard_params(module, layouts, qual, seen)
+    _localize_attrs(module, entry, lowerer, axis, qual)
+    if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None:
+        return None
+    reason = _live_reason(lowerer, form) if form.form in ("tp_collective", "region") else None
+    if reason is not None:
+        warnings.warn(f"tplower: module {qual!r} runs its boundary on DTensor: {reason}", stacklevel=3)
+    mode = "lowered" if form.form in ("tp_collective", "region", "identity") and reason is None else "dtensor"
+    info = InstalledBoundary(qual, form, mode, reason, bias)
+    orig = module.forward
+    compute = _load_compute(module, entry.local_compute, qual) if entry.local_compute else orig
+    ins = _input_moves(form.inputs, orig, qual, entry.uneven)
+    boundary = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
+                         tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
+    if entry.partial_tail is not None:
+        boundary.tail = _tail_size(entry.partial_tail, config, qual)
+        boundary.tail_rep = tuple(Replicate() for _ in lowerer.names)
+        boundary.tail_grad = tuple(Partial() if n == axis else Replicate() for n in lowerer.names)
+    module.forward = boundary
+    return info if form.form != "identity" or bias is not None else None
+
+
+def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.Module, axis: str,
+                where: str) -> BoundaryEntry:
+    if not isinstance(value, str):
+        raise TPLowerError(f"plan[{where!r}]: a key naming a parameter takes an HF style string, not {value!r}")
+    p = module._parameters[pname]
+    assert p is not None
+    place, grad = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
+    return dataclasses.replace(entry, params={**entry.params, pname: place},
+                               param_grads={**entry.param_grads, **({pname: grad} if grad else {})})
+
+
+def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
+    """What :func:`parallelize` installed on ``module`` (``None`` when its boundary is a plain identity).
+
+    A module running a generated forward (:func:`tplower.nn.codegen.install`) reports the boundary it replaced.
+    """
+    fwd = module.__dict__.get("forward")
+    if not isinstance(fwd, _Boundary):
+        fwd = module.__dict__.get(REPLACED)
+    return fwd.info if isinstance(fwd, _Boundary) else None
+
+
+#: the attribute where :func:`tplower.nn.codegen.install` keeps the boundary a generated forward replaced
+REPLACED = "_tplower_boundary"
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
+                axis: str = "tp") -> nn.Module:
+    """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
+
+    Args:
+        model: the full model (every parameter holds its full value; each
+            rank must hold the same values).
+        mesh: the device mesh; this rank must be in it.
+        plan: ``{module name or glob: HF style or entry}``, a path to a
+            YAML/JSON file of the same (see :mod:`tplower.nn.plans`), or
+            ``"auto"``: a transformers model's own plan (see
+            :mod:`tplower.nn.hf_plans`; a ``config.base_model_tp_plan`` given
+            for a model with a ``base_model_prefix`` is put under it). A key
+            may also name a parameter (``layers.*.self_attn.sinks``): it is
+            placed as the style places a parameter.
+        axis: the tensor-parallel mesh axis HF styles shard on.
+
+    Returns:
+        ``model`` itself. Every parameter the plan places is an
+        ``nn.Parameter`` holding a DTensor with the plan's placements and
+        the global shape (on ``mesh[axis]`` when it is placed on ``axis``
+        alone, as ``parallelize_module(model, mesh[axis], ...)`` makes it;
+        see :mod:`tplower.nn.params`), so ``state_dict``, DCP,
+        ``clip_grad_norm_``, optimizers and FSDP2 treat it as they treat
+        ``parallelize_module``'s; its ``.grad`` is a DTensor of the same
+        placements, reduced over the axis where the local gradient is
+        partial. Matched modules run their boundaries on local tensors:
+        inputs the plan declares take local tensors (``None`` passes
+        through), outputs are local tensors, and activations move only
+        through tplower's collectives.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
+            ``DeviceMesh`` or ``axis`` not a string (before any collective).
+        TPLowerError: a plan error (naming the module, field and value), a
+            module already parallelized, a parameter that is already a
+            DTensor (e.g. from ``parallelize_module``), a parameter dim that
+            does not divide over its axis, a bias that a partial output
+            would add per rank, or an ``uneven`` name that is no declared
+            input or output. At call time (raised by the model's forward):
+            under the debug check, on every rank alike when the ranks'
+            boundary moves disagree (undeclared uneven local sizes: the
+            message names the module, the input or output and the dim);
+            for an ``uneven`` tensor, local sizes that are not
+            ``torch.chunk`` pieces.
+
+    Warns:
+        UserWarning: per module whose boundary runs on DTensor because the
+        live mesh runs a moved axis on a backend tplower does not know.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_mesh(mesh, "mesh", "parallelize")
+    if not isinstance(axis, str):
+        raise TypeError(f"parallelize: axis must be a mesh axis name (str), got {type(axis).__name__}")
+    plan = resolve_model_plan(plan, model)
+    lowerer = mesh_lowerer(mesh)
+    if axis not in lowerer.names:
+        warnings.warn(f"tplower: mesh axes {lowerer.names} have no {axis!r}; HF styles shard nothing", stacklevel=2)
+    modules = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in modules]
+    matched = match_plan(plan, [*modules, *params])
+    entries = {qual: resolve_entry(plan[key], key, kind=_kind(modules[qual]), axis=axis)
+               for qual, key in matched.items() if qual in modules}
+    for name, key in matched.items():  # keys that name a parameter: place it within its module's entry
+        if name not in modules:
+            owner, _, pname = name.rpartition(".")
+            entries[owner] = _with_param(entries.get(owner, BoundaryEntry()), pname, plan[key], modules[owner],
+                                         axis, name)
+    seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]] = {}
+    for qual in (q for q in modules if q in entries):
+        module = modules[qual]
+        if isinstance(module.__dict__.get("forward"), _Boundary) or REPLACED in module.__dict__:
+            raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
+        _install(module, qual, entries[qual], lowerer, axis, seen, getattr(model, "config", None))
+    for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in seen:
+                module._parameters[name] = seen[id(p)][1]
+    return model
