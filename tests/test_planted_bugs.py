@@ -30,6 +30,7 @@ import tplower.core.collectives as C
 import tplower.core.redistribute as R
 from tplower import TPExecutionOp, TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
 from tplower.conformance import Case, check_cases
+from tplower.core import debug_path
 from tplower.core.agreement import check_agreement
 from tplower.core.transitions import chunk_size_and_offset, local_shape
 from tplower.testing import RankFailure, run_processes, run_threaded
@@ -131,7 +132,7 @@ def test_check_false_wins_over_tplower_debug(monkeypatch: pytest.MonkeyPatch, ch
         check_agreement(*args, **kwargs)
 
     monkeypatch.setenv("TPLOWER_DEBUG", "1")  # read when each run's new mesh gets its lowerer
-    monkeypatch.setattr(R, "check_agreement", counting)
+    monkeypatch.setattr(debug_path, "check_agreement", counting)
     assert run_threaded(2, _env_debug_body, check) == [True, True]
     assert len(calls) == exchanges
 

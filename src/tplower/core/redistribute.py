@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,14 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives as C
-from .agreement import check_agreement, debug_enabled
+from . import debug_path
+from .agreement import debug_enabled
 from .argcheck import check_bool, check_local_tensor, check_mesh, check_shape
+from .binding import bind_step
 from .cache import CacheInfo, LRUCache
+from .debug_path import name_type_error
 from .errors import TPLowerError
+from .mesh_facts import axis_order, mesh_facts
 from .placements import (
     REDUCE_OPS,
     PlacementsLike,
@@ -37,57 +41,11 @@ from .placements import (
     parse_placements,
     replicate_partials,
 )
-from .transitions import Step, TransitionPlan, global_shape_from_local, plan_transition
+from .transitions import TransitionPlan, global_shape_from_local, plan_transition
 
 __all__ = ["MeshLowerer", "Program", "bind_step", "mesh_lowerer", "redistribute_local"]
 
 log = logging.getLogger("tplower")
-
-
-def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
-              force_all_reduce_shard: bool = False, order: tuple[int, ...] | None = None) -> C.BoundStep:
-    """The collective function that carries ``step`` on ``group``, arguments bound.
-
-    The remap for a backend without a native collective is chosen here,
-    once, from ``caps``: ``reduce_scatter`` becomes ``all_reduce`` + chunk,
-    ``all_to_all`` becomes ``all_gather`` + chunk, ``avg`` becomes sum + divide.
-    ``order[c]`` is the group rank of mesh coordinate ``c`` when the group
-    orders its ranks unlike the mesh (``None`` when they agree). ``group``
-    may be ``None`` only for steps that do not communicate.
-    """
-    n, r, ls, d = step.group_size, step.rank, step.logical_shape, step.tensor_dim
-    op = step.reduce_op or "sum"
-    kind = step.kind
-    if kind == "chunk":
-        assert d is not None
-        return functools.partial(C.chunk, n=n, rank=r, dim=d)
-    if kind == "partition":
-        return functools.partial(C.partition, n=n, op=op)
-    if kind == "zero_fill":
-        assert d is not None
-        return functools.partial(C.zero_fill, n=n, rank=r, dim=d, size=ls[d], op=op)
-    assert group is not None, f"step {step} needs a process group"
-    native_avg = "avg" in caps.all_reduce_ops
-    if kind == "all_gather":
-        assert d is not None
-        return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d], order=order)
-    if kind == "all_reduce":
-        return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops)
-    if kind == "reduce_scatter":
-        assert d is not None
-        if not force_all_reduce_shard and op in caps.reduce_scatter_ops:
-            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, order=order)
-        if not force_all_reduce_shard and op == "avg" and "sum" in caps.reduce_scatter_ops:
-            return functools.partial(C.reduce_scatter, group=group, n=n, rank=r, dim=d, op=op, native_avg=False,
-                                     order=order)
-        return functools.partial(C.all_reduce_chunk, group=group, n=n, rank=r, dim=d, op=op, native_avg=native_avg)
-    if kind == "all_to_all":
-        j = step.dst_dim
-        assert d is not None and j is not None
-        fn = C.all_to_all if caps.all_to_all else C.all_to_all_via_gather
-        return functools.partial(fn, group=group, n=n, rank=r, src_dim=d, dst_dim=j, src_size=ls[d], dst_size=ls[j],
-                                 order=order)
-    raise AssertionError(f"unknown step kind {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -127,48 +85,6 @@ def _key(spec: Any) -> Hashable:
     return tuple(spec)
 
 
-def _name_type_error(names: Sequence[str], src: Any, dst: Any, grad: Any, global_shape: Any) -> None:
-    """After a ``TypeError`` while building a program: raise it again naming the argument that caused it."""
-    parse_placements(src, names, arg="src")
-    parse_placements(dst, names, arg="dst")
-    if grad is not None:
-        parse_placements(grad, names, arg="grad")
-    if global_shape is not None:
-        check_shape(global_shape, "global_shape", "redistribute_local")
-
-
-def _describe(spec: PlacementsLike, names: Sequence[str]) -> str:
-    try:
-        return format_placements(parse_placements(spec, names))
-    except (TPLowerError, TypeError):
-        return repr(spec)
-
-
-_MeshFacts = tuple[tuple[int, ...] | None, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
-
-
-def _read_mesh_facts(mesh: DeviceMesh) -> _MeshFacts:
-    """This rank's coordinate, and per axis the ranks along it in mesh order and in its group's order.
-
-    Read from the mesh's rank tensor and the process groups: under
-    ``torch.compile`` this runs once, eagerly, and its result is a constant
-    of the graph (reading a mesh tensor inside a graph would break it).
-    """
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return None, (), ()
-    along = []
-    for axis in range(mesh.ndim):
-        index: list[int | slice] = list(coord)
-        index[axis] = slice(None)
-        along.append(tuple(int(r) for r in mesh.mesh[tuple(index)].tolist()))
-    groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(i))) for i in range(mesh.ndim))
-    return tuple(coord), tuple(along), groups
-
-
-_mesh_facts: Callable[[DeviceMesh], _MeshFacts] = torch.compiler.assume_constant_result(_read_mesh_facts)
-
-
 class MeshLowerer:
     """Lowers transitions on one ``DeviceMesh`` for this rank; owns the plan cache.
 
@@ -189,7 +105,7 @@ class MeshLowerer:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         check_mesh(mesh, "mesh", "MeshLowerer")
-        coord, mesh_ranks, group_ranks = _mesh_facts(mesh)
+        coord, mesh_ranks, group_ranks = mesh_facts(mesh)
         if coord is None:
             raise TPLowerError(f"mesh={mesh!r}: this rank ({dist.get_rank()}) is not part of the mesh")
         # Held weakly: the module-level map of lowerers must not keep meshes (and, through DTensor's
@@ -221,12 +137,7 @@ class MeshLowerer:
         return mesh
 
     def _axis_order(self, axis: int, mesh_ranks: list[int], group_ranks: list[int]) -> tuple[int, ...] | None:
-        if sorted(mesh_ranks) != sorted(group_ranks):
-            raise TPLowerError(f"mesh axis {self.names[axis]!r} holds ranks {mesh_ranks} but its process group "
-                               f"holds {group_ranks}")
-        if mesh_ranks == group_ranks:
-            return None
-        return tuple(group_ranks.index(r) for r in mesh_ranks)
+        return axis_order(self.names[axis], mesh_ranks, group_ranks)
 
     def parse(self, spec: PlacementsLike, tensor_ndim: int, arg: str) -> tuple[Placement, ...]:
         """Placements of this mesh from any accepted form, shard dims normalised."""
@@ -313,54 +224,8 @@ class MeshLowerer:
     def checked(self, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
                 grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
                 where: str | None = None, hint: str | None = None) -> torch.Tensor:
-        """:func:`redistribute_local` after the debug check (:mod:`tplower.core.agreement`); collective.
-
-        ``where`` (what is moved, e.g. ``module 'up', input '0'``) starts the
-        error message; ``hint`` says how to fix local sizes that differ
-        (default: pass ``global_shape=``).
-
-        Raises:
-            TPLowerError: on every rank alike when the ranks' calls disagree
-                or any rank's call is invalid; it is also a ``TypeError``
-                (:class:`~tplower.core.errors.TPLowerTypeError`) when a rank's
-                call had an argument of the wrong type (``local`` a list, a
-                NumPy array, ``None`` or a DTensor).
-        """
-        prog, error, type_error = None, None, False
-        is_tensor = isinstance(local, torch.Tensor) and not isinstance(local, DTensor)
-        gshape: Any = global_shape
-        try:
-            local = check_local_tensor(local, "local", "redistribute_local")
-            if global_shape is not None:
-                gshape = check_shape(global_shape, "global_shape", "redistribute_local")
-            try:
-                prog = self.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
-            except TypeError:
-                _name_type_error(self.names, src, dst, grad, global_shape)
-                raise
-            if global_shape is None:  # the program's own shape has 1 for dims no placement shards (its cache key)
-                gshape = global_shape_from_local(local.shape, self.parse(src, local.ndim, "src"), self.shape)
-        except (TPLowerError, TypeError, ValueError) as exc:
-            error, type_error = f"{type(exc).__name__}: {exc}", isinstance(exc, TypeError)
-        record = {"rank": dist.get_rank(), "src": _describe(src, self.names), "dst": _describe(dst, self.names),
-                  "grad": None if grad is None else _describe(grad, self.names),
-                  "dtype": str(local.dtype) if is_tensor else type(local).__name__,
-                  "device": local.device.type if is_tensor else self.mesh.device_type, "error": error,
-                  "type_error": type_error, "global_shape": gshape,
-                  "local_shape": tuple(local.shape) if is_tensor else None}
-        check_agreement(record, self._debug_group(), local.device if is_tensor else self.mesh.device_type,
-                        where=where, **({} if hint is None else {"hint": hint}))
-        assert prog is not None  # check_agreement raised otherwise
-        return prog(local)
-
-    def _debug_group(self) -> ProcessGroup | None:
-        if self.mesh.mesh.numel() == dist.get_world_size():
-            return None
-        if self.mesh.ndim == 1:
-            return self.groups[0]
-        if self._flat_group is None:
-            self._flat_group = self.mesh._flatten().get_group()
-        return self._flat_group
+        """:func:`redistribute_local` after the debug check: :func:`tplower.core.debug_path.checked`; collective."""
+        return debug_path.checked(self, local, src, dst, grad=grad, global_shape=global_shape, where=where, hint=hint)
 
     def _fallback_reason(self, src: Sequence[Placement], dst: Sequence[Placement],
                          grad: Sequence[Placement]) -> str | None:
@@ -476,6 +341,6 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     try:
         prog = lowerer.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
     except TypeError:  # e.g. an unhashable spec fails in the cache lookup: name the argument instead
-        _name_type_error(lowerer.names, src, dst, grad, global_shape)
+        name_type_error(lowerer.names, src, dst, grad, global_shape)
         raise
     return prog(local)
