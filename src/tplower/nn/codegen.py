@@ -35,16 +35,12 @@ from __future__ import annotations
 
 import ast
 import copy
-import dataclasses
-import functools
 import hashlib
 import inspect
 import itertools
 import json
 import pprint
-import re
 import sys
-import textwrap
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -60,19 +56,15 @@ from ..core.argcheck import check_mesh
 from ..core.errors import TPLowerError
 from ..core.placements import format_placements
 from ..core.redistribute import mesh_lowerer
-from .codegen_ops import GeneratedOps, operator_name
-from .codegen_text import move_comment
+from .boundary_runtime import REPLACED, _Boundary
+from .codegen_ops import GeneratedOps
+from .codegen_writer import Writer, fn_name, quote
 from .hf_plans import resolve_model_plan
-from .parallelize import REPLACED, _Boundary, _Move, parallelize
+from .parallelize import parallelize
 from .params import check_plain_parameter
 from .plans import PlanValue
 
 __all__ = ["GeneratedOps", "emit", "install"]
-
-#: names the generated code uses for its own values; a forward whose signature uses one is not written out
-_RESERVED = frozenset({"ops", "torch", "tplower", "type", "self", "out", "outs", "saved", "weight", "bias", "head",
-                       "tail", "mine", "ids", "first", "rows", "padding_idx"})
-
 
 def _meta_copy(model: nn.Module, func: str) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (no weights copied).
@@ -131,222 +123,6 @@ def _mesh_axes(mesh: DeviceMesh) -> list[list[Any]]:
     return [[name, size] for name, size in zip(lowerer.names, lowerer.shape, strict=True)]
 
 
-def _literal(value: Any) -> str | None:
-    text = repr(value)
-    try:
-        back = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return None
-    return text if type(back) is type(value) and back == value else None
-
-
-class _Signature:
-    """A forward's parameters as definition text and as call text (annotations dropped)."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        params = list(inspect.signature(fn).parameters.values())[1:]  # drop self
-        self.names = [p.name for p in params]
-        self.params = params
-        self.problem: str | None = None
-        defs: list[str] = []
-        call: list[str] = []
-        star = False
-        for i, p in enumerate(params):
-            text = p.name
-            if p.default is not p.empty:
-                lit = _literal(p.default)
-                if lit is None:
-                    self.problem = f"the default of {p.name!r} is not a literal"
-                text += f"={lit}"
-            if p.kind == p.VAR_POSITIONAL:
-                text, star = f"*{p.name}", True
-                call.append(text)
-            elif p.kind == p.VAR_KEYWORD:
-                text = f"**{p.name}"
-                call.append(text)
-            elif p.kind == p.KEYWORD_ONLY:
-                if not star:
-                    defs.append("*")
-                    star = True
-                call.append(f"{p.name}={p.name}")
-            else:
-                call.append(p.name)
-            defs.append(text)
-            if p.kind == p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind != p.POSITIONAL_ONLY):
-                defs.append("/")
-        self.defs, self.call = ", ".join(["self", *defs]), ", ".join(call)
-        if clash := sorted(_RESERVED.intersection(self.names)):
-            self.problem = f"its forward has parameters named {clash}, which the generated code uses"
-
-
-def _fn_name(qual: str, taken: set[str]) -> str:
-    base = "forward_" + (re.sub(r"\W", "_", qual) or "root")
-    name, k = base, 2
-    while name in taken:
-        name, k = f"{base}_{k}", k + 1
-    taken.add(name)
-    return name
-
-
-def _q(text: str) -> str:
-    """``text`` as a double-quoted Python string literal."""
-    return json.dumps(text)
-
-
-def _wrap(indent: str, head: str, args: list[str]) -> list[str]:
-    """``head(args)`` on one line when it fits in 120 columns, else arguments on continuation lines."""
-    one = f"{indent}{head}({', '.join(args)})"
-    if len(one) <= 120:
-        return [one]
-    inner, lines = indent + "    ", [f"{indent}{head}("]
-    line = ""
-    for a in args:  # fill each continuation line up to 120 columns
-        if line and len(inner) + len(line) + len(a) + 2 > 120:
-            lines.append(f"{inner}{line.rstrip()}")
-            line = ""
-        line += f"{a}, "
-    return [*lines, f"{inner}{line.rstrip(', ')},", f"{indent})"]
-
-
-def _call(var: str, mv: _Move, mode: str, n: Mapping[str, int], indent: str) -> list[str]:
-    """The comment lines and the operator call that move ``var`` by ``mv``."""
-    op = "dtensor" if mode == "dtensor" else operator_name(mv.src, mv.dst)
-    args = [var, _q(format_placements(mv.src)), _q(format_placements(mv.dst)), f"grad={_q(format_placements(mv.grad))}",
-            f"where={_q(mv.where)}"] + (["uneven=True"] if mv.uneven else [])
-    label = mv.name if not (mv.name.isdigit() or mv.name == "out") or var.startswith("outs[") else var
-    lines = [f"{indent}# {c}" for c in move_comment(dataclasses.replace(mv, name=label), n)]
-    return [*lines, *_wrap(indent, f"{var} = ops.{op}", args)]
-
-
-class _Writer:
-    """One module's generated forward."""
-
-    def __init__(self, qual: str, module: nn.Module, b: _Boundary, n: Mapping[str, int], original: nn.Module) -> None:
-        self.qual, self.module, self.b, self.n = qual, module, b, n
-        self.sig = _Signature(type(module).forward)
-        self.reason = self.sig.problem
-        if "forward" in original.__dict__:
-            self.reason = "it has an instance forward of its own"
-        elif b.lookup is not None and type(module) is not nn.Embedding:
-            self.reason = "its masked_lookup is written out for nn.Embedding only"
-        # nn.Linear and nn.Embedding are written out unless the plan injects their local compute
-        self.direct = type(module) in (nn.Linear, nn.Embedding) and not isinstance(b.compute, functools.partial)
-        if self.direct and any(mv.slot > 0 for mv in b.outs):
-            self.reason = f"{type(module).__name__} returns one tensor but the plan moves output {b.outs[0].slot}"
-        for mv in b.ins:
-            p = self.sig.params[mv.slot] if 0 <= mv.slot < len(self.sig.params) else None
-            if p is None and mv.keyword in self.sig.names:
-                p = self.sig.params[self.sig.names.index(mv.keyword)]
-            if p is not None and p.kind == p.VAR_POSITIONAL:
-                self.reason = f"input {mv.name!r} it moves arrives in *{p.name}"
-            elif p is not None and p.default is not p.empty and p.default is not None:
-                self.reason = (f"input {mv.name!r} it moves has a default ({p.default!r}) that is not a tensor, "
-                               "and only a call shows whether it was given")
-
-    def _header(self, name: str) -> list[str]:
-        info = self.b.info
-        why = f", {info.reason}" if info.reason else ""
-        doc = f"{self.qual or '(root)'} ({type(self.module).__name__}): {info.form.form} boundary, {info.mode}{why}."
-        doc = doc.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')  # a module name is any string
-        return [f"def {name}({self.sig.defs}):", f'    """{doc}"""']
-
-    def lines(self, name: str) -> list[str]:
-        if self.reason is not None:  # the boundary's own calling convention: every argument passes as given
-            self.sig.defs = "self, *args, **kwargs"
-            note = textwrap.wrap(f"not written out: {self.reason}; the installed boundary runs it", 110)
-            return [*self._header(name), *(f"    # {line}" for line in note),
-                    "    return ops.hooked(self, *args, **kwargs)"]
-        out = self._header(name)
-        out += self._inputs()
-        out += self._compute()
-        out += self._outputs()
-        return out
-
-    def _inputs(self) -> list[str]:
-        lines: list[str] = []
-        for mv in self.b.ins:
-            if mv.slot >= 0 or mv.keyword in self.sig.names:
-                var = mv.keyword if mv.keyword in self.sig.names else self.sig.names[mv.slot]
-                lines += _call(var, mv, self.b.info.mode, self.n, "    ")
-            else:  # arrives in **kwargs
-                kw = self.sig.names[-1]
-                key = _q(mv.keyword or mv.name)
-                lines += [f"    if {key} in {kw}:", *_call(f"{kw}[{key}]", mv, self.b.info.mode, self.n, "        ")]
-        return lines
-
-    def _deferred(self) -> str | None:
-        return self.b.info.deferred_bias
-
-    def _compute(self) -> list[str]:
-        b, m = self.b, self.module
-        bias = self._deferred()
-        lines: list[str] = []
-        if bias is not None:
-            lines.append(f"    bias = ops.param(self, {_q(bias)})  # deferred: added once after the output moves")
-        if self.direct and isinstance(m, nn.Linear):
-            lines.append('    weight = ops.param(self, "weight")')
-            if m._parameters.get("bias") is not None and bias is None:
-                lines += ['    bias = ops.param(self, "bias")',
-                          f"    out = torch.nn.functional.linear({self.sig.names[0]}, weight, bias)"]
-            else:
-                lines.append(f"    out = torch.nn.functional.linear({self.sig.names[0]}, weight)")
-            return lines
-        if self.direct and isinstance(m, nn.Embedding):
-            ids, pad = self.sig.names[0], "self.padding_idx"
-            lines.append('    weight = ops.param(self, "weight")')
-            if b.lookup is not None:
-                lines += ["    # vocabulary-parallel lookup: ids outside this rank's rows look up row 0, then give 0",
-                          "    first, rows, padding_idx = ops.lookup_rows(self)",
-                          f"    ids = {ids} - first", "    mine = (ids >= 0) & (ids < rows)",
-                          "    ids = ids.masked_fill(~mine, 0)"]
-                ids, pad = "ids", "padding_idx"
-            lines += _wrap("    ", "out = torch.nn.functional.embedding",
-                           [ids, "weight", pad, "self.max_norm", "self.norm_type", "self.scale_grad_by_freq",
-                            "self.sparse"])
-            if b.lookup is not None:
-                lines.append("    out = out.masked_fill(~mine.unsqueeze(-1), 0)")
-            return lines
-        names = tuple(n for n, _ in b.params if n != bias)
-        if isinstance(b.compute, functools.partial):  # the plan's local_compute, bound to the module
-            fn, args = "ops.compute(self)", self.sig.call
-        else:
-            fn, args = "type(self).forward", ", ".join(["self", self.sig.call] if self.sig.call else ["self"])
-        if not names and bias is None:
-            return [*lines, f"    out = {fn}({args})"]
-        names_text = "(" + ", ".join(_q(x) for x in names) + ("," if len(names) == 1 else "") + ")"
-        drop = f", drop=({_q(bias)},)" if bias is not None else ""
-        lines += [f"    saved = ops.local_params(self, {names_text}{drop})", "    try:",
-                  f"        out = {fn}({args})", "    finally:", "        ops.restore_params(self, saved)"]
-        return lines
-
-    def _outputs(self) -> list[str]:
-        b = self.b
-        bias = self._deferred()
-        if not b.outs and bias is None and not b.tail:
-            return ["    return out"]
-        lines: list[str] = []
-        if self.direct:
-            var = "out"
-        else:
-            need = max([mv.slot for mv in b.outs] + [0]) + 1
-            lines.append(f"    outs = ops.outputs(out, {need}, {_q('module ' + repr(b.info.module))})")
-        for mv in b.outs:
-            var = "out" if self.direct else f"outs[{mv.slot}]"
-            lines += _call(var, mv, b.info.mode, self.n, "    ")
-        first = "out" if self.direct else "outs[0]"
-        if bias is not None:
-            lines.append(f"    {first} = {first} + bias.to({first}.dtype)  # the deferred bias, in the output's dtype")
-        if b.tail:
-            tail_mv = _Move(0, None, "tail", b.tail_rep, b.tail_rep, b.tail_grad, f"module {b.info.module!r}, "
-                            "partial_tail", False)
-            lines += [f"    # partial_tail: the last {b.tail} features pass unchanged; their gradient is partial",
-                      f"    head, tail = {first}.split([{first}.shape[-1] - {b.tail}, {b.tail}], dim=-1)",
-                      *_call("tail", tail_mv, "lowered", self.n, "    "),
-                      f"    {first} = torch.cat([head, tail], dim=-1)"]
-        lines.append("    return out" if self.direct else "    return ops.pack(out, outs)")
-        return lines
-
-
 def _plan_text(plan: Mapping[str, PlanValue]) -> str:
     text = pprint.pformat(dict(plan), width=110, sort_dicts=False)
     try:
@@ -394,8 +170,8 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
     bodies: list[str] = []
     table: list[tuple[str, str, str]] = []
     for qual, (module, b) in found.items():
-        name = _fn_name(qual, taken)
-        bodies.append("\n".join(_Writer(qual, module, b, n, originals[qual]).lines(name)))
+        name = fn_name(qual, taken)
+        bodies.append("\n".join(Writer(qual, module, b, n, originals[qual]).lines(name)))
         table.append((qual, name, _fingerprint(module, b, originals[qual])))
     mesh_text = ", ".join(f"{k}={v}" for k, v in n.items())
     uses_torch = any("torch." in body for body in bodies)
@@ -413,7 +189,7 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
         *(["import torch", ""] if uses_torch else []),
         "import tplower.nn.codegen",
         "",
-        f"AXIS = {_q(axis)}",
+        f"AXIS = {quote(axis)}",
         "#: the mesh's axes and sizes, in order",
         f"MESH = {json.dumps(axes)}",
         f"PLAN = {plan_text}",
@@ -421,9 +197,9 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
         "#: bound to the live mesh by tplower.nn.codegen.install",
         "ops = tplower.nn.codegen.GeneratedOps.unbound()",
     ]
-    forwards = ["FORWARDS = {", *(f"    {_q(q)}: {f}," for q, f, _ in table), "}",
+    forwards = ["FORWARDS = {", *(f"    {quote(q)}: {f}," for q, f, _ in table), "}",
                 "#: what each forward assumes of its module (class, parameters, placements, moves); install checks it",
-                "FINGERPRINTS = {", *(f"    {_q(q)}: {_q(h)}," for q, _, h in table), "}"]
+                "FINGERPRINTS = {", *(f"    {quote(q)}: {quote(h)}," for q, _, h in table), "}"]
     return "\n".join(head) + "\n\n\n" + "\n\n\n".join(bodies) + "\n\n\n" + "\n".join(forwards) + "\n"
 
 

@@ -36,7 +36,7 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
-from .parallelize import _Boundary, _dtensor, _lowered, _Move
+from .boundary_runtime import _Boundary, _dtensor, _lowered, _Move
 from .params import ParamLayout, local_parameter
 from .uneven import exchanged_global_shape
 

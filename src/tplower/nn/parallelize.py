@@ -49,11 +49,9 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,21 +60,19 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..core import collectives as C
 from ..core.argcheck import check_mesh
 from ..core.errors import TPLowerError
-from ..core.placements import parse_placements, replicate_partials
+from ..core.placements import replicate_partials
 from ..core.redistribute import MeshLowerer, mesh_lowerer
-from ..core.transitions import global_shape_from_local
 from .boundaries import (
     BoundaryForm,
     BoundaryOp,
-    Placements,
     classify_boundary_form,
     deferred_bias_grad,
     parse_spec,
 )
+from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
 from .hf_plans import param_key_placement, resolve_model_plan
-from .params import ParamLayout, check_plain_parameter, local_parameter, param_layout, shard_parameter
+from .params import ParamLayout, check_plain_parameter, param_layout, shard_parameter
 from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
-from .uneven import exchanged_global_shape
 
 __all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
 
@@ -85,167 +81,6 @@ _KINDS: tuple[tuple[type[nn.Module], str], ...] = ((nn.Linear, "linear"), (nn.Em
 
 def _kind(module: nn.Module) -> str:
     return next((k for t, k in _KINDS if isinstance(module, t)), "other")
-
-
-@dataclass(frozen=True)
-class _Move:
-    slot: int  # input: position (-1: keyword only); output: index
-    keyword: str | None
-    name: str
-    src: Placements
-    dst: Placements
-    grad: Placements
-    where: str  # for messages: module 'up', input '0'
-    uneven: bool  # named in the entry's ``uneven``: exchange local sizes each call
-
-
-_Mover = Callable[[torch.Tensor, MeshLowerer, _Move, tuple[int, ...] | None], torch.Tensor]
-
-
-def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
-    if lowerer.debug:
-        return lowerer.checked(t, mv.src, mv.dst, grad=mv.grad, global_shape=gshape, where=mv.where,
-                               hint=f"uneven shards: name {mv.name!r} in the entry's 'uneven' field")
-    return lowerer.program(mv.src, mv.dst, t.shape, t.device.type, grad=mv.grad, global_shape=gshape)(t)
-
-
-def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
-    src, dst, grad = (parse_placements(p, tensor_ndim=t.ndim) for p in (mv.src, mv.dst, mv.grad))
-    if gshape is None:
-        gshape = global_shape_from_local(t.shape, src, lowerer.shape)
-    return lowerer.dtensor_redistribute(t, src=src, dst=dst, grad=grad, gshape=gshape)
-
-
-@dataclass(frozen=True)
-class _Lookup:
-    """A vocabulary-parallel lookup: the ids input, this rank's first row, its row count, its padding row."""
-
-    slot: int
-    keyword: str | None
-    offset: int
-    rows: int
-    padding_idx: int | None
-
-
-@dataclass(frozen=True)
-class InstalledBoundary:
-    """What :func:`parallelize` installed on one module.
-
-    Attributes:
-        module: the module's qualified name.
-        form: the classified boundary.
-        mode: how it runs: ``lowered`` (direct collectives) or ``dtensor``.
-        reason: why a lowerable boundary runs ``dtensor``, or ``None``.
-        deferred_bias: the parameter added after the output transition, or ``None``.
-    """
-
-    module: str
-    form: BoundaryForm
-    mode: str
-    reason: str | None
-    deferred_bias: str | None
-
-
-class _Boundary:
-    """The instance ``forward``: local parameters in, move inputs, run local compute, move outputs, add the bias.
-
-    The module's DTensor parameters are swapped for their local tensors
-    (:func:`tplower.nn.params.local_parameter`) for the duration of the call
-    and put back afterwards, so the module's own code computes on local
-    tensors and wrappers (FSDP2) that replace the parameter objects between
-    calls are followed.
-    """
-
-    def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
-                 ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer,
-                 params: tuple[tuple[str, ParamLayout], ...] = (), lookup: _Lookup | None = None) -> None:
-        self.info, self.owner, self.compute, self.ins, self.outs = info, owner, compute, ins, outs
-        self.lowerer, self.params, self.lookup = lowerer, params, lookup
-        #: ``partial_tail``: features at the end of the output whose gradient is partial, and the placements
-        #: (``R`` on every axis) and gradient placements (``P(sum)`` on the entry's axis) of that transition
-        self.tail = 0
-        self.tail_rep: Placements = ()
-        self.tail_grad: Placements = ()
-        self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
-
-    def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
-        """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
-        lk = self.lookup
-        assert lk is not None
-        key = lk.keyword if lk.keyword is not None and lk.keyword in kwargs else None
-        ids = kwargs[key] if key is not None else args[lk.slot]
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"module {self.info.module!r}: the ids input is a {type(ids).__name__}, not a tensor")
-        local = ids - lk.offset
-        mine = (local >= 0) & (local < lk.rows)
-        local = local.masked_fill(~mine, 0)
-        if key is not None:
-            kwargs[key] = local
-        else:
-            args[lk.slot] = local
-        return mine
-
-    def _apply(self, value: Any, mv: _Move) -> Any:
-        if value is None:
-            return None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"module {self.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
-        gshape = exchanged_global_shape(value, mv.src, self.lowerer, mv.where) if mv.uneven else None
-        return self.move(value, self.lowerer, mv, gshape)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args_l = list(args)
-        for mv in self.ins:
-            if mv.keyword is not None and mv.keyword in kwargs:
-                kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
-            elif 0 <= mv.slot < len(args_l):
-                args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
-        mine = self._mask_ids(args_l, kwargs) if self.lookup is not None else None
-        params = self.owner._parameters
-        saved = {name: params[name] for name, _ in self.params}
-        bias_name = self.info.deferred_bias
-        pad = getattr(self.owner, "padding_idx", None) if self.lookup is not None else None
-        try:
-            for name, layout in self.params:
-                p = saved[name]
-                if p is not None:
-                    params[name] = local_parameter(p, layout)  # type: ignore[assignment]
-            bias = None
-            if bias_name is not None:
-                bias, params[bias_name] = params[bias_name], None
-            if self.lookup is not None:
-                self.owner.__dict__["padding_idx"] = self.lookup.padding_idx
-            out = self.compute(*args_l, **kwargs)
-        finally:
-            params.update(saved)
-            if self.lookup is not None:
-                self.owner.__dict__["padding_idx"] = pad
-        if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
-            out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        return self._outputs(out, bias)
-
-    def _reduce_tail_grad(self, out: torch.Tensor) -> torch.Tensor:
-        """The last ``tail`` features pass forward unchanged; their gradient is all-reduced in backward."""
-        head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
-        tail = self.lowerer.program(self.tail_rep, self.tail_rep, tail.shape, tail.device.type,
-                                    grad=self.tail_grad)(tail)
-        return torch.cat([head, tail], dim=-1)
-
-    def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
-        is_seq = isinstance(out, tuple | list)
-        items = list(out) if is_seq else [out]
-        for mv in self.outs:
-            if mv.slot >= len(items):
-                raise TPLowerError(f"module {self.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
-                                   f"returned {len(items)} value(s)")
-            items[mv.slot] = self._apply(items[mv.slot], mv)
-        if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
-            items[0] = items[0] + bias.to(items[0].dtype)
-        if self.tail:
-            items[0] = self._reduce_tail_grad(items[0])
-        if not is_seq:
-            return items[0]
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -468,21 +303,6 @@ def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.M
     place, grad = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
     return dataclasses.replace(entry, params={**entry.params, pname: place},
                                param_grads={**entry.param_grads, **({pname: grad} if grad else {})})
-
-
-def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
-    """What :func:`parallelize` installed on ``module`` (``None`` when its boundary is a plain identity).
-
-    A module running a generated forward (:func:`tplower.nn.codegen.install`) reports the boundary it replaced.
-    """
-    fwd = module.__dict__.get("forward")
-    if not isinstance(fwd, _Boundary):
-        fwd = module.__dict__.get(REPLACED)
-    return fwd.info if isinstance(fwd, _Boundary) else None
-
-
-#: the attribute where :func:`tplower.nn.codegen.install` keeps the boundary a generated forward replaced
-REPLACED = "_tplower_boundary"
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,

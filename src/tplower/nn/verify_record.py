@@ -19,7 +19,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.errors import TPLowerError
 from ..core.placements import replicate_partials
-from .parallelize import _Boundary, _input_slot
+from .boundary_runtime import _Boundary
+from .parallelize import _input_slot
 
 __all__ = ["Point", "Recorder", "Slots", "hook_parallel", "hook_reference"]
 
