@@ -1,9 +1,9 @@
 """The runtime a generated forward calls: named bare operators bound to one mesh (see :mod:`tplower.nn.codegen`).
 
-A file from :func:`tplower.nn.codegen.emit` holds, per module, a ``forward``
+A file from :func:`tplower.codegen.emit` holds, per module, a ``forward``
 written out as straight-line code. Everything in it that depends on the rank
 or the live process group goes through one :class:`GeneratedOps` object,
-``ops``, which :func:`tplower.nn.codegen.install` binds:
+``ops``, which :func:`tplower.codegen.install` binds:
 
 * ``ops.all_gather(x, "S(1)", "R", grad="P(sum)", where=...)`` and its
   siblings (``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``chunk``,
@@ -71,13 +71,13 @@ class _Bound:
 
 
 class GeneratedOps:
-    """The bare operators of generated forwards, bound to ``mesh`` by :func:`tplower.nn.codegen.install`.
+    """The bare operators of generated forwards, bound to ``mesh`` by :func:`tplower.codegen.install`.
 
     Args:
         mesh: the live device mesh the model was parallelized on.
 
-    A generated file creates ``ops = tplower.nn.codegen.GeneratedOps.unbound()``;
-    calling an operator before :func:`~tplower.nn.codegen.install` binds it raises
+    A generated file creates ``ops = tplower.codegen.GeneratedOps.unbound()``;
+    calling an operator before :func:`~tplower.codegen.install` binds it raises
     :class:`~tplower.TPLowerError`.
     """
 
@@ -88,7 +88,7 @@ class GeneratedOps:
 
     @classmethod
     def unbound(cls) -> GeneratedOps:
-        """A placeholder whose operators raise until :func:`tplower.nn.codegen.install` binds a mesh."""
+        """A placeholder whose operators raise until :func:`tplower.codegen.install` binds a mesh."""
         return cls(None)
 
     @property
@@ -99,7 +99,7 @@ class GeneratedOps:
             TPLowerError: not bound (the file was imported, not installed).
         """
         if self._lowerer is None:
-            raise TPLowerError("a generated forward ran before tplower.nn.codegen.install(model, mesh, file) bound "
+            raise TPLowerError("a generated forward ran before tplower.codegen.install(model, mesh, file) bound "
                                "its operators to a mesh")
         return self._lowerer
 
@@ -111,7 +111,7 @@ class GeneratedOps:
         bound = self._bound.get(id(module))
         if bound is None:
             raise TPLowerError(f"{type(module).__name__}: its generated forward was not bound by "
-                               "tplower.nn.codegen.install")
+                               "tplower.codegen.install")
         return bound
 
     # ---- transitions ---------------------------------------------------------------------------
