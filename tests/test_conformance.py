@@ -16,6 +16,7 @@ import pytest
 
 import tplower.core.collectives as C
 from tplower.conformance import Case, check_cases, failures, one_axis_cases, summarize
+from tplower.core import backends
 from tplower.testing import run_processes, run_threaded
 
 FULL = os.environ.get("TPLOWER_FULL_MATRIX") == "1"
@@ -99,7 +100,7 @@ def test_oracle_catches_a_wrong_collective(monkeypatch):
 def test_minimal_backend_remaps_on_redistribute_path(monkeypatch, conformance_counts):
     # Pretend the threaded group has only all_reduce(sum/max/min) and all_gather natively:
     # reduce_scatter, all_to_all and avg take their remaps, and must still equal DTensor.
-    monkeypatch.setitem(C._CAPS, "threaded", C.backend_caps("a-backend-without-extras"))
+    monkeypatch.setitem(backends._CAPS, "threaded", C.backend_caps("a-backend-without-extras"))
     placements = ("R", "S(0)", "S(1)", "P(avg)", "P(max)", "P(min)")
     cases = list(one_axis_cases((4,), 0, placements, [(9, 3, 2)]))
     summary = check(run_threaded(4, check_cases, cases), conformance_counts, "1-D world 4, remapped collectives")

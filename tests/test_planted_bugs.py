@@ -30,7 +30,7 @@ import tplower.core.collectives as C
 import tplower.core.redistribute as R
 from tplower import TPExecutionOp, TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
 from tplower.conformance import Case, check_cases
-from tplower.core import debug_path
+from tplower.core import backends, debug_path
 from tplower.core.agreement import check_agreement
 from tplower.core.transitions import chunk_size_and_offset, local_shape
 from tplower.testing import RankFailure, run_processes, run_threaded
@@ -238,7 +238,7 @@ def test_all_to_all_non_square_shapes(monkeypatch: pytest.MonkeyPatch, world: in
     ``all_to_all_single`` and on the ``all_gather`` + chunk remap of a backend without one.
     """
     if caps == "via_gather":
-        monkeypatch.setitem(C._CAPS, "threaded", C.backend_caps("a-backend-without-all-to-all"))
+        monkeypatch.setitem(backends._CAPS, "threaded", C.backend_caps("a-backend-without-all-to-all"))
     for _, bad in run_threaded(world, _reference_body, list(range(world)), ("tp",), _all_to_all_cases(world)):
         assert not bad, bad
 
