@@ -30,12 +30,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
@@ -44,6 +42,7 @@ from ..core.lowering import TPExecutionOp
 from ..core.placements import format_placements, parse_placements, replicate_partials
 from ..core.redistribute import redistribute_local
 from ..core.transitions import Step, plan_transition
+from .megatron import MEGATRON, ReduceFromTP, all_gather_into, reduce_scatter_into
 
 __all__ = ["CASES", "IMPLS", "MODES", "SIZES", "Case", "build", "describe", "dtensor_leaf", "global_shape", "raw_call",
            "setup", "size_label"]
@@ -56,9 +55,6 @@ MODES: tuple[str, ...] = ("fwd", "fwd_grad", "fwd_bwd")
 SIZES: tuple[int, ...] = (1 << 10, 64 << 10, 4 << 20, 64 << 20)
 #: Every implementation name, in table order.
 IMPLS: tuple[str, ...] = ("raw", "tplower", "seed_op", "megatron", "funcol", "dtensor")
-
-_ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -161,11 +157,11 @@ def _raw_step(step: Step, mesh: DeviceMesh, device: torch.device) -> Call:
     b = torch.zeros(_numel(step.out_shape), device=device)
     kind = step.kind
     if kind == "all_gather":
-        return lambda: _ag(b, a, group=group)
+        return lambda: all_gather_into(b, a, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(a, group=group)
     if kind == "reduce_scatter":
-        return lambda: _rs(b, a, group=group)
+        return lambda: reduce_scatter_into(b, a, group=group)
     if kind == "all_to_all":
         return lambda: dist.all_to_all_single(b, a, group=group)
     if kind == "identity":
@@ -250,117 +246,21 @@ def _dtensor(s: _Setup, mode: str) -> Call:
 # ---- Megatron-style hand-written autograd Functions (1-D moves) --------------------------------
 
 
-def _alloc_gather(x: torch.Tensor, group: ProcessGroup, n: int) -> torch.Tensor:
-    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    _ag(out, x.contiguous(), group=group)
-    return out
-
-
-def _alloc_scatter(x: torch.Tensor, group: ProcessGroup, n: int) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    _rs(out, x.contiguous(), group=group)
-    return out
-
-
-def _local_chunk(x: torch.Tensor, n: int, rank: int) -> torch.Tensor:
-    return x.chunk(n, 0)[rank].contiguous()
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """``S(0) -> R``, grad ``R``: all_gather forward, local chunk backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, rank: int,  # type: ignore[override]
-                shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.n, ctx.rank = n, rank
-        return _alloc_gather(x, group, n)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _local_chunk(g, ctx.n, ctx.rank), None, None, None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """``P -> R``, grad ``R``: all_reduce in place forward (as Megatron), identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, rank: int,  # type: ignore[override]
-                shape: tuple[int, ...]) -> torch.Tensor:
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return g, None, None, None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """``P -> S(0)``: reduce_scatter forward, all_gather backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, rank: int,  # type: ignore[override]
-                shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.group, ctx.n = group, n
-        return _alloc_scatter(x, group, n)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _alloc_gather(g, ctx.group, ctx.n), None, None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    """``S(i) -> S(j)``: one all_to_all_single each way (Megatron's flat exchange, no layout work)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, rank: int,  # type: ignore[override]
-                shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.group, ctx.shape = group, x.shape
-        out = x.new_empty(shape)
-        dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        out = g.new_empty(ctx.shape)
-        dist.all_to_all_single(out.view(-1), g.contiguous().view(-1), group=ctx.group)
-        return out, None, None, None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    """``R -> S(0)``: local chunk forward, all_gather backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, rank: int,  # type: ignore[override]
-                shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.group, ctx.n = group, n
-        return _local_chunk(x, n, rank)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _alloc_gather(g, ctx.group, ctx.n), None, None, None, None
-
-
-_MEGATRON: dict[tuple[str, str], type[torch.autograd.Function]] = {
-    ("S(0)", "R"): _GatherFromTP, ("P(sum)", "R"): _ReduceFromTP, ("P(sum)", "S(0)"): _ReduceScatterToSP,
-    ("S(0)", "S(1)"): _AllToAll, ("R", "S(0)"): _ScatterToTP,
-}
-
-
 def _megatron(case: Case, s: _Setup, mode: str) -> Call | None:
-    fn_cls = _MEGATRON.get((case.src, case.dst))
+    fn_cls = MEGATRON.get((case.src, case.dst))
     if fn_cls is None or s.mesh.ndim != 1:
         return None
     group, n, rank = s.mesh.get_group(), s.mesh.size(), s.mesh.get_local_rank()
     shape = tuple(s.grad_out.shape)
     x = _leaf(s.local, mode)
-    if mode == "fwd_bwd" and fn_cls is _ReduceFromTP:  # in-place forward needs a non-leaf input
+    if mode == "fwd_bwd" and fn_cls is ReduceFromTP:  # in-place forward needs a non-leaf input
         base = x
 
         def step(t: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = fn_cls.apply(t * 1.0 if t is base else t, group, n, rank, shape)
             return out
         return _autograd_call(step, x, s.grad_out, mode)
-    if mode == "fwd_grad" and fn_cls is _ReduceFromTP:
+    if mode == "fwd_grad" and fn_cls is ReduceFromTP:
         x = x.detach()  # an in-place collective on a leaf that requires grad is refused
         return lambda: fn_cls.apply(x, group, n, rank, shape)
 
@@ -379,7 +279,7 @@ def _funcol_fn(new: str, old: str) -> Callable[..., torch.Tensor]:
 
 
 def _funcol(case: Case, s: _Setup, mode: str) -> Call | None:
-    if s.mesh.ndim != 1 or (case.src, case.dst) not in _MEGATRON:
+    if s.mesh.ndim != 1 or (case.src, case.dst) not in MEGATRON:
         return None
     group, n, rank = s.mesh.get_group(), s.mesh.size(), s.mesh.get_local_rank()
     grad = mode != "fwd"
