@@ -76,6 +76,7 @@ from typing import Any, TypeAlias
 
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placement
+from .styles import HF_STYLES, entry_from_style  # re-exported: they lived here
 
 __all__ = [
     "ENTRY_FIELDS",
@@ -133,139 +134,6 @@ class BoundaryEntry:
     def output_names(self) -> tuple[str, ...]:
         """Declared outputs, in order of first mention (``out_src`` then ``out_dst``, ``out_grad``)."""
         return tuple(dict.fromkeys([*self.out_src, *self.out_dst, *self.out_grad]))
-
-
-# ---- the HF transformers tp_plan vocabulary ------------------------------------------------------------
-# Each style is written for one tensor-parallel axis ``a``; values follow transformers'
-# ParallelInterface (integrations/tensor_parallel.py) and torch's ColwiseParallel/RowwiseParallel:
-# a Linear's weight is [out, in], so colwise shards dim 0 and rowwise dim 1; rowwise adds its bias
-# once after the reduction (transformers moves it to ``_bias`` for the same reason). Colwise places
-# every other direct parameter of the module on dim 0 too (a per-output scale, as transformers'
-# shard_param does for all of a module's parameters).
-
-def _colwise(a: str, out: str) -> dict[str, Any]:
-    return {"in_src": {"0": {a: "R"}}, "in_dst": {"0": {a: "R"}},
-            "out_src": {"out": {a: "S(-1)"}}, "out_dst": {"out": {a: out}},
-            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}, "*": {a: "S(0)"}}}
-
-
-def _rowwise(a: str, inp: str) -> dict[str, Any]:
-    return {"in_src": {"0": {a: inp}}, "in_dst": {"0": {a: "S(-1)"}},
-            "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
-            "params": {"weight": {a: "S(1)"}, "bias": {a: "R"}}, "deferred_bias": "bias"}
-
-
-def _local_colwise(a: str) -> dict[str, Any]:
-    return {"in_src": {"0": {a: "R"}}, "in_dst": {"0": {a: "R"}}, "in_grad": {"0": {a: "R"}},
-            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}, "*": {a: "S(0)"}}}
-
-
-def _local_rowwise(a: str) -> dict[str, Any]:
-    return {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "P(sum)"}},
-            "params": {"weight": {a: "S(1)"}, "bias": {a: "R"}}}
-
-
-def _sequence_parallel(a: str) -> dict[str, Any]:
-    # torch's SequenceParallel: input and output sharded on the sequence dim (1), parameters
-    # replicated; each rank's parameter gradient covers its tokens only, so it is reduced.
-    return {"in_src": {"0": {a: "S(1)"}}, "in_dst": {"0": {a: "S(1)"}},
-            "out_src": {"out": {a: "S(1)"}}, "out_dst": {"out": {a: "S(1)"}},
-            "params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
-
-
-def _embedding_hidden(a: str) -> dict[str, Any]:
-    # weight dim -1 (the hidden dim) sharded, ids replicated, output gathered: transformers 5's
-    # "embedding_colwise" (and its older RowwiseParallel on nn.Embedding); torch's ColwiseParallel
-    # (output_layouts=Replicate()) for embeddings.
-    return {"out_src": {"out": {a: "S(-1)"}}, "out_dst": {"out": {a: "R"}}, "params": {"weight": {a: "S(1)"}}}
-
-
-def _embedding_vocab(a: str) -> dict[str, Any]:
-    # vocabulary-parallel: weight rows sharded, masked local lookup, partial outputs all-reduced;
-    # transformers 5's "embedding_rowwise", torch's RowwiseParallel on nn.Embedding.
-    return {"masked_lookup": "0", "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
-            "params": {"weight": {a: "S(0)"}}}
-
-
-def _packed_colwise(a: str) -> dict[str, Any]:
-    # a fused projection (gate and up packed along the output dim): each packed part sharded on its own,
-    # so each rank holds its piece of every part (transformers' _StridedShard(0, split_factor=2)).
-    return {**_colwise(a, "S(-1)"), "packed": {"weight": 2, "bias": 2}}
-
-
-def _replicated_partial_grad(a: str) -> dict[str, Any]:
-    # parameters replicated, their local gradients partial (a per-head q/k norm between colwise and
-    # rowwise layers sees this rank's heads only): reduced in backward.
-    return {"params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
-
-
-_ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}}
-
-#: style -> {module kind -> builder(axis) or the reason it has no faithful translation}
-HF_STYLES: dict[str, dict[str, Any]] = {
-    "colwise": {"linear": lambda a: _colwise(a, "S(-1)"),
-                "embedding": "use embedding_rowwise (vocabulary) or embedding_colwise (hidden dim) for embeddings"},
-    "colwise_rep": {"linear": lambda a: _colwise(a, "R")},
-    "colwise_gather_output": {"linear": lambda a: _colwise(a, "R")},
-    "rowwise": {"linear": lambda a: _rowwise(a, "S(-1)"), "embedding": _embedding_hidden},
-    "rowwise_rep": {"linear": lambda a: _rowwise(a, "R"), "embedding": _embedding_hidden},
-    "rowwise_split_input": {"linear": lambda a: _rowwise(a, "R")},
-    "local_colwise": {"linear": _local_colwise},
-    "local_rowwise": {"linear": _local_rowwise},
-    "packed_colwise": {"linear": _packed_colwise,
-                       "other": "packed expert weights (3-D) belong to MoE experts, which tplower does not shard"},
-    "embedding_rowwise": {"embedding": _embedding_vocab},
-    "embedding_colwise": {"embedding": _embedding_hidden},
-    "gather": _ALL_REDUCE,
-    "all_reduce": _ALL_REDUCE,
-    "sequence_parallel": {"*": _sequence_parallel},
-    "replicate": {"*": lambda a: {"params": {"*": {a: "R"}}}},
-    "replicated_with_grad_allreduce": {"*": _replicated_partial_grad},
-    "local_params": {"*": lambda a: {}},
-    # multi-head latent attention: the rotary tail of kv_a_proj's output skips kv_b_proj (colwise)
-    "mla_kv_a_proj": {"*": lambda a: {"partial_tail": "qk_rope_head_dim"}},
-}
-_MOE = "mixture-of-experts layers are expert parallelism, which tplower does not lower"
-_UNFAITHFUL = {
-    "local": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
-    "local_packed_rowwise": "packed (fused gate/up) weights interleave shards; split the module instead",
-    "packed_rowwise": f"transformers uses it on MoE expert weights only; {_MOE}",
-    "moe_tp_experts": _MOE,
-    "moe_identity_expert": _MOE,
-    "grouped_gemm": _MOE,
-    "ep_router": _MOE,
-    "ep_dispatch_experts": _MOE,
-    "isolated": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
-}
-
-
-def entry_from_style(style: str, kind: str = "linear", *, axis: str = "tp", module: str = "?") -> dict[str, Any]:
-    """The entry fields of an HF ``tp_plan`` style for a module of ``kind`` on mesh axis ``axis``.
-
-    Args:
-        style: a key of :data:`HF_STYLES`.
-        kind: ``"linear"`` (``nn.Linear``), ``"embedding"`` (``nn.Embedding``) or ``"other"``.
-        module: the module name, for messages.
-
-    Raises:
-        TPLowerError: an unknown style, or one without a faithful translation
-            for this kind of module (the message says why).
-    """
-    table = HF_STYLES.get(style)
-    if table is None:
-        why = _UNFAITHFUL.get(style)
-        if why is not None:
-            raise TPLowerError(f"plan[{module!r}]: style {style!r} has no faithful translation: {why}")
-        raise TPLowerError(f"plan[{module!r}]: style {style!r} is unknown; allowed: {', '.join(HF_STYLES)}")
-    rule = table.get(kind, table.get("*"))
-    if rule is None:
-        kinds = [k for k, v in table.items() if not isinstance(v, str)]
-        rule = f"it is defined for {' and '.join(kinds)} modules only"
-    if isinstance(rule, str):
-        article = "an" if kind[:1] in "aeiou" else "a"
-        raise TPLowerError(f"plan[{module!r}]: style {style!r} on {article} {kind} module has no faithful "
-                           f"translation: {rule}")
-    return rule(axis)  # type: ignore[no-any-return]
 
 
 # ---- schema ---------------------------------------------------------------------------------------------
