@@ -28,7 +28,15 @@ from torch.distributed.tensor import Shard
 
 import tplower.core.collectives as C
 import tplower.core.redistribute as R
-from tplower import TPExecutionOp, TPLowerError, mesh_lowerer, parse_placements, plan_transition, redistribute_local
+from tplower import (
+    TPExecutionOp,
+    TPLowerError,
+    classify_tp_transition,
+    mesh_lowerer,
+    parse_placements,
+    plan_transition,
+    redistribute_local,
+)
 from tplower.conformance import Case, check_cases
 from tplower.core import backends, debug_path
 from tplower.core.agreement import check_agreement
@@ -186,6 +194,7 @@ _BINDS = [
     ("ucc", "S(0)", "S(1)", "all_to_all", None),
     ("mpi", "S(0)", "S(1)", "all_to_all", None),
     ("threaded", "S(0)", "S(1)", "all_to_all", None),
+    ("threaded", "P(max)", "S(0)", "all_reduce_chunk", None),  # no native max reduce_scatter, and not avg
     ("fake", "S(0)", "S(1)", "all_to_all", None),  # the benchmarks' fake group times the native call
     ("a-backend-tplower-does-not-know", "S(0)", "S(1)", "all_to_all_via_gather", None),
 ]
@@ -457,3 +466,38 @@ def test_mesh_axis_and_process_group_with_other_ranks_is_refused() -> None:
         R.MeshLowerer._axis_order(lowerer, 0, [0, 1], [0, 2])
     assert R.MeshLowerer._axis_order(lowerer, 0, [0, 1], [0, 1]) is None
     assert R.MeshLowerer._axis_order(lowerer, 0, [1, 0], [0, 1]) == (1, 0)
+
+
+def test_classify_refuses_a_move_on_an_axis_after_the_tp_axis() -> None:
+    """Survivor: the other-axes check ``k != i`` as ``k < i`` (only axes before the tp axis were checked)."""
+    assert classify_tp_transition("S(0),R", "R,S(0)", ("tp", "dp"), axis="tp") is None
+    assert classify_tp_transition("R,S(0)", "S(0),R", ("dp", "tp"), axis="tp") is None
+    assert classify_tp_transition("S(0),R", "R,R", ("tp", "dp"), axis="tp") == {"kind": "all_gather", "tensor_dim": 0}
+
+
+def _lowerer_facts_body(rank: int, world: int) -> tuple[Any, ...]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    low = mesh_lowerer(mesh)
+    x = torch.ones(2, 3)
+    before = low.cache_info().hits
+    for _ in range(2):
+        redistribute_local(x, mesh, "R,S(0)", "R,R")
+    hits = low.cache_info().hits - before
+    refused = []
+    for spec in ("P(max),P(sum)", "P(sum),P(min)"):
+        for src, dst in ((spec, "R,R"), ("R,R", spec)):
+            try:
+                redistribute_local(x, mesh, src, dst)
+                refused.append(None)
+            except TPLowerError as exc:
+                refused.append(str(exc))
+    return low.ordered, hits, refused
+
+
+def test_lowerer_order_flags_cache_hits_and_mixed_reduce_ops_refused() -> None:
+    """Survivors: ``ordered`` made a plain method, the eager path reading the cache without counting a hit
+    (the reads for ``torch.compile`` swapped in), the reduce-op mix check of ``src``/``dst`` skipped."""
+    ordered, hits, refused = run_threaded(4, _lowerer_facts_body)[0]
+    assert ordered == (True, True)
+    assert hits == 1  # the second call is a hit (the first may be one too: the cache is per mesh lowerer)
+    assert all(r is not None and "mixes Partial reduce ops" in r for r in refused), refused
