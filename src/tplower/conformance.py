@@ -7,7 +7,8 @@ directly, partial values perturbed per coordinate), runs DTensor
 (``from_local -> redistribute -> to_local(grad_placements=grad)``, then
 ``backward`` with a seeded local gradient) and :func:`tplower.redistribute_local`
 on the same input and gradient, and compares the local output and the local
-input gradient.
+input gradient. One idea, the oracle: the check of one case and the
+enumerations of cases (:func:`one_axis_cases`, :func:`random_cases`) it runs.
 
 Where DTensor's ``redistribute`` refuses a pair that tplower lowers
 (``S(d) -> P``), the oracle is the meaning of the placements instead: the

@@ -6,6 +6,8 @@ orders those single-axis steps for a whole mesh, forward and backward. The
 backward of a transition is itself a transition, from the gradient's
 placement back to the source with every ``Partial`` read as ``Replicate``
 (DTensor's ``Redistribute.backward`` rule), so the same table serves both.
+The module is one idea, the planner (the table, the step order, the shapes
+and bytes of each step), kept whole so that the table reads in one place.
 
 Step order follows DTensor's greedy planner (torch 2.13,
 ``DTensorRedistributePlanner.generate_greedy_transform_infos``): when the
