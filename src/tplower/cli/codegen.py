@@ -23,18 +23,12 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from .explain import parse_mesh
-from .verify import _import
+from .verify import _import, add_model_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tplower codegen``."""
-    from ..run.models import MODELS
-
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", choices=sorted(MODELS), help="a model tplower run knows (built without weights)")
-    src.add_argument("--module", metavar="PKG:ATTR", help="import ATTR from PKG: a callable returning the model")
-    parser.add_argument("--plan", metavar="FILE|auto", help="plan file (YAML/JSON) or 'auto' (a transformers "
-                        "model's own plan); default for --model: its plan")
+    add_model_arguments(parser, "a model tplower run knows (built without weights)")
     parser.add_argument("--mesh", default="tp=2", help="mesh axes, e.g. tp=4 or dp=2,tp=2 (default tp=2)")
     parser.add_argument("--axis", default="tp", help="the tensor-parallel mesh axis HF styles shard on (default tp)")
     parser.add_argument("-o", "--out", metavar="FILE.py", help="where to write the file (default: standard output)")

@@ -33,15 +33,20 @@ _DEFAULT_TEXTS = 4  # sentences of the built-in list verify embeds
 _LLAMA_TOKENS = 16  # bytes of each sentence llama-tiny reads
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``tplower verify``."""
+def add_model_arguments(parser: argparse.ArgumentParser, model_help: str = "a model tplower run knows") -> None:
+    """``--model NAME`` or ``--module PKG:ATTR`` (one required), and ``--plan FILE|auto``: a model and its plan."""
     from ..run.models import MODELS
 
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", choices=sorted(MODELS), help="a model tplower run knows")
+    src.add_argument("--model", choices=sorted(MODELS), help=model_help)
     src.add_argument("--module", metavar="PKG:ATTR", help="import ATTR from PKG: a callable returning the model")
     parser.add_argument("--plan", metavar="FILE|auto", help="plan file (YAML/JSON) or 'auto' (a transformers "
                         "model's own plan); default for --model: its plan")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tplower verify``."""
+    add_model_arguments(parser)
     parser.add_argument("--nproc", type=int, default=2, help="local gloo processes, one per tp rank (default 2)")
     parser.add_argument("--input", metavar="FILE", help="inputs: torch.save file (--module) or sentences (--model)")
     parser.add_argument("--input-placement", action="append", default=[], metavar="KEY=PLACEMENT",
