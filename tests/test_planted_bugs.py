@@ -452,10 +452,19 @@ def test_execution_op_placements_normalise_negative_dims() -> None:
     assert op.placements(3) == (Shard(2), Shard(1), Shard(1))
 
 
-def test_execution_op_group_rank_beyond_the_group() -> None:
-    """Survivor: ``group_rank < group_size`` as ``is not`` (only ``group_rank == group_size`` was tested)."""
-    with pytest.raises(ValueError, match="group_rank=3 is outside a group of group_size=2"):
-        TPExecutionOp(kind="all_reduce", group=cast(ProcessGroup, None), group_size=2, group_rank=3)
+@pytest.mark.parametrize("rank", [3, -1])
+def test_execution_op_group_rank_beyond_the_group(rank: int) -> None:
+    """Survivors: ``0 <= group_rank < group_size`` as ``group_rank is not group_size`` or ``-1 <= group_rank``
+    (only ``group_rank == group_size`` was tested)."""
+    with pytest.raises(ValueError, match=f"group_rank={rank} is outside a group of group_size=2"):
+        TPExecutionOp(kind="all_reduce", group=cast(ProcessGroup, None), group_size=2, group_rank=rank)
+
+
+def test_execution_op_without_a_group_refuses_to_run() -> None:
+    """Survivor: ``value is None and optional`` as ``or`` in the group check: ``execute`` went on without one."""
+    op = TPExecutionOp(kind="all_reduce", group=cast(ProcessGroup, None), group_size=2, group_rank=0)
+    with pytest.raises(TypeError, match="group"):
+        op.execute(torch.ones(2))
 
 
 def test_mesh_axis_and_process_group_with_other_ranks_is_refused() -> None:
@@ -464,6 +473,8 @@ def test_mesh_axis_and_process_group_with_other_ranks_is_refused() -> None:
     with pytest.raises(TPLowerError, match=r"mesh axis 'tp' holds ranks \[0, 1\] but its process group holds "
                                            r"\[0, 2\]"):
         R.MeshLowerer._axis_order(lowerer, 0, [0, 1], [0, 2])
+    with pytest.raises(TPLowerError, match="holds ranks"):  # either way round (a ``<`` in place of ``!=``)
+        R.MeshLowerer._axis_order(lowerer, 0, [0, 2], [0, 1])
     assert R.MeshLowerer._axis_order(lowerer, 0, [0, 1], [0, 1]) is None
     assert R.MeshLowerer._axis_order(lowerer, 0, [1, 0], [0, 1]) == (1, 0)
 
