@@ -117,6 +117,7 @@ def main() -> int:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
     result = [ok]
     dist.broadcast_object_list(result, src=0)  # every rank exits with rank 0's verdict
+    dist.barrier()  # no rank tears its gloo connections down while a peer still uses them
     dist.destroy_process_group()
     return 0 if result[0] else 1
 
