@@ -66,6 +66,7 @@ from .plans import PlanValue
 
 __all__ = ["GeneratedOps", "emit", "install"]
 
+
 def _meta_copy(model: nn.Module, func: str) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (no weights copied).
 
@@ -106,7 +107,9 @@ def _fingerprint(module: nn.Module, b: _Boundary, original: nn.Module) -> str:
     layouts = dict(b.params)
     parts = [f"{type(module).__module__}.{type(module).__qualname__}", b.info.form.form, b.info.mode,
              str(b.info.deferred_bias), str(b.lookup is not None), str(b.tail), str(type(b.compute).__name__),
-             str("forward" in original.__dict__), str(inspect.signature(type(module).forward))]
+             str("forward" in original.__dict__),
+             # names and kinds only: a default's or an annotation's repr may hold a memory address
+             str([(p.name, p.kind.name) for p in inspect.signature(type(module).forward).parameters.values()])]
     for name, p in module._parameters.items():
         layout = layouts.get(name)
         parts.append(f"{name}:{None if p is None else tuple(p.shape)}:"
