@@ -8,7 +8,7 @@ Timing (:func:`model_rank`): all-MiniLM-L6-v2 (the main job's model and plan,
   same time, so the machine is as loaded as in the parallel runs);
 * ``tplower``: :func:`tplower.parallelize` (the main job's tplower path);
 * ``codegen``: the same plan through its generated forwards
-  (:func:`tplower.nn.codegen.emit` then :func:`tplower.nn.codegen.install`);
+  (:func:`tplower.codegen.emit` then :func:`tplower.codegen.install`);
 * ``dtensor``: ``parallelize_module`` with Colwise/RowwiseParallel;
 * ``megatron``: the same plan written by hand in Megatron's style
   (:func:`megatronize`: plain autograd Functions with the collectives in).

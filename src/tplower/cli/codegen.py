@@ -58,7 +58,7 @@ def emit_file(args: argparse.Namespace) -> str:
     """The generated source for parsed ``args`` (on a ``fake`` process group of the mesh's size, rank 0).
 
     Raises:
-        TPLowerError: a bad ``--mesh``, ``--plan`` or ``--module``, or as :func:`tplower.nn.codegen.emit`.
+        TPLowerError: a bad ``--mesh``, ``--plan`` or ``--module``, or as :func:`tplower.codegen.emit`.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -73,7 +73,7 @@ def emit_file(args: argparse.Namespace) -> str:
     tp = sizes[names.index(args.axis)] if args.axis in names else 1
     model, plan = _model_and_plan(args, tp)
     if dist.is_initialized():
-        raise TPLowerError("tplower codegen runs without a process group of its own; call tplower.nn.codegen.emit "
+        raise TPLowerError("tplower codegen runs without a process group of its own; call tplower.codegen.emit "
                            "from a program that has one")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(sizes))
     try:
@@ -98,5 +98,5 @@ def main(args: argparse.Namespace) -> int:
     lines = source.count("\n")
     forwards = source.count("\ndef forward_")
     print(f"tplower codegen: wrote {args.out} ({forwards} forwards, {lines} lines); install it with "
-          f"tplower.nn.codegen.install(model, mesh, {args.out!r})", file=sys.stderr)
+          f"tplower.codegen.install(model, mesh, {args.out!r})", file=sys.stderr)
     return 0

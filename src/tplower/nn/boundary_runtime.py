@@ -192,7 +192,7 @@ class _Boundary:
 def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
     """What :func:`parallelize` installed on ``module`` (``None`` when its boundary is a plain identity).
 
-    A module running a generated forward (:func:`tplower.nn.codegen.install`) reports the boundary it replaced.
+    A module running a generated forward (:func:`tplower.codegen.install`) reports the boundary it replaced.
     """
     fwd = module.__dict__.get("forward")
     if not isinstance(fwd, _Boundary):
@@ -200,5 +200,5 @@ def installed_boundary(module: nn.Module) -> InstalledBoundary | None:
     return fwd.info if isinstance(fwd, _Boundary) else None
 
 
-#: the attribute where :func:`tplower.nn.codegen.install` keeps the boundary a generated forward replaced
+#: the attribute where :func:`tplower.codegen.install` keeps the boundary a generated forward replaced
 REPLACED = "_tplower_boundary"

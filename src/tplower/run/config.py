@@ -48,8 +48,8 @@ class RunConfig:
         compile: a ``torch.compile`` backend (``"inductor"``): also compile
             tplower's model and the reference and time them (``None``: eager only).
         codegen: a file path: rank 0 writes the model's generated forwards
-            there (:func:`tplower.nn.codegen.emit`) and every rank runs
-            tplower's copy through them (:func:`tplower.nn.codegen.install`)
+            there (:func:`tplower.codegen.emit`) and every rank runs
+            tplower's copy through them (:func:`tplower.codegen.install`)
             instead of the hooks (``None``: the hooks).
     """
 

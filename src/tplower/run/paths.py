@@ -125,9 +125,9 @@ def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
     """:func:`tplower.nn.parallelize.parallelize` ``model`` in place on ``mesh`` by ``plan``; record its boundaries.
 
     With ``codegen`` (a file path) the model runs generated forwards in
-    place of the hooks (:func:`tplower.nn.codegen.install`): those of the file
+    place of the hooks (:func:`tplower.codegen.install`): those of the file
     when it exists (edited or not; install refuses one emitted for another
-    model, plan or mesh), else freshly emitted ones (:func:`tplower.nn.codegen.emit`,
+    model, plan or mesh), else freshly emitted ones (:func:`tplower.codegen.emit`,
     the same text on every rank), which rank 0 writes there.
 
     Returns:
