@@ -24,8 +24,11 @@ from tplower.nn.verify import verify
 from tplower.nn.verify_report import VerifyReport
 from tplower.testing import run_processes, run_threaded
 
+from test_parallelize import MLP, Block
+from test_parallelize import D as BD
+
 BLOCK_SP = str(Path(__file__).parent.parent / "examples" / "plans" / "block_sp.yaml")
-D, H, HEADS, T = 8, 16, 4, 4
+D, H, T = 8, 16, 4
 
 
 def _seeded(model: nn.Module, seed: int = 0, scale: float = 0.5) -> nn.Module:
@@ -38,40 +41,6 @@ def _seeded(model: nn.Module, seed: int = 0, scale: float = 0.5) -> nn.Module:
 
 def _data(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-        self.n_heads, self.head_dim = HEADS, D // HEADS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (m(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v)
-        return self.o(a.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    """The pre-norm block ``examples/plans/block_sp.yaml`` is written for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
 
 class Gathered(nn.Module):
@@ -181,7 +150,7 @@ def test_sequence_parallel_norm_declared_replicate_is_a_missing_reduction() -> N
             "attn.*": "local_colwise", "attn.o": {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}},
             "mlp.up": {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}},
             "mlp.down": {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}}
-    model, x = _seeded(Block(), scale=0.3), _data(3, 2, T, D)
+    model, x = _seeded(Block(), scale=0.3), _data(3, 2, T, BD)
     kw = {"input_placements": {0: "S(1)"}, "output_placement": "S(1)"}
     report = _threaded(2, model, plan, x, **kw)
     first = _first(report)
@@ -198,11 +167,11 @@ def test_local_rowwise_with_a_bias_forced_through_adds_it_per_rank() -> None:
     model = _seeded(MLP())
     plan = {"up": "colwise", "down": {"style": "local_rowwise", "deferred_bias": "bias"}}
     kw = {"output_placement": "P(sum)"}
-    first = _first(_threaded(2, model, plan, _data(4, 2, T, D), **kw))
+    first = _first(_threaded(2, model, plan, _data(4, 2, T, BD), **kw))
     assert (first["module"], first["phase"], first["tensor"]) == ("down", "forward", "output 'out'")
     assert "a bias added on every rank" in first["cause"] and "1x the bias" in first["cause"]
     assert "deferred_bias" in first["suggestion"]
-    fixed = _threaded(2, model, {"up": "colwise", "down": "rowwise"}, _data(4, 2, T, D))
+    fixed = _threaded(2, model, {"up": "colwise", "down": "rowwise"}, _data(4, 2, T, BD))
     assert fixed["ok"], fixed["table"]
 
 
@@ -232,7 +201,7 @@ def _assert_clean(report: dict[str, Any], modules: set[str]) -> None:
 
 
 def test_block_sp_plan_is_clean_gloo_world2_with_steps() -> None:
-    model, x = _seeded(Block(), scale=0.3), _data(6, 2, T, D)
+    model, x = _seeded(Block(), scale=0.3), _data(6, 2, T, BD)
     kw = {"input_placements": {0: "S(1)"}, "output_placement": "S(1)", "steps": 2}
     out = run_processes(2, _body, model, BLOCK_SP, x, kw)
     _assert_clean(out[0], {"ln1", "attn", "attn.o", "mlp.up", "mlp.down"})
@@ -240,7 +209,7 @@ def test_block_sp_plan_is_clean_gloo_world2_with_steps() -> None:
 
 
 def test_block_sp_plan_is_clean_threaded_world4() -> None:
-    model, x = _seeded(Block(), scale=0.3), _data(7, 2, 8, D)
+    model, x = _seeded(Block(), scale=0.3), _data(7, 2, 8, BD)
     kw = {"input_placements": {0: "S(1)"}, "output_placement": "S(1)"}
     _assert_clean(_threaded(4, model, BLOCK_SP, x, **kw), {"ln1", "attn", "attn.o", "mlp.up", "mlp.down"})
 
@@ -359,7 +328,7 @@ def test_cli_minilm_with_its_shipped_plan_is_clean_gloo_world2(capsys: pytest.Ca
 def _two_axes(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     try:
-        verify(MLP, {"up": "colwise"}, mesh, torch.zeros(2, D))
+        verify(MLP, {"up": "colwise"}, mesh, torch.zeros(2, BD))
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -372,7 +341,7 @@ def test_a_mesh_of_two_axes_is_refused_naming_the_mesh() -> None:
 def _bad_inputs(rank: int, world: int, placements: dict[Any, str]) -> str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     try:
-        verify(MLP, {"up": "colwise", "down": "rowwise"}, mesh, torch.zeros(2, T, D), input_placements=placements)
+        verify(MLP, {"up": "colwise", "down": "rowwise"}, mesh, torch.zeros(2, T, BD), input_placements=placements)
     except ValueError as exc:
         return str(exc)
     return "no error"
