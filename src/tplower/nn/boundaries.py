@@ -128,7 +128,8 @@ def parse_spec(spec: PlacementSpec, names: Sequence[str], axes: Sequence[str], w
     return parse_placements(spec, tuple(names), arg=where, tensor_ndim=tensor_ndim)
 
 
-def _op_text(kind: str, tdim: int | None, ddim: int | None, op: str | None) -> str:
+def op_text(kind: str, tdim: int | None, ddim: int | None, op: str | None) -> str:
+    """A collective as text: ``all_gather(dim=1)``, ``all_to_all(dim=0->1)``, ``all_reduce(op=sum)``."""
     args = [f"dim={tdim}->{ddim}"] if kind == "all_to_all" else ([] if tdim is None else [f"dim={tdim}"])
     return f"{kind}({', '.join(args + ([] if op is None else [f'op={op}']))})"
 
@@ -162,8 +163,8 @@ def _classify_op(name: str, src: Placements, dst: Placements, grad: Placements, 
     lowered = all(names[i] in active for i in fmoves + bmoves)
     fwd = bwd = "dtensor redistribute"
     try:
-        fwd = "; ".join(_op_text(*classify_axis(src[i], dst[i])) for i in fmoves) or "identity"
-        bwd = "; ".join(_op_text(*classify_axis(grad[i], home[i])) for i in bmoves) or "identity"
+        fwd = "; ".join(op_text(*classify_axis(src[i], dst[i])) for i in fmoves) or "identity"
+        bwd = "; ".join(op_text(*classify_axis(grad[i], home[i])) for i in bmoves) or "identity"
     except TPLowerError:
         lowered = False
     if not lowered:

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.placements import format_placement, replicate_partials
 from ..core.transitions import classify_axis
+from .boundaries import op_text
 
 __all__ = ["move_comment", "step_text"]
 
@@ -40,8 +41,7 @@ def step_text(src: Placement, dst: Placement, axis: str, n: int) -> str | None:
     kind, d, j, op = classify_axis(src, dst)
     if kind == "identity":
         return None
-    args = [f"dim={d}->{j}"] if kind == "all_to_all" else ([] if d is None else [f"dim={d}"])
-    name = f"{kind}({', '.join(args + ([] if op is None else [f'op={op}']))}) on {axis}"
+    name = f"{op_text(kind, d, j, op)} on {axis}"
     part = Fraction(n - 1, n)
     if kind == "all_gather":
         return f"{name}: dim {d} s -> {n}s; each rank receives {_share(part)} of the output"
