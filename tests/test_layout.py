@@ -29,7 +29,7 @@ PUBLIC = ["BoundaryEntry", "BoundaryForm", "MeshLowerer", "Step", "TPCollectiveL
           "classify_axis", "classify_boundary_form", "classify_tp_transition", "create_tp_collective_lowerer",
           "explain_plan_lines", "format_placement", "format_placements", "load_plan", "mesh_lowerer", "parallelize",
           "parse_placement", "parse_placements", "plan_steps", "plan_transition", "redistribute_local",
-          "replicate_partials", "set_cache_size", "verify"]
+          "replicate_partials", "set_cache_size", "shutdown", "verify"]
 
 
 def _lint(config: Path, src: Path) -> subprocess.CompletedProcess[str]:

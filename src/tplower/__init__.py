@@ -22,6 +22,7 @@ from .core.placements import (
     replicate_partials,
 )
 from .core.redistribute import MeshLowerer, mesh_lowerer, redistribute_local
+from .core.teardown import shutdown
 from .core.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
 from .nn.boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
 from .nn.parallelize import parallelize
@@ -65,5 +66,6 @@ __all__ = [
     "redistribute_local",
     "replicate_partials",
     "set_cache_size",
+    "shutdown",
     "verify",
 ]

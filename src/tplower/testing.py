@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .core.teardown import shutdown
+
 __all__ = ["RankFailure", "run_processes", "run_threaded"]
 
 RankFn = Callable[..., Any]
@@ -67,7 +69,7 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
         finally:
-            dist.destroy_process_group()
+            shutdown()  # destroys the group and joins gloo's workers while Python is whole
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -101,9 +103,27 @@ def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: 
             (out if ok else failures)[rank] = value
         if failures and first_failure is None:
             first_failure = time.monotonic()
+    _drain(procs, results, out, failures)
     for r in range(len(procs)):
         if r not in out and r not in failures:
             failures[r] = reason
+
+
+def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[int, str]) -> None:
+    """Last look before the run is ended: reports already queued, and ranks already dead, named as such.
+
+    A rank that died just before the deadline is then named for its death,
+    not for the deadline, however slow the machine made the others.
+    """
+    while True:
+        try:
+            rank, ok, value = results.get(timeout=0.05)
+        except queue.Empty:
+            break
+        (out if ok else failures)[rank] = value
+    for r, p in enumerate(procs):
+        if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
+            failures[r] = f"process exited with code {p.exitcode}"
 
 
 def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo",

@@ -7,6 +7,7 @@ Imports nothing else of tplower (the layer contract in ``pyproject.toml``):
 * :mod:`~tplower.core.collectives`: the collectives on local tensors and the one autograd Function.
 * :mod:`~tplower.core.redistribute`: :class:`MeshLowerer` (plans bound to a live mesh) and ``redistribute_local``.
 * :mod:`~tplower.core.lowering`: the seed API (``classify_tp_transition``, ``TPExecutionOp``, ...).
+* :mod:`~tplower.core.teardown`: dropping every reference to destroyed process groups, so a process exits cleanly.
 * :mod:`~tplower.core.agreement`, :mod:`~tplower.core.argcheck`, :mod:`~tplower.core.cache`,
   :mod:`~tplower.core.errors`, :mod:`~tplower.core.explain`: the debug check, argument checks,
   bounded caches, errors and the text of ``tplower explain``.

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives as C
-from . import debug_path
+from . import debug_path, teardown
 from .agreement import debug_enabled
 from .argcheck import check_bool, check_local_tensor, check_mesh, check_shape
 from .binding import bind_step
@@ -48,9 +48,18 @@ __all__ = ["MeshLowerer", "Program", "bind_step", "mesh_lowerer", "redistribute_
 log = logging.getLogger("tplower")
 
 
-@dataclass(frozen=True)
+def _released_step(x: torch.Tensor) -> torch.Tensor:
+    raise TPLowerError("this tplower program's process groups were destroyed (dist.destroy_process_group() or "
+                       "tplower.shutdown()); after a new init_process_group, make a new DeviceMesh and parallelize "
+                       "again")
+
+
+@dataclass(eq=False)
 class Program:
     """A transition ready to run on one rank: bound forward and backward steps, or a fallback.
+
+    Set once when built; only :meth:`release` changes it. Compared and
+    hashed by identity (it is tracked in a weak set, :mod:`tplower.core.teardown`).
 
     Attributes:
         plan: the pure plan (``None`` when falling back).
@@ -64,6 +73,20 @@ class Program:
     backward: tuple[C.BoundStep, ...]
     fallback_reason: str | None = None
     global_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.forward or self.backward:  # bound steps may hold process groups
+            teardown.track(self)
+
+    def release(self) -> None:
+        """Drop the bound steps (and the process groups they hold); running the program afterwards raises.
+
+        Called by :func:`tplower.core.teardown.release_destroyed_groups` once
+        the groups are destroyed, wherever the program is still held (a cache,
+        a module's boundary, a graph awaiting backward).
+        """
+        self.forward = (_released_step,)
+        self.backward = (_released_step,)
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Run forward; differentiable through :class:`~tplower.core.collectives.LoweredTransition`."""
@@ -114,7 +137,7 @@ class MeshLowerer:
         self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
         self.shape: tuple[int, ...] = tuple(mesh.shape)
         self.coord: tuple[int, ...] = tuple(coord)
-        self.groups: tuple[ProcessGroup, ...] = tuple(mesh.get_group(i) for i in range(mesh.ndim))
+        self._groups: tuple[ProcessGroup, ...] | None = tuple(mesh.get_group(i) for i in range(mesh.ndim))
         self.orders: tuple[tuple[int, ...] | None, ...] = tuple(
             self._axis_order(i, list(mesh_ranks[i]), list(group_ranks[i])) for i in range(mesh.ndim))
         self._cache: LRUCache[Hashable, Program] = LRUCache()
@@ -122,6 +145,32 @@ class MeshLowerer:
         self._planned_dims: LRUCache[Hashable, tuple[frozenset[int] | None]] = LRUCache()
         #: run the debug check on every call (``TPLOWER_DEBUG=1`` when the lowerer was made)
         self.debug: bool = debug_enabled()
+        teardown.track(self)
+
+    @property
+    def groups(self) -> tuple[ProcessGroup, ...]:
+        """The process group of each mesh axis.
+
+        Raises:
+            TPLowerError: the groups were destroyed and released (:meth:`release`).
+        """
+        if self._groups is None:
+            raise TPLowerError(f"the process groups of mesh axes {self.names} were destroyed "
+                               "(dist.destroy_process_group() or tplower.shutdown()); after a new "
+                               "init_process_group, make a new DeviceMesh")
+        return self._groups
+
+    def release(self) -> None:
+        """Drop this lowerer's process groups and cached programs (called once the groups are destroyed).
+
+        Afterwards :attr:`groups` and every new :meth:`program` raise
+        :class:`TPLowerError`; programs built before are released on their own
+        (:meth:`Program.release`). Idempotent.
+        """
+        self._groups = None
+        self._flat_group = None
+        self._cache.clear()
+        self._planned_dims.clear()
 
     @property
     def ordered(self) -> tuple[bool, ...]:
