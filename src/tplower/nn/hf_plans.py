@@ -26,7 +26,7 @@ from torch import nn
 from ..core.errors import TPLowerError
 from .plans import PlanValue, load_plan, match_plan
 
-__all__ = ["AUTO", "model_tp_plan", "param_key_placement", "resolve_model_plan"]
+__all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_tp_plan", "param_key_placement", "resolve_model_plan"]
 
 #: the plan argument that means "the model's own plan"
 AUTO = "auto"
@@ -110,23 +110,46 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
 
 
 # transformers' shard_param rules, per style, for a key that names one parameter
-_COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
+#: the styles that shard a parameter's output dim (``ndim - 2``)
+COLWISE_STYLES = _COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
 _ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise")
 
 
-def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str) -> tuple[dict[str, str],
-                                                                                       dict[str, str] | None]:
-    """The placement (and partial-gradient placement) an HF style gives one parameter named by a plan key.
+#: parts a packed style's parameter holds along its shard dim (gate and up: transformers' split_factor=2)
+PACKED_PARTS = 2
 
-    Colwise styles shard dim ``ndim - 2`` (dim 0 of a vector), rowwise
+
+def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str
+                        ) -> tuple[dict[str, str], dict[str, str] | None, int]:
+    """The placement, partial-gradient placement and packing an HF style gives one parameter named by a plan key.
+
+    Colwise styles shard dim ``ndim - 2`` (dim 0 of a vector; dim 1, the
+    output features, of a 3-D ``[experts, out, in]`` expert weight), rowwise
     styles the last dim (a ``bias`` is replicated), ``embedding_rowwise``
     rows and ``embedding_colwise`` columns, as transformers'
     ``shard_param``; ``replicate`` keeps the whole value and
     ``replicated_with_grad_allreduce`` also reduces its gradient.
+    ``packed_colwise`` (a fused gate/up weight) shards dim ``ndim - 2`` with
+    its 2 packed parts each sharded on its own (a vector: plain ``S(-1)``),
+    ``packed_rowwise`` the last dim alike (a vector: replicated), as
+    transformers' ``PackedColwiseParallel``/``PackedRowwiseParallel``.
+
+    Returns:
+        ``(placement, grad placement or None, packed parts)`` (``1``: not packed).
 
     Raises:
         TPLowerError: a style that has no meaning for a single parameter.
     """
+    if style == "packed_colwise":
+        return ({axis: "S(-1)"}, None, 1) if ndim == 1 else ({axis: f"S({ndim - 2})"}, None, PACKED_PARTS)
+    if style == "packed_rowwise":
+        return ({axis: "R"}, None, 1) if ndim == 1 else ({axis: "S(-1)"}, None, PACKED_PARTS)
+    place, grad = _plain_param_placement(style, name, ndim, axis, where)
+    return place, grad, 1
+
+
+def _plain_param_placement(style: str, name: str, ndim: int, axis: str, where: str
+                           ) -> tuple[dict[str, str], dict[str, str] | None]:
     if style in _COLWISE:
         return {axis: f"S({max(ndim - 2, 0)})"}, None
     if style in _ROWWISE:
@@ -139,5 +162,7 @@ def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str)
         return {axis: "R"}, None
     if style == "replicated_with_grad_allreduce":
         return {axis: "R"}, {axis: "P(sum)"}
+    allowed = (*_COLWISE, *_ROWWISE, "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise",
+               "replicate", "replicated_with_grad_allreduce")
     raise TPLowerError(f"{where}: style {style!r} on a parameter has no translation; a parameter key takes one of "
-                       f"{', '.join((*_COLWISE, *_ROWWISE, 'embedding_rowwise', 'embedding_colwise', 'replicate'))}")
+                       f"{', '.join(allowed)}")

@@ -69,7 +69,7 @@ from .boundaries import (
     deferred_bias_grad,
 )
 from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
-from .hf_plans import param_key_placement, resolve_model_plan
+from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
 from .params import ParamLayout, check_plain_parameter
 from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
@@ -101,6 +101,23 @@ def _input_slot(name: str, fwd: Callable[..., Any], where: str) -> tuple[int, st
                            "(or positions '0', '1', ...)")
     pos = named.index(p) if p is not None and p.kind in _POSITIONAL else -1
     return pos, name if p is None else (p.name if p.kind in _KEYWORD else None)
+
+
+def _without_absent_inputs(entry: BoundaryEntry, fwd: Callable[..., Any], qual: str) -> BoundaryEntry:
+    """``entry`` less the ``optional_inputs`` that ``fwd`` does not take."""
+    absent = set()
+    for name in entry.optional_inputs:
+        try:
+            _input_slot(name, fwd, qual)
+        except TPLowerError:
+            absent.add(name)
+    if not absent:
+        return entry
+    def keep(m: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in m.items() if k not in absent}
+
+    return dataclasses.replace(entry, in_src=keep(entry.in_src), in_dst=keep(entry.in_dst),
+                               in_grad=keep(entry.in_grad))
 
 
 def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str,
@@ -183,6 +200,7 @@ def _tail_size(value: int | str, config: Any, qual: str) -> int:
 def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str,
              seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]], config: Any = None
              ) -> InstalledBoundary | None:
+    entry = _without_absent_inputs(entry, module.forward, qual)
     form = classify_boundary_form(entry, lowerer.names, axes=(axis,), module=qual)
     declared = [op.name for op in form.inputs + form.outputs]
     if unknown := [n for n in entry.uneven if n not in declared]:
@@ -195,6 +213,8 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     if bias is not None and bias not in grads:
         grads[bias] = deferred_bias_grad(form)
     layouts = _param_layouts(module, entry, grads, lowerer, axis, qual)
+    if entry.masked_lookup is None and not isinstance(module, nn.Embedding):  # those inputs are integer ids
+        _check_partial_input_grads(entry, form, layouts, qual)
     _shard_params(module, layouts, qual, seen)
     _localize_attrs(module, entry, lowerer, axis, qual)
     if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None:
@@ -217,15 +237,49 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     return info if form.form != "identity" or bias is not None else None
 
 
+def _packs_gate_and_up(module: nn.Module, pname: str, ndim: int, style: str) -> bool:
+    """Whether a colwise ``style`` on ``pname`` shards transformers' concatenated ``[experts, gate; up, hidden]``."""
+    return (style in COLWISE_STYLES and ndim == 3 and pname == "gate_up_proj"
+            and getattr(module, "is_concatenated", False) is True and getattr(module, "has_gate", False) is True
+            and getattr(module, "is_transposed", True) is False)
+
+
+def _check_partial_input_grads(entry: BoundaryEntry, form: BoundaryForm, layouts: Mapping[str, ParamLayout],
+                               qual: str) -> None:
+    """Refuse a module that reduces a partial output of its own sharded parameters but declares no input.
+
+    Its inputs' gradients would then be each rank's partial share and never summed: a silent per-rank
+    gradient (an ``all_reduce`` style on a module whose weights are sharded by parameter keys, e.g.
+    shared experts held as 3-D parameters).
+    """
+    sharded = [n for n, lay in layouts.items() if any(isinstance(q, Shard) for q in lay.placements)]
+    reduced = any(isinstance(q, Partial) and not isinstance(d, Partial)
+                  for op in form.outputs for q, d in zip(op.src, op.dst, strict=True))
+    if sharded and reduced and not entry.input_names():
+        raise TPLowerError(f"plan[{qual!r}]: the module's own parameters {sharded} are sharded and its output is "
+                           "reduced, but no input is declared, so its inputs' gradients would stay partial on each "
+                           "rank; declare its tensor inputs in an entry (e.g. {'style': 'all_reduce', 'in_src': "
+                           "{'0': 'R'}, 'in_dst': {'0': 'R'}} with every tensor input)")
+
+
 def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.Module, axis: str,
                 where: str) -> BoundaryEntry:
     if not isinstance(value, str):
         raise TPLowerError(f"plan[{where!r}]: a key naming a parameter takes an HF style string, not {value!r}")
     p = module._parameters[pname]
     assert p is not None
-    place, grad = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
+    place, grad, packed = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
+    if packed == 1 and _packs_gate_and_up(module, pname, p.ndim, value):
+        # transformers' experts (use_experts_implementation) concatenate [gate; up] on dim 1 and split the
+        # product in halves: a plain shard of dim 1 gives one rank the gates and another the ups, a wrong model
+        # (transformers' own TP computes it so for these plans). Each half is sharded on its own instead.
+        warnings.warn(f"tplower: plan[{where!r}] shards the experts' concatenated [gate; up] weight with "
+                      f"{value!r}; sharding each half on its own (as 'packed_colwise'), which the experts' forward "
+                      "needs", stacklevel=4)
+        packed = PACKED_PARTS
     return dataclasses.replace(entry, params={**entry.params, pname: place},
-                               param_grads={**entry.param_grads, **({pname: grad} if grad else {})})
+                               param_grads={**entry.param_grads, **({pname: grad} if grad else {})},
+                               packed={**entry.packed, **({pname: packed} if packed > 1 else {})})
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,

@@ -46,6 +46,10 @@ field              meaning
                    dims the source placement shards (one small ``all_gather``
                    per sharding axis) to learn the global shape; a name is
                    both the input and the output of that name
+``optional_inputs`` names of declared inputs a module's ``forward`` may lack:
+                   for such a module they are dropped from the entry (a style
+                   written for several forms of one module, e.g. experts that
+                   take the routing weights or get them applied before)
 ``style``          an HF style to start from; the other fields then merge
                    into it name by name
 =================  =============================================================
@@ -76,7 +80,7 @@ from typing import Any, TypeAlias
 
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placement
-from .styles import HF_STYLES, entry_from_style  # re-exported: they lived here
+from .styles import HF_STYLES, PARAMETER_ONLY_STYLES, entry_from_style  # re-exported: they lived here
 
 __all__ = [
     "ENTRY_FIELDS",
@@ -95,7 +99,8 @@ PlanValue: TypeAlias = str | Mapping[str, Any]
 _MAP_FIELDS = ("in_src", "in_dst", "in_grad", "out_src", "out_dst", "out_grad", "params", "param_grads")
 #: Every field an entry mapping may have.
 ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias",
-                                                "packed", "partial_tail", "masked_lookup", "uneven", "style")
+                                                "packed", "partial_tail", "masked_lookup", "uneven",
+                                                "optional_inputs", "style")
 _LOCAL_ATTR_RULES = ("divide",)
 
 
@@ -125,6 +130,7 @@ class BoundaryEntry:
     partial_tail: int | str | None = None
     masked_lookup: str | None = None
     uneven: tuple[str, ...] = ()
+    optional_inputs: tuple[str, ...] = ()
     style: str | None = None
 
     def input_names(self) -> tuple[str, ...]:
@@ -176,7 +182,7 @@ def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
             if isinstance(v, str) or not isinstance(v, Iterable) or not all(isinstance(n, str) for n in v):
                 raise TPLowerError(f"{where}: {v!r} must be a list of output names")
             out[key] = tuple(v)
-        elif key == "uneven":  # YAML may write a position as a number
+        elif key in ("uneven", "optional_inputs"):  # YAML may write a position as a number
             if isinstance(v, str | bytes | Mapping) or not isinstance(v, Iterable) or not all(
                     isinstance(n, str) or (isinstance(n, int) and not isinstance(n, bool) and n >= 0) for n in v):
                 raise TPLowerError(f"{where}: {v!r} must be a list of input and output names (or positions)")
@@ -279,6 +285,8 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
 def _check_value(value: Any, key: str) -> None:
     """Check a plan value without knowing its module's kind: the schema, and that a style is known."""
     style = value if isinstance(value, str) else value.get("style") if isinstance(value, Mapping) else None
+    if isinstance(value, str) and value in PARAMETER_ONLY_STYLES:
+        return  # checked at install, on the parameter its key names (a module key is refused there)
     if isinstance(style, str) and style in HF_STYLES:
         kinds = [k for k, v in HF_STYLES[style].items() if not isinstance(v, str)]
         kind = "linear" if "linear" in kinds or "*" in kinds else kinds[0]

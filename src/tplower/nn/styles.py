@@ -3,8 +3,10 @@
 :data:`HF_STYLES` maps a style (``colwise``, ``rowwise``, ``sequence_parallel``,
 ``embedding_rowwise``, ...) to the entry fields it means per module kind;
 :func:`entry_from_style` looks one up and refuses, with the reason, a style
-with no faithful translation (mixture-of-experts styles, a style on a kind
-of module it is not defined for).
+with no faithful translation (expert-parallel styles, a style on a kind
+of module it is not defined for). Mixture-of-experts blocks under tensor
+parallelism: ``moe_tp_experts`` on the experts module, the packed 3-D expert
+weights named by their own keys (:func:`tplower.nn.hf_plans.param_key_placement`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from ..core.errors import TPLowerError
 
-__all__ = ["HF_STYLES", "entry_from_style"]
+__all__ = ["HF_STYLES", "PARAMETER_ONLY_STYLES", "entry_from_style"]
 
 
 # Each style is written for one tensor-parallel axis ``a``; values follow transformers'
@@ -79,6 +81,18 @@ def _replicated_partial_grad(a: str) -> dict[str, Any]:
     return {"params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
 
 
+def _moe_tp_experts(a: str) -> dict[str, Any]:
+    # tensor parallelism inside the experts (transformers' MoeExpertsParallel): every rank runs its piece of
+    # every expert's intermediate dim on all tokens, so the block's output is a partial sum, reduced once for
+    # all experts. The hidden states ("0") and the routing weights ("2": top_k_weights) enter replicated; each
+    # rank's gradient of them covers its piece of the experts only, so it is reduced in backward. The routing
+    # indices ("1") are integers and pass as they are. Experts that take their tokens already scaled by the
+    # router (Llama 4: forward(hidden_states)) have no "2". The expert weights are placed by their own plan keys.
+    moved = {"0": {a: "R"}, "2": {a: "R"}}
+    return {"in_src": moved, "in_dst": moved, "in_grad": {"0": {a: "P(sum)"}, "2": {a: "P(sum)"}},
+            "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}, "optional_inputs": ("2",)}
+
+
 _ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}}
 
 #: style -> {module kind -> builder(axis) or the reason it has no faithful translation}
@@ -93,7 +107,9 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     "local_colwise": {"linear": _local_colwise},
     "local_rowwise": {"linear": _local_rowwise},
     "packed_colwise": {"linear": _packed_colwise,
-                       "other": "packed expert weights (3-D) belong to MoE experts, which tplower does not shard"},
+                       "other": "a module key takes it on nn.Linear only; name a packed 3-D expert weight by its "
+                                "own key (layers.*.mlp.experts.gate_up_proj)"},
+    "moe_tp_experts": {"*": _moe_tp_experts},
     "embedding_rowwise": {"embedding": _embedding_vocab},
     "embedding_colwise": {"embedding": _embedding_hidden},
     "gather": _ALL_REDUCE,
@@ -105,16 +121,20 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     # multi-head latent attention: the rotary tail of kv_a_proj's output skips kv_b_proj (colwise)
     "mla_kv_a_proj": {"*": lambda a: {"partial_tail": "qk_rope_head_dim"}},
 }
-_MOE = "mixture-of-experts layers are expert parallelism, which tplower does not lower"
+#: styles transformers uses only on a key that names one parameter (a packed 3-D expert weight), never a module
+PARAMETER_ONLY_STYLES = frozenset({"packed_rowwise"})
+
+_EP = "an expert-parallel style (transformers' ep_plan); tplower does not lower expert parallelism yet"
 _UNFAITHFUL = {
     "local": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
     "local_packed_rowwise": "packed (fused gate/up) weights interleave shards; split the module instead",
-    "packed_rowwise": f"transformers uses it on MoE expert weights only; {_MOE}",
-    "moe_tp_experts": _MOE,
-    "moe_identity_expert": _MOE,
-    "grouped_gemm": _MOE,
-    "ep_router": _MOE,
-    "ep_dispatch_experts": _MOE,
+    "packed_rowwise": "a module key cannot take it: name the packed expert weight by its own key",
+    "grouped_gemm": _EP,
+    "moe_identity_expert": "an identity (zero) expert inside a tensor-parallel experts block must give 1/n of its "
+                           "input, with a gradient that stays this rank's share; no placement transition means "
+                           "that (its backward would reduce), and tplower does not lower it yet",
+    "ep_router": _EP,
+    "ep_dispatch_experts": _EP,
     "isolated": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
 }
 

@@ -1,0 +1,208 @@
+"""Mixture-of-experts models under ``parallelize(model, mesh, "auto")``: tensor parallelism inside the experts.
+
+Each architecture is built tiny and random (:mod:`tplower.run.hf_table`), run at tp=2 on 2 gloo processes in
+training mode, and checked against the same model in one process: the logits, every parameter's gradient
+(the full value of a sharded one), the replicated gradients equal on both ranks, and one SGD step leaving the
+replicated parameters equal on both ranks. The set covers the forms transformers' plans take: packed
+``[experts, gate; up, hidden]`` weights (``packed_colwise``) with ``rowwise`` down projections (Qwen3-MoE,
+Mixtral), a shared expert and grouped routing (DeepSeek-V3), transposed expert weights with ``packed_rowwise``
+and experts that take tokens already scaled by the router (Llama 4), a plan that says ``colwise`` for a
+concatenated gate/up weight (Inkling 2), and gpt-oss (whose plan shards only the embedding).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import tplower
+from tplower import TPLowerError
+from tplower.nn.hf_plans import param_key_placement
+from tplower.nn.plans import load_plan, resolve_entry
+from tplower.run.hf_table import architectures, input_ids, tiny_model
+from tplower.testing import run_processes, run_threaded
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "llama4_text", "inkling2_text", "gpt_oss")
+REFUSED = {"longcat_flash": "'moe_identity_expert'", "inkling_text": "no input is declared"}
+LOGIT_TOL, GRAD_RTOL = 1e-5, 1e-4
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _digest(t: torch.Tensor) -> str:
+    """The exact bytes of a local tensor, hashed (tensors do not travel back from the ranks)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return hashlib.sha256(local.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _replicated(p: torch.Tensor) -> bool:
+    return not isinstance(p, DTensor) or all(q.is_replicate() for q in p.placements)
+
+
+def _one(model_type: str, mesh: Any) -> dict[str, Any]:
+    ref = tiny_model(architectures([model_type])[0]).train()
+    ids = input_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+    want = ref(input_ids=ids, use_cache=False).logits
+    want.square().mean().backward()
+    got = tp(input_ids=ids, use_cache=False).logits
+    got.square().mean().backward()
+    worst, sharded = 0.0, 0
+    for (name, p), (_, q) in zip(ref.named_parameters(), tp.named_parameters(), strict=True):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        assert q.grad is not None, f"{name}: no gradient under tplower"
+        sharded += not _replicated(q)
+        scale = float(p.grad.abs().max()) or 1.0
+        worst = max(worst, float((_full(q.grad) - p.grad).abs().max()) / scale)
+    rep_grads = {n: _digest(q.grad) for n, q in tp.named_parameters() if q.grad is not None and _replicated(q)}
+    torch.optim.SGD(tp.parameters(), lr=0.1).step()
+    rep_after = {n: _digest(q) for n, q in tp.named_parameters() if _replicated(q)}
+    return {"logits": float((got - want).detach().abs().max()), "grad_rel": worst, "sharded": sharded,
+            "rep_grads": rep_grads, "rep_after": rep_after}
+
+
+def _refusal(model_type: str, mesh: Any) -> str:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tplower.parallelize(tiny_model(architectures([model_type])[0]), mesh, "auto")
+    except TPLowerError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _body(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out: dict[str, Any] = {m: _one(m, mesh) for m in ARCHS}
+    out.update({m: _refusal(m, mesh) for m in REFUSED})
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_processes(2, _body, timeout=900)
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_moe_auto_plan_matches_one_process_forward_and_every_gradient(ranks: list[dict[str, Any]],
+                                                                      model_type: str) -> None:
+    r0, r1 = (r[model_type] for r in ranks)
+    for r in (r0, r1):
+        assert r["logits"] <= LOGIT_TOL, r["logits"]
+        assert r["grad_rel"] <= GRAD_RTOL, r["grad_rel"]
+    if model_type != "gpt_oss":  # gpt-oss's plan shards the embedding only
+        assert r0["sharded"] >= 4  # expert weights of 2 layers are DTensors sharded over tp
+    assert r0["rep_grads"].keys() == r1["rep_grads"].keys()
+    for name, g in r0["rep_grads"].items():  # a replicated parameter's gradient is whole on every rank
+        assert g == r1["rep_grads"][name], name
+    for name, p in r0["rep_after"].items():
+        assert p == r1["rep_after"][name], name
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_moe_forms_not_lowered_are_refused_with_the_reason(ranks: list[dict[str, Any]], model_type: str) -> None:
+    assert REFUSED[model_type] in ranks[0][model_type]
+
+
+# transformers' shard_param rules for a key that names one parameter (tensor_parallel.py, 5.x), by hand
+PARAM_TABLE = [
+    ("packed_colwise", "gate_up_proj", 3, ({"tp": "S(1)"}, None, 2)),  # [E, gate; up, H]: each half on its own
+    ("packed_colwise", "gate_up_proj_bias", 1, ({"tp": "S(-1)"}, None, 1)),
+    ("packed_rowwise", "gate_up_proj", 3, ({"tp": "S(-1)"}, None, 2)),  # transposed [E, H, gate; up]
+    ("packed_rowwise", "bias", 1, ({"tp": "R"}, None, 1)),
+    ("colwise", "down_proj", 3, ({"tp": "S(1)"}, None, 1)),  # transposed [E, I, H]
+    ("rowwise", "down_proj", 3, ({"tp": "S(-1)"}, None, 1)),  # [E, H, I]
+    ("replicated_with_grad_allreduce", "weight", 1, ({"tp": "R"}, {"tp": "P(sum)"}, 1)),
+]
+
+
+@pytest.mark.parametrize("style,name,ndim,want", PARAM_TABLE, ids=[f"{s}-{n}-{d}d" for s, n, d, _ in PARAM_TABLE])
+def test_parameter_key_placements(style: str, name: str, ndim: int, want: tuple[Any, ...]) -> None:
+    assert param_key_placement(style, name, ndim, "tp", "here") == want
+
+
+def test_moe_styles_in_plans() -> None:
+    assert load_plan({"layers.*.experts.gate_up_proj": "packed_rowwise"})  # a parameter key: checked at install
+    with pytest.raises(TPLowerError, match="name the packed expert weight by its own key"):
+        resolve_entry("packed_rowwise", "layers.0.experts", kind="other")
+    with pytest.raises(TPLowerError, match="expert-parallel style"):
+        resolve_entry("grouped_gemm", "layers.0.experts.gate_up_proj", kind="other")
+    with pytest.raises(TPLowerError, match="a parameter key takes one of"):
+        param_key_placement("moe_tp_experts", "w", 3, "tp", "here")
+
+
+class _Experts(nn.Module):
+    """Two experts as 3-D weights, concatenated gate/up as transformers' experts hold them."""
+
+    is_concatenated, has_gate, is_transposed = True, True, False
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(2, 8, 4, generator=g))
+        self.down_proj = nn.Parameter(torch.randn(2, 4, 4, generator=g))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = torch.einsum("th,eih->tei", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("tei,ehi->teh", nn.functional.silu(gate) * up, self.down_proj)
+        pick = y.gather(1, ids[..., None].expand(-1, -1, y.shape[-1]))
+        return (pick * (w[..., None] if w is not None else 1)).sum(1)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = _Experts()
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, ids, w)
+
+
+def _synthetic(rank: int, world: int, plan: dict[str, Any]) -> dict[str, float] | str:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref = _Block()
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 4, generator=g).requires_grad_(), torch.rand(5, 2, generator=g).requires_grad_()
+    ids = torch.randint(0, 2, (5, 2), generator=g)
+    try:
+        tp = tplower.parallelize(copy.deepcopy(ref), mesh, plan)
+    except TPLowerError as exc:
+        return str(exc)
+    ref(x, ids, w).square().sum().backward()
+    want = (x.grad.clone(), w.grad.clone(), ref.experts.gate_up_proj.grad.clone())  # type: ignore[union-attr]
+    x.grad = w.grad = None
+    tp(x, ids, w).square().sum().backward()
+    got = (x.grad, w.grad, _full(tp.experts.gate_up_proj.grad))
+    rel = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True)]  # type: ignore[operator]
+    return {"dx": rel[0], "dw": rel[1], "dgate_up": rel[2]}
+
+
+def test_concatenated_gate_up_under_colwise_is_packed_and_input_gradients_reduced() -> None:
+    # transformers' plan for some experts says 'colwise' for the concatenated [gate; up] weight: sharded on its
+    # own, each rank would hold only gates or only ups. tplower shards each half and says so.
+    plan = {"experts": "moe_tp_experts", "experts.gate_up_proj": "colwise", "experts.down_proj": "rowwise"}
+    with pytest.warns(UserWarning, match=r"concatenated \[gate; up\] weight with 'colwise'"):
+        results = run_threaded(2, _synthetic, plan)
+    for res in results:
+        assert isinstance(res, dict), res
+        assert res["dx"] < 1e-5 and res["dw"] < 1e-5 and res["dgate_up"] < 1e-5, res
+
+
+def test_sharded_own_parameters_with_undeclared_inputs_are_refused() -> None:
+    plan = {"experts": "all_reduce", "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
+    for res in run_threaded(2, _synthetic, plan):
+        assert isinstance(res, str) and "no input is declared" in res and "gate_up_proj" in res, res
