@@ -24,7 +24,8 @@ ROOT = Path(__file__).parent.parent
 LINT = shutil.which("lint-imports")
 
 #: ``tplower.__all__`` before the layout move (the public API, unchanged)
-PUBLIC = ["BoundaryEntry", "BoundaryForm", "MeshLowerer", "Step", "TPCollectiveLowerer", "TPExecutionOp",
+PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "all_to_all_splits", "combine_tokens",
+          "dispatch_tokens", "plan_dispatch", "MeshLowerer", "Step", "TPCollectiveLowerer", "TPExecutionOp",
           "TPLowerError", "TPLowerTypeError", "TPOperators", "TransitionPlan", "VerifyReport", "__version__",
           "classify_axis", "classify_boundary_form", "classify_tp_transition", "create_tp_collective_lowerer",
           "explain_plan_lines", "format_placement", "format_placements", "load_plan", "mesh_lowerer", "parallelize",

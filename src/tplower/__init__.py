@@ -7,6 +7,7 @@ and backward, on plain local tensors.
 from __future__ import annotations
 
 from .core.cache import set_cache_size
+from .core.dispatch import DispatchPlan, all_to_all_splits, combine_tokens, dispatch_tokens, plan_dispatch
 from .core.errors import TPLowerError, TPLowerTypeError
 from .core.lowering import (
     TPCollectiveLowerer,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BoundaryEntry",
     "BoundaryForm",
+    "DispatchPlan",
     "MeshLowerer",
     "Step",
     "TPCollectiveLowerer",
@@ -49,10 +51,13 @@ __all__ = [
     "TransitionPlan",
     "VerifyReport",
     "__version__",
+    "all_to_all_splits",
     "classify_axis",
     "classify_boundary_form",
     "classify_tp_transition",
+    "combine_tokens",
     "create_tp_collective_lowerer",
+    "dispatch_tokens",
     "explain_plan_lines",
     "format_placement",
     "format_placements",
@@ -61,6 +66,7 @@ __all__ = [
     "parallelize",
     "parse_placement",
     "parse_placements",
+    "plan_dispatch",
     "plan_steps",
     "plan_transition",
     "redistribute_local",
