@@ -202,6 +202,11 @@ def test_concatenated_gate_up_under_colwise_is_packed_and_input_gradients_reduce
         assert res["dx"] < 1e-5 and res["dw"] < 1e-5 and res["dgate_up"] < 1e-5, res
 
 
+def test_moe_tp_experts_without_sharded_expert_weights_is_refused() -> None:
+    for res in run_threaded(2, _synthetic, {"experts": "moe_tp_experts"}):
+        assert isinstance(res, str) and "no expert weight of the module is sharded" in res, res
+
+
 def test_sharded_own_parameters_with_undeclared_inputs_are_refused() -> None:
     plan = {"experts": "all_reduce", "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
     for res in run_threaded(2, _synthetic, plan):

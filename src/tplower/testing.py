@@ -96,9 +96,7 @@ def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: 
         try:
             rank, ok, value = results.get(timeout=0.2)
         except queue.Empty:
-            for r, p in enumerate(procs):
-                if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
-                    failures[r] = f"process exited with code {p.exitcode}"
+            _name_the_dead(procs, out, failures)
         else:
             (out if ok else failures)[rank] = value
         if failures and first_failure is None:
@@ -121,6 +119,11 @@ def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[i
         except queue.Empty:
             break
         (out if ok else failures)[rank] = value
+    _name_the_dead(procs, out, failures)
+
+
+def _name_the_dead(procs: list[Any], out: dict[int, Any], failures: dict[int, str]) -> None:
+    """Ranks whose process has exited without a report, named by their exit code."""
     for r, p in enumerate(procs):
         if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
             failures[r] = f"process exited with code {p.exitcode}"

@@ -113,6 +113,7 @@ def _without_absent_inputs(entry: BoundaryEntry, fwd: Callable[..., Any], qual: 
             absent.add(name)
     if not absent:
         return entry
+
     def keep(m: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in m.items() if k not in absent}
 
@@ -253,6 +254,10 @@ def _check_partial_input_grads(entry: BoundaryEntry, form: BoundaryForm, layouts
     shared experts held as 3-D parameters).
     """
     sharded = [n for n, lay in layouts.items() if any(isinstance(q, Shard) for q in lay.placements)]
+    if entry.style == "moe_tp_experts" and not sharded:
+        raise TPLowerError(f"plan[{qual!r}]: 'moe_tp_experts' sums every rank's piece of the experts, but no expert "
+                           "weight of the module is sharded; place them by their own keys (e.g. "
+                           f"'{qual}.gate_up_proj': 'packed_colwise', '{qual}.down_proj': 'rowwise')")
     reduced = any(isinstance(q, Partial) and not isinstance(d, Partial)
                   for op in form.outputs for q, d in zip(op.src, op.dst, strict=True))
     if sharded and reduced and not entry.input_names():
@@ -271,8 +276,8 @@ def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.M
     place, grad, packed = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
     if packed == 1 and _packs_gate_and_up(module, pname, p.ndim, value):
         # transformers' experts (use_experts_implementation) concatenate [gate; up] on dim 1 and split the
-        # product in halves: a plain shard of dim 1 gives one rank the gates and another the ups, a wrong model
-        # (transformers' own TP computes it so for these plans). Each half is sharded on its own instead.
+        # product in halves: a plain shard of dim 1 would give one rank the gates and the other the ups (logits
+        # 4e-2 off one process for Inkling 2's plan). Each half is sharded on its own instead.
         warnings.warn(f"tplower: plan[{where!r}] shards the experts' concatenated [gate; up] weight with "
                       f"{value!r}; sharding each half on its own (as 'packed_colwise'), which the experts' forward "
                       "needs", stacklevel=4)

@@ -85,12 +85,13 @@ def _moe_tp_experts(a: str) -> dict[str, Any]:
     # tensor parallelism inside the experts (transformers' MoeExpertsParallel): every rank runs its piece of
     # every expert's intermediate dim on all tokens, so the block's output is a partial sum, reduced once for
     # all experts. The hidden states ("0") and the routing weights ("2": top_k_weights) enter replicated; each
-    # rank's gradient of them covers its piece of the experts only, so it is reduced in backward. The routing
-    # indices ("1") are integers and pass as they are. Experts that take their tokens already scaled by the
-    # router (Llama 4: forward(hidden_states)) have no "2". The expert weights are placed by their own plan keys.
+    # rank's gradient of them covers its piece of the experts only, so it is reduced in backward (the default
+    # input gradient of an entry that shards a parameter: the expert weights, placed by their own plan keys;
+    # experts left whole keep whole gradients). The routing indices ("1") are integers and pass as they are.
+    # Experts that take their tokens already scaled by the router (Llama 4: forward(hidden_states)) have no "2".
     moved = {"0": {a: "R"}, "2": {a: "R"}}
-    return {"in_src": moved, "in_dst": moved, "in_grad": {"0": {a: "P(sum)"}, "2": {a: "P(sum)"}},
-            "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}, "optional_inputs": ("2",)}
+    return {"in_src": moved, "in_dst": moved, "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
+            "optional_inputs": ("2",)}
 
 
 _ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}}
