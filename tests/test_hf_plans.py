@@ -181,7 +181,7 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 def test_moe_styles_not_lowered_are_refused_naming_style_and_module() -> None:
     msgs = run_threaded(2, _refusals)[0]
-    assert "'experts'" in msgs[0] and "'grouped_gemm'" in msgs[0] and "expert-parallel style" in msgs[0]
+    assert "'experts'" in msgs[0] and "'grouped_gemm'" in msgs[0] and "its own key" in msgs[0]
     assert "'packed_rowwise'" in msgs[1] and "its own key" in msgs[1]  # a style for a parameter key only
     assert "'moe_identity_expert'" in msgs[2] and "1/n of its input" in msgs[2]
 

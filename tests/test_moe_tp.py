@@ -21,16 +21,17 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import tplower
 from tplower import TPLowerError
 from tplower.nn.hf_plans import param_key_placement
 from tplower.nn.plans import load_plan, resolve_entry
-from tplower.run.hf_table import architectures, input_ids, tiny_model
+from tplower.run.hf_table import architectures, input_ids, tiny_config, tiny_model
 from tplower.testing import run_processes, run_threaded
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "llama4_text", "inkling2_text", "gpt_oss")
+EP_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")  # gpt-oss: expert biases sharded by expert too
 REFUSED = {"longcat_flash": "'moe_identity_expert'", "inkling_text": "no input is declared"}
 LOGIT_TOL, GRAD_RTOL = 1e-5, 1e-4
 
@@ -49,29 +50,31 @@ def _replicated(p: torch.Tensor) -> bool:
     return not isinstance(p, DTensor) or all(q.is_replicate() for q in p.placements)
 
 
-def _one(model_type: str, mesh: Any) -> dict[str, Any]:
+def _one(model_type: str, mesh: Any, experts: str = "tp") -> dict[str, Any]:
     ref = tiny_model(architectures([model_type])[0]).train()
     ids = input_ids()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tp = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+        tp = tplower.parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
     want = ref(input_ids=ids, use_cache=False).logits
     want.square().mean().backward()
     got = tp(input_ids=ids, use_cache=False).logits
     got.square().mean().backward()
-    worst, sharded = 0.0, 0
+    worst, sharded, by_expert = 0.0, 0, 0
     for (name, p), (_, q) in zip(ref.named_parameters(), tp.named_parameters(), strict=True):
         if p.grad is None:
             assert q.grad is None, name
             continue
         assert q.grad is not None, f"{name}: no gradient under tplower"
         sharded += not _replicated(q)
-        scale = float(p.grad.abs().max()) or 1.0
+        by_expert += isinstance(q, DTensor) and "experts" in name and q.placements[0] == Shard(0)
+        scale = max(float(p.grad.abs().max()), 1e-6)  # a gradient of 1e-12 (a router at init) is rounding
         worst = max(worst, float((_full(q.grad) - p.grad).abs().max()) / scale)
     rep_grads = {n: _digest(q.grad) for n, q in tp.named_parameters() if q.grad is not None and _replicated(q)}
     torch.optim.SGD(tp.parameters(), lr=0.1).step()
     rep_after = {n: _digest(q) for n, q in tp.named_parameters() if _replicated(q)}
     return {"logits": float((got - want).detach().abs().max()), "grad_rel": worst, "sharded": sharded,
+            "by_expert": by_expert,
             "rep_grads": rep_grads, "rep_after": rep_after}
 
 
@@ -85,10 +88,31 @@ def _refusal(model_type: str, mesh: Any) -> str:
     return "not refused"
 
 
+def _ep_refusals(mesh: Any) -> list[str]:
+    import transformers
+
+    config = tiny_config("qwen3_moe")
+    config.num_experts = 3  # does not divide over 2 ranks
+    odd = transformers.Qwen3MoeForCausalLM(config)
+    msgs = []
+    for model, kw in ((odd, {"experts": "ep"}), (tiny_model(architectures(["llama4_text"])[0]), {"experts": "ep"}),
+                      (odd, {"experts": "expert"})):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tplower.parallelize(model, mesh, "auto", **kw)
+            msgs.append("not refused")
+        except (TPLowerError, ValueError) as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {m: _one(m, mesh) for m in ARCHS}
+    out.update({f"ep:{m}": _one(m, mesh, "ep") for m in EP_ARCHS})
     out.update({m: _refusal(m, mesh) for m in REFUSED})
+    out["ep_refusals"] = _ep_refusals(mesh)
     return out
 
 
@@ -97,14 +121,17 @@ def ranks() -> list[dict[str, Any]]:
     return run_processes(2, _body, timeout=900)
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("model_type", [*ARCHS, *(f"ep:{m}" for m in EP_ARCHS)])
 def test_moe_auto_plan_matches_one_process_forward_and_every_gradient(ranks: list[dict[str, Any]],
                                                                       model_type: str) -> None:
+    """``ep:NAME``: the same under ``experts="ep"`` (experts sharded by index, tokens dispatched)."""
     r0, r1 = (r[model_type] for r in ranks)
     for r in (r0, r1):
         assert r["logits"] <= LOGIT_TOL, r["logits"]
         assert r["grad_rel"] <= GRAD_RTOL, r["grad_rel"]
-    if model_type != "gpt_oss":  # gpt-oss's plan shards the embedding only
+    if model_type.startswith("ep:"):
+        assert r0["by_expert"] >= 4  # gate_up and down of 2 layers: DTensors sharded on the expert dim
+    elif model_type != "gpt_oss":  # gpt-oss's tensor-parallel plan shards the embedding only
         assert r0["sharded"] >= 4  # expert weights of 2 layers are DTensors sharded over tp
     assert r0["rep_grads"].keys() == r1["rep_grads"].keys()
     for name, g in r0["rep_grads"].items():  # a replicated parameter's gradient is whole on every rank
@@ -118,6 +145,13 @@ def test_moe_forms_not_lowered_are_refused_with_the_reason(ranks: list[dict[str,
     assert REFUSED[model_type] in ranks[0][model_type]
 
 
+def test_expert_parallel_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
+    odd, no_plan, bad = ranks[0]["ep_refusals"]
+    assert "3 experts do not divide over the 2 ranks of axis 'tp'" in odd and "experts='tp'" in odd
+    assert "no ep_plan" in no_plan and "Llama4ForCausalLM" in no_plan
+    assert "experts='expert'" in bad and "'tp'" in bad and "'ep'" in bad
+
+
 # transformers' shard_param rules for a key that names one parameter (tensor_parallel.py, 5.x), by hand
 PARAM_TABLE = [
     ("packed_colwise", "gate_up_proj", 3, ({"tp": "S(1)"}, None, 2)),  # [E, gate; up, H]: each half on its own
@@ -127,6 +161,8 @@ PARAM_TABLE = [
     ("colwise", "down_proj", 3, ({"tp": "S(1)"}, None, 1)),  # transposed [E, I, H]
     ("rowwise", "down_proj", 3, ({"tp": "S(-1)"}, None, 1)),  # [E, H, I]
     ("replicated_with_grad_allreduce", "weight", 1, ({"tp": "R"}, {"tp": "P(sum)"}, 1)),
+    ("grouped_gemm", "gate_up_proj", 3, ({"tp": "S(0)"}, None, 1)),  # expert parallelism: by expert
+    ("grouped_gemm", "down_proj_bias", 2, ({"tp": "S(0)"}, None, 1)),
 ]
 
 
@@ -139,8 +175,8 @@ def test_moe_styles_in_plans() -> None:
     assert load_plan({"layers.*.experts.gate_up_proj": "packed_rowwise"})  # a parameter key: checked at install
     with pytest.raises(TPLowerError, match="name the packed expert weight by its own key"):
         resolve_entry("packed_rowwise", "layers.0.experts", kind="other")
-    with pytest.raises(TPLowerError, match="expert-parallel style"):
-        resolve_entry("grouped_gemm", "layers.0.experts.gate_up_proj", kind="other")
+    with pytest.raises(TPLowerError, match="name the expert weight by its own key"):
+        resolve_entry("grouped_gemm", "layers.0.experts", kind="other")
     with pytest.raises(TPLowerError, match="a parameter key takes one of"):
         param_key_placement("moe_tp_experts", "w", 3, "tp", "here")
 

@@ -26,7 +26,8 @@ from torch import nn
 from ..core.errors import TPLowerError
 from .plans import PlanValue, load_plan, match_plan
 
-__all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_tp_plan", "param_key_placement", "resolve_model_plan"]
+__all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_ep_plan", "model_tp_plan", "param_key_placement",
+           "resolve_model_plan"]
 
 #: the plan argument that means "the model's own plan"
 AUTO = "auto"
@@ -58,6 +59,31 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     return {str(k): str(v) for k, v in plan.items()}
 
 
+def model_ep_plan(model: nn.Module) -> dict[str, str]:
+    """The model's expert-parallel plan: ``ep_plan``/``_ep_plan``, else ``config.base_model_ep_plan`` under the prefix.
+
+    Raises:
+        TPLowerError: the model carries no expert-parallel plan (a dense
+            model, or MoE experts transformers does not dispatch, e.g. Llama 4).
+    """
+    plan: Any = None
+    for attr in ("ep_plan", "_ep_plan"):
+        try:
+            plan = getattr(model, attr, None)
+        except Exception:  # a property of a model that cannot build its plan: try the next source
+            plan = None
+        if plan:
+            break
+    if not plan:
+        base = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
+        if base:
+            plan = _under_prefix(dict(base), model) or dict(base)
+    if not plan:
+        raise TPLowerError(f"experts='ep': {type(model).__name__} has no ep_plan or config.base_model_ep_plan "
+                           "(a dense model, or experts transformers does not dispatch); use experts='tp'")
+    return {str(k): str(v) for k, v in plan.items()}
+
+
 def _names(model: nn.Module) -> list[str]:
     modules = [n for n, _ in model.named_modules()]
     params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -80,13 +106,18 @@ def _matches_any(plan: Mapping[str, PlanValue], names: Iterable[str]) -> bool:
             return False
 
 
-def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module) -> dict[str, PlanValue]:
+def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *,
+                       experts: str = "tp") -> dict[str, PlanValue]:
     """The plan keyed by ``model``'s own names.
 
     Args:
         plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`), a
             mapping, or a YAML/JSON file path.
         model: the model it is for.
+        experts: with ``"auto"``: ``"tp"`` (tensor parallelism inside the
+            experts, the model's ``tp_plan``) or ``"ep"`` (its ``ep_plan``'s
+            keys over the ``tp_plan``: experts sharded by index, tokens
+            dispatched).
 
     Returns:
         The checked plan; when no key matches the model but every key
@@ -99,6 +130,8 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
             model without a plan.
     """
     if isinstance(plan, str) and plan == AUTO:
+        if experts == "ep":  # the expert-parallel keys replace the tensor-parallel ones they name
+            return load_plan({**model_tp_plan(model), **model_ep_plan(model)})
         return load_plan(model_tp_plan(model))
     loaded = load_plan(plan)
     names = _names(model)
@@ -132,7 +165,8 @@ def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str
     ``packed_colwise`` (a fused gate/up weight) shards dim ``ndim - 2`` with
     its 2 packed parts each sharded on its own (a vector: plain ``S(-1)``),
     ``packed_rowwise`` the last dim alike (a vector: replicated), as
-    transformers' ``PackedColwiseParallel``/``PackedRowwiseParallel``.
+    transformers' ``PackedColwiseParallel``/``PackedRowwiseParallel``;
+    ``grouped_gemm`` (expert parallelism) shards the expert dim 0.
 
     Returns:
         ``(placement, grad placement or None, packed parts)`` (``1``: not packed).
@@ -144,6 +178,8 @@ def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str
         return ({axis: "S(-1)"}, None, 1) if ndim == 1 else ({axis: f"S({ndim - 2})"}, None, PACKED_PARTS)
     if style == "packed_rowwise":
         return ({axis: "R"}, None, 1) if ndim == 1 else ({axis: "S(-1)"}, None, PACKED_PARTS)
+    if style == "grouped_gemm":  # expert parallelism: an [experts, ...] weight or bias sharded by expert
+        return {axis: "S(0)"}, None, 1
     place, grad = _plain_param_placement(style, name, ndim, axis, where)
     return place, grad, 1
 
@@ -162,7 +198,7 @@ def _plain_param_placement(style: str, name: str, ndim: int, axis: str, where: s
         return {axis: "R"}, None
     if style == "replicated_with_grad_allreduce":
         return {axis: "R"}, {axis: "P(sum)"}
-    allowed = (*_COLWISE, *_ROWWISE, "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise",
-               "replicate", "replicated_with_grad_allreduce")
+    allowed = (*_COLWISE, *_ROWWISE, "packed_colwise", "packed_rowwise", "grouped_gemm", "embedding_rowwise",
+               "embedding_colwise", "replicate", "replicated_with_grad_allreduce")
     raise TPLowerError(f"{where}: style {style!r} on a parameter has no translation; a parameter key takes one of "
                        f"{', '.join(allowed)}")

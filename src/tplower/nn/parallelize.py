@@ -69,6 +69,7 @@ from .boundaries import (
     deferred_bias_grad,
 )
 from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
+from .experts import ExpertDispatch
 from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
 from .params import ParamLayout, check_plain_parameter
@@ -202,6 +203,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
              seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]], config: Any = None
              ) -> InstalledBoundary | None:
     entry = _without_absent_inputs(entry, module.forward, qual)
+    num_experts = _global_experts(module, entry, lowerer, axis, qual)
     form = classify_boundary_form(entry, lowerer.names, axes=(axis,), module=qual)
     declared = [op.name for op in form.inputs + form.outputs]
     if unknown := [n for n in entry.uneven if n not in declared]:
@@ -227,6 +229,8 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     info = InstalledBoundary(qual, form, mode, reason, bias)
     orig = module.forward
     compute = _load_compute(module, entry.local_compute, qual) if entry.local_compute else orig
+    if num_experts is not None:
+        compute = ExpertDispatch(compute, num_experts, lowerer, lowerer.names.index(axis), qual)
     ins = _input_moves(form.inputs, orig, qual, entry.uneven)
     boundary = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
                          tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
@@ -236,6 +240,23 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
         boundary.tail_grad = tuple(Partial() if n == axis else Replicate() for n in lowerer.names)
     module.forward = boundary
     return info if form.form != "identity" or bias is not None else None
+
+
+def _global_experts(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str
+                    ) -> int | None:
+    """The expert count of an ``expert_dispatch`` entry's module, checked to divide over ``axis`` (else ``None``)."""
+    attr = entry.expert_dispatch
+    if attr is None:
+        return None
+    value = getattr(module, attr, None)
+    n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TPLowerError(f"plan[{qual!r}].expert_dispatch: the module has no positive integer {attr!r}")
+    if value % n:
+        raise TPLowerError(f"plan[{qual!r}]: {value} experts do not divide over the {n} ranks of axis {axis!r}; "
+                           "use experts='tp' (tensor parallelism inside the experts) or a mesh axis whose size "
+                           "divides the expert count")
+    return value
 
 
 def _packs_gate_and_up(module: nn.Module, pname: str, ndim: int, style: str) -> bool:
@@ -288,7 +309,7 @@ def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.M
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
-                axis: str = "tp") -> nn.Module:
+                axis: str = "tp", experts: str = "tp") -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -303,6 +324,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             may also name a parameter (``layers.*.self_attn.sinks``): it is
             placed as the style places a parameter.
         axis: the tensor-parallel mesh axis HF styles shard on.
+        experts: how ``"auto"`` parallelizes mixture-of-experts blocks:
+            ``"tp"`` (default; the model's ``tp_plan``: every rank holds a
+            piece of every expert, the block's output is reduced once) or
+            ``"ep"`` (its ``ep_plan`` over the ``tp_plan``: the experts are
+            sharded by index over ``axis``, each rank takes its piece of the
+            tokens and dispatches each to the rank holding its expert;
+            :mod:`tplower.nn.experts`). Ignored for other plans, whose styles
+            say it.
 
     Returns:
         ``model`` itself. Every parameter the plan places is an
@@ -342,7 +371,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     check_mesh(mesh, "mesh", "parallelize")
     if not isinstance(axis, str):
         raise TypeError(f"parallelize: axis must be a mesh axis name (str), got {type(axis).__name__}")
-    plan = resolve_model_plan(plan, model)
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"parallelize: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts) "
+                         "or 'ep' (expert parallelism)")
+    plan = resolve_model_plan(plan, model, experts=experts)
     lowerer = mesh_lowerer(mesh)
     if axis not in lowerer.names:
         warnings.warn(f"tplower: mesh axes {lowerer.names} have no {axis!r}; HF styles shard nothing", stacklevel=2)

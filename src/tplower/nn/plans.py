@@ -50,6 +50,11 @@ field              meaning
                    for such a module they are dropped from the entry (a style
                    written for several forms of one module, e.g. experts that
                    take the routing weights or get them applied before)
+``expert_dispatch`` the module attribute holding the number of experts: the
+                   module is an expert-parallel experts block (its inputs
+                   ``(tokens, top_k_index, top_k_weights)`` this rank's piece);
+                   its compute dispatches each slot to the rank holding its
+                   expert and combines the results (:mod:`tplower.nn.experts`)
 ``style``          an HF style to start from; the other fields then merge
                    into it name by name
 =================  =============================================================
@@ -100,7 +105,7 @@ _MAP_FIELDS = ("in_src", "in_dst", "in_grad", "out_src", "out_dst", "out_grad", 
 #: Every field an entry mapping may have.
 ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias",
                                                 "packed", "partial_tail", "masked_lookup", "uneven",
-                                                "optional_inputs", "style")
+                                                "optional_inputs", "expert_dispatch", "style")
 _LOCAL_ATTR_RULES = ("divide",)
 
 
@@ -131,6 +136,7 @@ class BoundaryEntry:
     masked_lookup: str | None = None
     uneven: tuple[str, ...] = ()
     optional_inputs: tuple[str, ...] = ()
+    expert_dispatch: str | None = None
     style: str | None = None
 
     def input_names(self) -> tuple[str, ...]:
@@ -200,7 +206,7 @@ def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
             if not (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool) and v > 0)):
                 raise TPLowerError(f"{where}: {v!r} must be a positive integer or a config attribute name")
             out[key] = v
-        elif key in ("local_compute", "deferred_bias", "masked_lookup", "style"):
+        elif key in ("local_compute", "deferred_bias", "masked_lookup", "expert_dispatch", "style"):
             if not isinstance(v, str):
                 raise TPLowerError(f"{where}: {v!r} must be a string")
             out[key] = v

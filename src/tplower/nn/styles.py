@@ -94,6 +94,17 @@ def _moe_tp_experts(a: str) -> dict[str, Any]:
             "optional_inputs": ("2",)}
 
 
+def _ep_dispatch_experts(a: str) -> dict[str, Any]:
+    # expert parallelism (transformers' ep_dispatch_experts): the experts are sharded by index (their weights'
+    # plan keys: grouped_gemm, Shard(0)); each rank takes its piece of the replicated tokens and their routing,
+    # dispatches every slot to the rank holding its expert, and gathers the combined output back (uneven: the
+    # token count need not divide). The module then holds E/n experts (num_experts divided).
+    whole = {"0": {a: "R"}, "1": {a: "R"}, "2": {a: "R"}}
+    piece = {"0": {a: "S(0)"}, "1": {a: "S(0)"}, "2": {a: "S(0)"}}
+    return {"in_src": whole, "in_dst": piece, "out_src": {"out": {a: "S(0)"}}, "out_dst": {"out": {a: "R"}},
+            "uneven": ("out",), "local_attrs": {"num_experts": "divide"}, "expert_dispatch": "num_experts"}
+
+
 _ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}}
 
 #: style -> {module kind -> builder(axis) or the reason it has no faithful translation}
@@ -111,6 +122,7 @@ HF_STYLES: dict[str, dict[str, Any]] = {
                        "other": "a module key takes it on nn.Linear only; name a packed 3-D expert weight by its "
                                 "own key (layers.*.mlp.experts.gate_up_proj)"},
     "moe_tp_experts": {"*": _moe_tp_experts},
+    "ep_dispatch_experts": {"*": _ep_dispatch_experts},
     "embedding_rowwise": {"embedding": _embedding_vocab},
     "embedding_colwise": {"embedding": _embedding_hidden},
     "gather": _ALL_REDUCE,
@@ -123,19 +135,18 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     "mla_kv_a_proj": {"*": lambda a: {"partial_tail": "qk_rope_head_dim"}},
 }
 #: styles transformers uses only on a key that names one parameter (a packed 3-D expert weight), never a module
-PARAMETER_ONLY_STYLES = frozenset({"packed_rowwise"})
+PARAMETER_ONLY_STYLES = frozenset({"packed_rowwise", "grouped_gemm"})
 
-_EP = "an expert-parallel style (transformers' ep_plan); tplower does not lower expert parallelism yet"
+_EP = "transformers' expert-parallel router style; tplower's expert parallelism keeps the router replicated"
 _UNFAITHFUL = {
     "local": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
     "local_packed_rowwise": "packed (fused gate/up) weights interleave shards; split the module instead",
     "packed_rowwise": "a module key cannot take it: name the packed expert weight by its own key",
-    "grouped_gemm": _EP,
+    "grouped_gemm": "a module key cannot take it: name the expert weight by its own key",
     "moe_identity_expert": "an identity (zero) expert inside a tensor-parallel experts block must give 1/n of its "
                            "input, with a gradient that stays this rank's share; no placement transition means "
                            "that (its backward would reduce), and tplower does not lower it yet",
     "ep_router": _EP,
-    "ep_dispatch_experts": _EP,
     "isolated": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
 }
 
