@@ -243,6 +243,12 @@ def test_moe_tp_experts_without_sharded_expert_weights_is_refused() -> None:
         assert isinstance(res, str) and "no expert weight of the module is sharded" in res, res
 
 
+def test_expert_weights_split_without_a_reduction_are_refused() -> None:
+    plan = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}  # no moe_tp_experts
+    for res in run_threaded(2, _synthetic, plan):
+        assert isinstance(res, str) and "split inside each expert" in res and "'moe_tp_experts'" in res, res
+
+
 def test_sharded_own_parameters_with_undeclared_inputs_are_refused() -> None:
     plan = {"experts": "all_reduce", "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
     for res in run_threaded(2, _synthetic, plan):

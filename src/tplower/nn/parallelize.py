@@ -217,7 +217,8 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
         grads[bias] = deferred_bias_grad(form)
     layouts = _param_layouts(module, entry, grads, lowerer, axis, qual)
     if entry.masked_lookup is None and not isinstance(module, nn.Embedding):  # those inputs are integer ids
-        _check_partial_input_grads(entry, form, layouts, qual)
+        _check_partial_input_grads(entry, form, layouts, qual,
+                                   {n: p.dim() for n, p in module.named_parameters(recurse=False)})
     _shard_params(module, layouts, qual, seen)
     _localize_attrs(module, entry, lowerer, axis, qual)
     if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None:
@@ -267,18 +268,25 @@ def _packs_gate_and_up(module: nn.Module, pname: str, ndim: int, style: str) -> 
 
 
 def _check_partial_input_grads(entry: BoundaryEntry, form: BoundaryForm, layouts: Mapping[str, ParamLayout],
-                               qual: str) -> None:
-    """Refuse a module that reduces a partial output of its own sharded parameters but declares no input.
+                               qual: str, module_param_ndim: Mapping[str, int]) -> None:
+    """Refuse the silent partial sums of a module whose own parameters the plan shards by parameter keys.
 
-    Its inputs' gradients would then be each rank's partial share and never summed: a silent per-rank
-    gradient (an ``all_reduce`` style on a module whose weights are sharded by parameter keys, e.g.
-    shared experts held as 3-D parameters).
+    Two forms: 3-D expert weights split inside each expert with no output reduced (the ``moe_tp_experts``
+    entry left out), and an output reduced with no input declared (its inputs' gradients would stay each
+    rank's share: ``all_reduce`` on shared experts held as 3-D parameters).
     """
     sharded = [n for n, lay in layouts.items() if any(isinstance(q, Shard) for q in lay.placements)]
     if entry.style == "moe_tp_experts" and not sharded:
         raise TPLowerError(f"plan[{qual!r}]: 'moe_tp_experts' sums every rank's piece of the experts, but no expert "
                            "weight of the module is sharded; place them by their own keys (e.g. "
                            f"'{qual}.gate_up_proj': 'packed_colwise', '{qual}.down_proj': 'rowwise')")
+    split_experts = [n for n, lay in layouts.items() if n in sharded and module_param_ndim.get(n) == 3
+                     and any(isinstance(q, Shard) and q.dim % 3 != 0 for q in lay.placements)]
+    if split_experts and not form.outputs and entry.expert_dispatch is None:
+        raise TPLowerError(f"plan[{qual!r}]: expert weights {split_experts} are split inside each expert, so the "
+                           "module's output is a partial sum, but its entry reduces no output; give the module "
+                           "'moe_tp_experts' (or shard the experts by index: 'grouped_gemm' with "
+                           "'ep_dispatch_experts')")
     reduced = any(isinstance(q, Partial) and not isinstance(d, Partial)
                   for op in form.outputs for q, d in zip(op.src, op.dst, strict=True))
     if sharded and reduced and not entry.input_names():
