@@ -77,12 +77,15 @@ def test_markdown_and_gaps_on_known_rows() -> None:
     moe = Outcome("refused", detail="plan['m.experts']: style 'moe_tp_experts' has no faithful translation: MoE")
     rows = [Row(arch, Outcome("pass", 1e-7), Outcome("pass", 2e-7)),
             Row(arch, moe, Outcome("pass", 1e-7)),
-            Row(arch, Outcome("fail", 1e-3, "max diff 1.0e-03 > 1e-05"), Outcome("pass", 1e-7))]
+            Row(arch, Outcome("fail", 1e-3, "max diff 1.0e-03 > 1e-05"), Outcome("pass", 1e-7)),
+            Row(arch, Outcome("pass", 1e-7), Outcome("pass", 1e-7), Outcome("error", detail="RuntimeError: x"),
+                Outcome("pass", 1e-7))]
     table = markdown(rows)
-    assert "| `x` (XForCausalLM) | pass (1.0e-07) | pass (2.0e-07) |  |" in table
+    assert "| `x` (XForCausalLM) | pass (1.0e-07) | pass (2.0e-07) | n/a | n/a |  |" in table
     assert "`moe_tp_experts` on `m.experts`: MoE" in table
-    assert "tplower: 1 fail, 1 pass, 1 refused" in table
-    assert gaps(rows) == [rows[2]]
+    assert "| error | pass (1.0e-07) | tplower EP: RuntimeError: x |" in table
+    assert "tplower: 1 fail, 2 pass, 1 refused" in table and "tplower EP: 1 error" in table
+    assert gaps(rows) == [rows[2], rows[3]]  # the second: transformers' EP passes where tplower's errs
     assert gaps(rows, allow_by_design=False) == rows[1:]
 
 

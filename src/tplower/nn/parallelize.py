@@ -358,12 +358,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
             ``DeviceMesh`` or ``axis`` not a string (before any collective).
+        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``.
         TPLowerError: a plan error (naming the module, field and value), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), a parameter dim that
             does not divide over its axis, a bias that a partial output
-            would add per rank, or an ``uneven`` name that is no declared
-            input or output. At call time (raised by the model's forward):
+            would add per rank, an ``uneven`` name that is no declared
+            input or output, a parameter-key shard that would leave a silent
+            partial sum (expert weights split with no ``moe_tp_experts``, a
+            reduced module with undeclared inputs), or, with ``experts="ep"``,
+            a model without an ``ep_plan`` or an expert count that does not
+            divide over ``axis``. At call time (raised by the model's forward):
             under the debug check, on every rank alike when the ranks'
             boundary moves disagree (undeclared uneven local sizes: the
             message names the module, the input or output and the dim);

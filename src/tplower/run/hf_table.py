@@ -15,6 +15,10 @@ architecture's errors so that one cannot end the others:
   ``save_pretrained``) loaded with ``DistributedConfig(tp_size=world,
   tp_plan="auto")`` (needs ``accelerate``), against the same checkpoint
   loaded in one process.
+* for MoE models whose config ships ``base_model_ep_plan``, both again with
+  expert parallelism: tplower's ``parallelize(..., experts="ep")`` and
+  transformers' ``ep_size=world`` (the experts sharded by index over the tp
+  ranks).
 
 ``python -m tplower.run.hf_table --markdown`` prints the README's table.
 """
@@ -44,8 +48,8 @@ from torch import nn
 from ..core.errors import TPLowerError
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
 
-__all__ = ["TOL", "Arch", "Outcome", "Row", "architectures", "by_design", "counts", "gaps", "input_ids", "main",
-           "markdown", "run_table", "tiny_config", "tiny_model"]
+__all__ = ["TOL", "Arch", "Outcome", "Row", "architectures", "by_design", "counts", "gaps", "has_ep_plan", "input_ids",
+           "main", "markdown", "run_table", "tiny_config", "tiny_model"]
 
 #: largest absolute logit difference from the one-process model that counts as equal (float32)
 TOL = 1e-5
@@ -76,18 +80,25 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Row:
-    """One architecture's line of the table."""
+    """One architecture's line of the table: tensor parallelism, then expert parallelism (MoE models with an
+    ``ep_plan``; ``n/a`` elsewhere)."""
 
     arch: Arch
     tplower: Outcome
     hf: Outcome
+    tplower_ep: Outcome = Outcome("n/a")
+    hf_ep: Outcome = Outcome("n/a")
 
     def note(self) -> str:
-        """Why a side did not pass (tplower's reason, then transformers'), and any remark on the architecture."""
+        """Why a side did not pass (tplower's reason, then transformers', then under EP), and any remark."""
         mt = self.arch.model_type
         parts = [_KNOWN.get((mt, "tplower")) or _short(self.tplower)] if self.tplower.status != "pass" else []
         if self.hf.status != "pass":
             parts.append(f"transformers: {_KNOWN.get((mt, 'transformers')) or _short(self.hf)}")
+        if self.tplower_ep.status not in ("pass", "n/a") and self.tplower_ep.detail != self.tplower.detail:
+            parts.append(f"tplower EP: {_short(self.tplower_ep)}")
+        if self.hf_ep.status not in ("pass", "n/a"):
+            parts.append(f"transformers EP: {_short(self.hf_ep)}")
         parts.append(_REMARKS.get(mt, ""))
         return "; ".join(p for p in parts if p)
 
@@ -157,22 +168,30 @@ def _guarded(run: Callable[[], Outcome]) -> Outcome:
         return Outcome("error", detail=_describe(exc))
 
 
-def _tplower_side(arch: Arch, mesh: Any, ids: torch.Tensor) -> Outcome:
+def has_ep_plan(arch: Arch) -> bool:
+    """Whether the architecture's config ships a ``base_model_ep_plan`` (its experts can be sharded by index)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return bool(getattr(CONFIG_MAPPING[arch.model_type], "base_model_ep_plan", None))
+
+
+def _tplower_side(arch: Arch, mesh: Any, ids: torch.Tensor, experts: str = "tp") -> Outcome:
     from ..nn.parallelize import parallelize
 
     ref = tiny_model(arch)
     want = _logits(ref, ids)
-    return _compare(_logits(parallelize(copy.deepcopy(ref), mesh, "auto"), ids), want)
+    return _compare(_logits(parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts), ids), want)
 
 
-def _hf_side(folder: str, ids: torch.Tensor, world: int) -> Outcome:
+def _hf_side(folder: str, ids: torch.Tensor, world: int, experts: str = "tp") -> Outcome:
     from transformers import AutoModelForCausalLM
     from transformers.distributed.configuration_utils import DistributedConfig
 
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     want = _logits(ref, ids)
-    tp = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                              distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"))
+    config = (DistributedConfig(tp_size=world, tp_plan="auto", ep_size=world) if experts == "ep"
+              else DistributedConfig(tp_size=world, tp_plan="auto"))
+    tp = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=config)
     return _compare(_logits(tp.eval(), ids), want)
 
 
@@ -188,7 +207,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str],
-               with_hf: bool) -> list[tuple[Outcome, Outcome]]:
+               with_hf: bool) -> list[tuple[Outcome, Outcome, Outcome, Outcome]]:
     """On every rank: each architecture's tplower and transformers outcomes, in order."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -196,14 +215,19 @@ def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ids = input_ids()
-    out: list[tuple[Outcome, Outcome]] = []
+    out: list[tuple[Outcome, Outcome, Outcome, Outcome]] = []
     with _quiet():
         for arch in archs:
-            mine = _guarded(functools.partial(_tplower_side, arch, mesh, ids))
-            folder = folders.get(arch.model_type)
-            theirs = (_guarded(functools.partial(_hf_side, folder, ids, world))
-                      if with_hf and folder else Outcome("n/a", detail="transformers' TP not run"))
-            out.append((mine, theirs))
+            row = []
+            for experts in ("tp", "ep"):
+                if experts == "ep" and not has_ep_plan(arch):
+                    row += [Outcome("n/a", detail="no ep_plan")] * 2
+                    continue
+                row.append(_guarded(functools.partial(_tplower_side, arch, mesh, ids, experts)))
+                folder = folders.get(arch.model_type)
+                row.append(_guarded(functools.partial(_hf_side, folder, ids, world, experts))
+                           if with_hf and folder else Outcome("n/a", detail="transformers' side not run"))
+            out.append((row[0], row[1], row[2], row[3]))
     return out
 
 
@@ -250,7 +274,7 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
         runnable = [a for a in archs if a.model_type not in broken]
         results = run_processes(world, _rank_body, runnable, folders, with_hf, timeout=timeout,
                                 pg_timeout=min(timeout, 120.0))
-    outcomes = {a.model_type: (_merge([r[i][0] for r in results]), _merge([r[i][1] for r in results]))
+    outcomes = {a.model_type: tuple(_merge([r[i][side] for r in results]) for side in range(4))
                 for i, a in enumerate(runnable)}
     return [Row(a, *outcomes[a.model_type]) if a.model_type in outcomes
             else Row(a, broken[a.model_type], broken[a.model_type]) for a in archs]
@@ -259,18 +283,23 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
 # ---------------------------------------------------------------------------------------------- report
 
 def counts(rows: Sequence[Row]) -> dict[str, dict[str, int]]:
-    """How many architectures each side passes, fails, refuses or errors on."""
-    out: dict[str, dict[str, int]] = {"tplower": {}, "transformers": {}}
+    """How many architectures each side passes, fails, refuses or errors on (EP sides: MoE models only)."""
+    out: dict[str, dict[str, int]] = {"tplower": {}, "transformers": {}, "tplower EP": {}, "transformers EP": {}}
     for row in rows:
-        for side, outcome in (("tplower", row.tplower), ("transformers", row.hf)):
-            out[side][outcome.status] = out[side].get(outcome.status, 0) + 1
+        for side, outcome in (("tplower", row.tplower), ("transformers", row.hf), ("tplower EP", row.tplower_ep),
+                              ("transformers EP", row.hf_ep)):
+            if outcome.status != "n/a" or not side.endswith("EP"):
+                out[side][outcome.status] = out[side].get(outcome.status, 0) + 1
     return out
 
 
 def gaps(rows: Sequence[Row], *, allow_by_design: bool = True) -> list[Row]:
-    """Rows transformers' TP passes and tplower does not (by default a refusal :func:`by_design` is allowed)."""
-    return [r for r in rows if r.hf.status == "pass" and r.tplower.status != "pass"
-            and not (allow_by_design and by_design(r.tplower))]
+    """Rows transformers passes and tplower does not, under TP or under EP (by default a refusal
+    :func:`by_design` is allowed)."""
+    def missed(mine: Outcome, theirs: Outcome) -> bool:
+        return theirs.status == "pass" and mine.status != "pass" and not (allow_by_design and by_design(mine))
+
+    return [r for r in rows if missed(r.tplower, r.hf) or missed(r.tplower_ep, r.hf_ep)]
 
 
 def _cell(text: str) -> str:
@@ -279,10 +308,12 @@ def _cell(text: str) -> str:
 
 def markdown(rows: Sequence[Row]) -> str:
     """The README table: architecture | tplower | transformers TP | note, then the counts."""
-    lines = ["| architecture | tplower | transformers TP | note |", "|---|---|---|---|"]
+    lines = ["| architecture | tplower | transformers TP | tplower EP | transformers EP | note |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         arch = f"`{row.arch.model_type}` ({row.arch.causal_lm})"
-        lines.append(f"| {arch} | {row.tplower.cell()} | {row.hf.cell()} | {_cell(row.note())} |")
+        lines.append(f"| {arch} | {row.tplower.cell()} | {row.hf.cell()} | {row.tplower_ep.cell()} | "
+                     f"{row.hf_ep.cell()} | {_cell(row.note())} |")
     lines.append("")
     for side, per_status in counts(rows).items():
         lines.append(f"{side}: " + ", ".join(f"{n} {status}" for status, n in sorted(per_status.items())) + "  ")
@@ -305,13 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(markdown(rows))
     else:
         for row in rows:
-            print(f"{row.arch.model_type:24} {row.tplower.cell():24} {row.hf.cell():24} {row.note()}")
+            print(f"{row.arch.model_type:24} {row.tplower.cell():18} {row.hf.cell():18} {row.tplower_ep.cell():18} "
+                  f"{row.hf_ep.cell():18} {row.note()}")
     print(f"\n{len(rows)} architectures in {seconds:.0f} s", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     missing = gaps(rows)
     for row in missing:
-        print(f"tplower misses {row.arch.model_type}, which transformers' TP passes: {row.note()}", file=sys.stderr)
+        print(f"tplower misses {row.arch.model_type}, which transformers passes: {row.note()}", file=sys.stderr)
     return 1 if missing else 0
 
 
