@@ -176,11 +176,13 @@ def shutdown() -> None:
     """End this process's use of torch.distributed so that it exits cleanly.
 
     Destroys the default process group (and so every group) if it is still
-    initialized, then :func:`release_destroyed_groups`: every gloo worker
-    thread is joined before this returns. Not needed after
-    ``dist.destroy_process_group()`` (tplower's exit hook releases then),
-    but harmless; call it as the last line of a script, on every rank.
-    Runs no collective.
+    initialized, then :func:`release_destroyed_groups`: the gloo worker
+    threads are joined before this returns, unless the caller still holds a
+    ``ProcessGroup`` itself (``mesh.get_group()`` kept in a variable: ``del``
+    it first). Not needed after ``dist.destroy_process_group()`` (tplower's
+    exit hook releases then), but harmless; do not call
+    ``destroy_process_group()`` after it (torch raises on a second destroy).
+    Call it on every rank. Runs no collective.
 
     Raises:
         Nothing of its own; an error of ``destroy_process_group`` propagates.
