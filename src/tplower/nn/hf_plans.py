@@ -33,6 +33,23 @@ __all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_ep_plan", "model_tp_
 AUTO = "auto"
 
 
+def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
+    """The model's ``{kind}_plan`` / ``_{kind}_plan``, else ``config.base_model_{kind}_plan`` under the prefix."""
+    plan: Any = None
+    for attr in (f"{kind}_plan", f"_{kind}_plan"):
+        try:
+            plan = getattr(model, attr, None)
+        except Exception:  # a property of a model that cannot build its plan: try the next source
+            plan = None
+        if plan:
+            break
+    if not plan:
+        base = getattr(getattr(model, "config", None), f"base_model_{kind}_plan", None)
+        if base:
+            plan = _under_prefix(dict(base), model) or dict(base)
+    return {str(k): str(v) for k, v in plan.items()} if plan else None
+
+
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's own tensor-parallel plan: ``tp_plan`` / ``_tp_plan``, else the config's under the prefix.
 
@@ -40,48 +57,25 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
         TPLowerError: the model carries no plan (not a transformers model,
             or an architecture without ``base_model_tp_plan``).
     """
-    plan: Any = None
-    for attr in ("tp_plan", "_tp_plan"):
-        try:
-            plan = getattr(model, attr, None)
-        except Exception:  # a property of a model that cannot build its plan: try the next source
-            plan = None
-        if plan:
-            break
-    if not plan:
-        config = getattr(model, "config", None)
-        base = getattr(config, "base_model_tp_plan", None)
-        if base:
-            plan = _under_prefix(dict(base), model) or dict(base)
-    if not plan:
+    plan = _shipped_plan(model, "tp")
+    if plan is None:
         raise TPLowerError(f"plan='auto': {type(model).__name__} has no tp_plan, _tp_plan or "
                            "config.base_model_tp_plan; pass a plan mapping")
-    return {str(k): str(v) for k, v in plan.items()}
+    return plan
 
 
 def model_ep_plan(model: nn.Module) -> dict[str, str]:
-    """The model's expert-parallel plan: ``ep_plan``/``_ep_plan``, else ``config.base_model_ep_plan`` under the prefix.
+    """The model's expert-parallel plan: ``ep_plan`` / ``_ep_plan``, else the config's under the prefix.
 
     Raises:
         TPLowerError: the model carries no expert-parallel plan (a dense
             model, or MoE experts transformers does not dispatch, e.g. Llama 4).
     """
-    plan: Any = None
-    for attr in ("ep_plan", "_ep_plan"):
-        try:
-            plan = getattr(model, attr, None)
-        except Exception:  # a property of a model that cannot build its plan: try the next source
-            plan = None
-        if plan:
-            break
-    if not plan:
-        base = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
-        if base:
-            plan = _under_prefix(dict(base), model) or dict(base)
-    if not plan:
+    plan = _shipped_plan(model, "ep")
+    if plan is None:
         raise TPLowerError(f"experts='ep': {type(model).__name__} has no ep_plan or config.base_model_ep_plan "
                            "(a dense model, or experts transformers does not dispatch); use experts='tp'")
-    return {str(k): str(v) for k, v in plan.items()}
+    return plan
 
 
 def _names(model: nn.Module) -> list[str]:
