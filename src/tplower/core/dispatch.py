@@ -31,6 +31,7 @@ dispatcher does); under ``torch.compile`` that is a graph break.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .backends import backend_caps, backend_name_for
+from .collectives import _all_gather_base
 from .errors import TPLowerError
+from .redistribute import Program
 
 __all__ = ["DispatchPlan", "all_to_all_splits", "combine_tokens", "dispatch_tokens", "plan_dispatch"]
 
-# torch 2.13 names it all_gather_single and warns on the old name; older releases only have the old one.
-_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _a2a_native(x: torch.Tensor, group: ProcessGroup, out_rows: int, output_splits: Sequence[int],
@@ -71,22 +72,8 @@ def _a2a_via_gather(x: torch.Tensor, group: ProcessGroup, matrix: Sequence[Seque
     return torch.cat(pieces)
 
 
-class _AllToAllSplits(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, matrix: tuple[tuple[int, ...], ...],  # type: ignore[override]
-                rank: int, native: bool) -> torch.Tensor:
-        ctx.args = (group, tuple(zip(*matrix, strict=True)), rank, native)
-        return _exchange(x, group, matrix, rank, native)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        group, transposed, rank, native = ctx.args
-        return all_to_all_splits(grad, group=group, matrix=transposed, rank=rank, native=native), None, None, None, \
-            None
-
-
-def _exchange(x: torch.Tensor, group: ProcessGroup, matrix: tuple[tuple[int, ...], ...], rank: int,
-              native: bool) -> torch.Tensor:
+def _exchange(x: torch.Tensor, *, group: ProcessGroup, matrix: tuple[tuple[int, ...], ...], rank: int,
+               native: bool) -> torch.Tensor:
     out_rows = sum(row[rank] for row in matrix)
     if not any(any(row) for row in matrix):  # nothing moves anywhere: every rank skips alike
         return x.new_empty((out_rows, *x.shape[1:]))
@@ -126,10 +113,12 @@ def all_to_all_splits(x: torch.Tensor, *, group: ProcessGroup, matrix: Sequence[
     if native is None:
         native = backend_caps(backend_name_for(group, x.device.type)).all_to_all
     frozen = tuple(tuple(int(v) for v in row) for row in matrix)
-    if x.requires_grad and torch.is_grad_enabled():
-        out: torch.Tensor = _AllToAllSplits.apply(x, group, frozen, rank, native)
-        return out
-    return _exchange(x, group, frozen, rank, native)
+    swapped = tuple(zip(*frozen, strict=True))
+    # The same Program and autograd Function as every placement transition (so teardown releases its group):
+    # forward the exchange, backward the same exchange with the splits swapped.
+    program = Program(None, (functools.partial(_exchange, group=group, matrix=frozen, rank=rank, native=native),),
+                      (functools.partial(_exchange, group=group, matrix=swapped, rank=rank, native=native),))
+    return program(x)
 
 
 @dataclass(frozen=True)

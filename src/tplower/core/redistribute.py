@@ -62,7 +62,9 @@ class Program:
     hashed by identity (it is tracked in a weak set, :mod:`tplower.core.teardown`).
 
     Attributes:
-        plan: the pure plan (``None`` when falling back).
+        plan: the pure plan (``None`` when falling back, and for the
+            expert dispatch's variable-split exchange, which is no placement
+            transition: :func:`tplower.core.dispatch.all_to_all_splits`).
         forward, backward: bound steps.
         fallback_reason: why DTensor runs this transition, or ``None``.
         global_shape: the global shape given or inferred.
