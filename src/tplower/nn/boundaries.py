@@ -311,4 +311,5 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
             grad = deferred_bias_grad(form)
             tail = f"; grad {', '.join(f'{a} {p}' for a, p in grad.items())} ==> backward all_reduce" if grad else ""
             lines.append(f"  param {entry.deferred_bias}: added once after the output transition{tail}")
+        lines.extend(f"  {name}: {axis} 1/n share of a sum ==> divide, forward and backward" for name in entry.share)
     return lines

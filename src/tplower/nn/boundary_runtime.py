@@ -107,6 +107,9 @@ class _Boundary:
         self.tail = 0
         self.tail_rep: Placements = ()
         self.tail_grad: Placements = ()
+        #: ``share``: output slots given as this rank's ``1/share_n`` of a sum (forward and backward divide)
+        self.share: tuple[int, ...] = ()
+        self.share_n = 1
         self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
 
     def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -184,6 +187,8 @@ class _Boundary:
             items[0] = items[0] + bias.to(items[0].dtype)
         if self.tail:
             items[0] = self._reduce_tail_grad(items[0])
+        for slot in self.share:  # the division's own gradient is this rank's share: no collective either way
+            items[slot] = items[slot] / self.share_n
         if not is_seq:
             return items[0]
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)

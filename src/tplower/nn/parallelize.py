@@ -154,16 +154,19 @@ def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str
     for op in ops:
         if op.identity:
             continue
-        if op.name == "out" or op.name.isdigit():
-            idx = 0 if op.name == "out" else int(op.name)
-        elif entry.out_names is not None and op.name in entry.out_names:
-            idx = entry.out_names.index(op.name)
-        else:
-            raise TPLowerError(f"plan[{module!r}].out: output {op.name!r} is not 'out', a position or one of "
-                               f"out_names={entry.out_names}")
-        moves.append(_Move(idx, None, op.name, op.src, op.dst, op.grad, f"module {module!r}, output {op.name!r}",
-                           op.name in entry.uneven))
+        moves.append(_Move(_output_slot(op.name, entry, module, "out"), None, op.name, op.src, op.dst, op.grad,
+                           f"module {module!r}, output {op.name!r}", op.name in entry.uneven))
     return tuple(moves)
+
+
+def _output_slot(name: str, entry: BoundaryEntry, module: str, field: str) -> int:
+    """The position of output ``name`` (``out``, a position, or one of ``out_names``) in what forward returns."""
+    if name == "out" or name.isdigit():
+        return 0 if name == "out" else int(name)
+    if entry.out_names is not None and name in entry.out_names:
+        return entry.out_names.index(name)
+    raise TPLowerError(f"plan[{module!r}].{field}: output {name!r} is not 'out', a position or one of "
+                       f"out_names={entry.out_names}")
 
 
 def _live_reason(lowerer: MeshLowerer, form: BoundaryForm) -> str | None:
@@ -221,7 +224,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
                                    {n: p.dim() for n, p in module.named_parameters(recurse=False)})
     _shard_params(module, layouts, qual, seen)
     _localize_attrs(module, entry, lowerer, axis, qual)
-    if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None:
+    if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None and not entry.share:
         return None
     reason = _live_reason(lowerer, form) if form.form in ("tp_collective", "region") else None
     if reason is not None:
@@ -239,8 +242,11 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
         boundary.tail = _tail_size(entry.partial_tail, config, qual)
         boundary.tail_rep = tuple(Replicate() for _ in lowerer.names)
         boundary.tail_grad = tuple(Partial() if n == axis else Replicate() for n in lowerer.names)
+    if entry.share:
+        boundary.share = tuple(_output_slot(n, entry, qual, "share") for n in entry.share)
+        boundary.share_n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
     module.forward = boundary
-    return info if form.form != "identity" or bias is not None else None
+    return info if form.form != "identity" or bias is not None or entry.share else None
 
 
 def _global_experts(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str

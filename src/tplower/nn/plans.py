@@ -50,6 +50,13 @@ field              meaning
                    for such a module they are dropped from the entry (a style
                    written for several forms of one module, e.g. experts that
                    take the routing weights or get them applied before)
+``share``          names of outputs the local compute gives whole on every rank
+                   inside a block whose output is reduced once by a sum (an
+                   identity expert among tensor-parallel experts): each rank gives
+                   ``1/n`` of it, ``n`` the axis size, so the sum counts it once;
+                   the gradient is divided alike, this rank's share of a gradient
+                   that the block's input reduces (transformers'
+                   ``moe_identity_expert``)
 ``expert_dispatch`` the module attribute holding the number of experts: the
                    module is an expert-parallel experts block (its inputs
                    ``(tokens, top_k_index, top_k_weights)`` this rank's piece);
@@ -105,7 +112,7 @@ _MAP_FIELDS = ("in_src", "in_dst", "in_grad", "out_src", "out_dst", "out_grad", 
 #: Every field an entry mapping may have.
 ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias",
                                                 "packed", "partial_tail", "masked_lookup", "uneven",
-                                                "optional_inputs", "expert_dispatch", "style")
+                                                "optional_inputs", "share", "expert_dispatch", "style")
 _LOCAL_ATTR_RULES = ("divide",)
 
 
@@ -136,6 +143,7 @@ class BoundaryEntry:
     masked_lookup: str | None = None
     uneven: tuple[str, ...] = ()
     optional_inputs: tuple[str, ...] = ()
+    share: tuple[str, ...] = ()
     expert_dispatch: str | None = None
     style: str | None = None
 
@@ -188,7 +196,7 @@ def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
             if isinstance(v, str) or not isinstance(v, Iterable) or not all(isinstance(n, str) for n in v):
                 raise TPLowerError(f"{where}: {v!r} must be a list of output names")
             out[key] = tuple(v)
-        elif key in ("uneven", "optional_inputs"):  # YAML may write a position as a number
+        elif key in ("uneven", "optional_inputs", "share"):  # YAML may write a position as a number
             if isinstance(v, str | bytes | Mapping) or not isinstance(v, Iterable) or not all(
                     isinstance(n, str) or (isinstance(n, int) and not isinstance(n, bool) and n >= 0) for n in v):
                 raise TPLowerError(f"{where}: {v!r} must be a list of input and output names (or positions)")

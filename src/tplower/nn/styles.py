@@ -123,6 +123,9 @@ HF_STYLES: dict[str, dict[str, Any]] = {
                                 "own key (layers.*.mlp.experts.gate_up_proj)"},
     "moe_tp_experts": {"*": _moe_tp_experts},
     "ep_dispatch_experts": {"*": _ep_dispatch_experts},
+    # an identity (zero-compute) expert among tensor-parallel experts: each rank gives 1/n of its input, so the
+    # block's one reduction counts it once, and 1/n of the gradient, which the block's input reduces
+    "moe_identity_expert": {"*": lambda a: {"share": ("out",)}},
     "embedding_rowwise": {"embedding": _embedding_vocab},
     "embedding_colwise": {"embedding": _embedding_hidden},
     "gather": _ALL_REDUCE,
@@ -143,9 +146,6 @@ _UNFAITHFUL = {
     "local_packed_rowwise": "packed (fused gate/up) weights interleave shards; split the module instead",
     "packed_rowwise": "a module key cannot take it: name the packed expert weight by its own key",
     "grouped_gemm": "a module key cannot take it: name the expert weight by its own key",
-    "moe_identity_expert": "an identity (zero) expert inside a tensor-parallel experts block must give 1/n of its "
-                           "input, with a gradient that stays this rank's share; no placement transition means "
-                           "that (its backward would reduce), and tplower does not lower it yet",
     "ep_router": _EP,
     "isolated": "IsolatedParallel partitions expert weights by transformers' own expert-parallel rules",
 }
