@@ -7,7 +7,8 @@ replicated parameters equal on both ranks. The set covers the forms transformers
 ``[experts, gate; up, hidden]`` weights (``packed_colwise``) with ``rowwise`` down projections (Qwen3-MoE,
 Mixtral), a shared expert and grouped routing (DeepSeek-V3), transposed expert weights with ``packed_rowwise``
 and experts that take tokens already scaled by the router (Llama 4), a plan that says ``colwise`` for a
-concatenated gate/up weight (Inkling 2), and gpt-oss (whose plan shards only the embedding).
+concatenated gate/up weight (Inkling 2), gpt-oss (whose plan shards only the embedding) and identity (zero)
+experts among the tensor-parallel ones (LongCat-Flash: ``moe_identity_expert``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from tplower.nn.plans import load_plan, resolve_entry
 from tplower.run.hf_table import architectures, input_ids, tiny_config, tiny_model
 from tplower.testing import run_processes, run_threaded
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "llama4_text", "inkling2_text", "gpt_oss")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "llama4_text", "inkling2_text", "gpt_oss", "longcat_flash")
 EP_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")  # gpt-oss: expert biases sharded by expert too
-REFUSED = {"longcat_flash": "'moe_identity_expert'", "inkling_text": "no input is declared"}
+REFUSED = {"inkling_text": "no input is declared"}
 LOGIT_TOL, GRAD_RTOL = 1e-5, 1e-4
 
 
@@ -107,9 +108,31 @@ def _ep_refusals(mesh: Any) -> list[str]:
     return msgs
 
 
+def _codegen(model_type: str, mesh: Any, experts: str) -> dict[str, Any]:
+    """Generated forwards (tplower codegen) against the hooks: logits and every local gradient, bit for bit."""
+    from tplower.nn.codegen import emit, install
+
+    ref = tiny_model(architectures([model_type])[0]).train()
+    ids = input_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        source = emit(ref, mesh, "auto", experts=experts)
+        hooked = tplower.parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
+        written = install(copy.deepcopy(ref), mesh, source)
+    a, b = (m(input_ids=ids, use_cache=False).logits for m in (hooked, written))
+    a.square().mean().backward()
+    b.square().mean().backward()
+    same = all(_digest(p.grad) == _digest(q.grad) for p, q in zip(hooked.parameters(), written.parameters(),
+                                                                   strict=True) if p.grad is not None)
+    return {"logits_equal": bool(torch.equal(a, b)), "grads_equal": same, "source": source if mesh.get_rank() == 0
+            else ""}
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {m: _one(m, mesh) for m in ARCHS}
+    out["codegen:ep"] = _codegen("qwen3_moe", mesh, "ep")
+    out["codegen:identity"] = _codegen("longcat_flash", mesh, "tp")
     out.update({f"ep:{m}": _one(m, mesh, "ep") for m in EP_ARCHS})
     out.update({m: _refusal(m, mesh) for m in REFUSED})
     out["ep_refusals"] = _ep_refusals(mesh)
@@ -199,21 +222,38 @@ class _Experts(nn.Module):
         return (pick * (w[..., None] if w is not None else 1)).sum(1)
 
 
-class _Block(nn.Module):
+class _WithIdentity(_Experts):
+    """The two experts and a third that is the identity (a zero-compute expert, as LongCat-Flash's)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.experts = _Experts()
+        self.identity_expert = nn.Identity()
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = torch.einsum("th,eih->tei", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("tei,ehi->teh", nn.functional.silu(gate) * up, self.down_proj)
+        y = torch.cat([y, self.identity_expert(x)[:, None]], dim=1)  # expert 2 returns its tokens
+        pick = y.gather(1, ids[..., None].expand(-1, -1, y.shape[-1]))
+        return (pick * (w[..., None] if w is not None else 1)).sum(1)
+
+
+class _Block(nn.Module):
+    def __init__(self, identity: bool = False) -> None:
+        super().__init__()
+        self.experts = _WithIdentity() if identity else _Experts()
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.experts(x, ids, w)
 
 
-def _synthetic(rank: int, world: int, plan: dict[str, Any]) -> dict[str, float] | str:
+def _synthetic(rank: int, world: int, plan: dict[str, Any], identity: bool = False) -> dict[str, float] | str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    ref = _Block()
+    ref = _Block(identity)
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 4, generator=g).requires_grad_(), torch.rand(5, 2, generator=g).requires_grad_()
-    ids = torch.randint(0, 2, (5, 2), generator=g)
+    ids = torch.randint(0, 3 if identity else 2, (5, 2), generator=g)
+    if identity:
+        ids[0] = torch.tensor([2, 0])  # the identity expert is picked at least once
     try:
         tp = tplower.parallelize(copy.deepcopy(ref), mesh, plan)
     except TPLowerError as exc:
@@ -253,3 +293,79 @@ def test_sharded_own_parameters_with_undeclared_inputs_are_refused() -> None:
     plan = {"experts": "all_reduce", "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
     for res in run_threaded(2, _synthetic, plan):
         assert isinstance(res, str) and "no input is declared" in res and "gate_up_proj" in res, res
+
+
+IDENTITY_PLAN = {"experts": "moe_tp_experts", "experts.gate_up_proj": "packed_colwise",
+                 "experts.down_proj": "rowwise", "experts.identity_expert": "moe_identity_expert"}
+
+
+def test_identity_expert_gives_its_share_forward_and_backward() -> None:
+    for res in run_threaded(2, _synthetic, IDENTITY_PLAN, True):
+        assert isinstance(res, dict), res
+        assert res["dx"] < 1e-5 and res["dw"] < 1e-5 and res["dgate_up"] < 1e-5, res
+    # without it the block's one reduction counts the identity expert's tokens once per rank
+    plan = {k: v for k, v in IDENTITY_PLAN.items() if k != "experts.identity_expert"}
+    for res in run_threaded(2, _synthetic, plan, True):
+        assert isinstance(res, dict) and res["dx"] > 1e-2, res
+
+
+def test_codegen_writes_the_dispatch_and_the_identity_share_out(ranks: list[dict[str, Any]]) -> None:
+    for key in ("codegen:ep", "codegen:identity"):
+        for r in ranks:
+            assert r[key]["logits_equal"] and r[key]["grads_equal"], key
+    ep, identity = ranks[0]["codegen:ep"]["source"], ranks[0]["codegen:identity"]["source"]
+    assert "route = ops.expert_route(self, top_k_index)" in ep and "ops.combine_tokens(out, route" in ep
+    assert "ops.hooked(" not in ep and "ops.hooked(" not in identity  # every boundary written out
+    assert "out = out / 2  # share" in identity or "outs[0] = outs[0] / 2  # share" in identity
+
+
+def test_identity_share_in_explain() -> None:
+    from tplower.nn.boundaries import explain_plan_lines
+
+    lines = explain_plan_lines({"experts.identity_expert": "moe_identity_expert"}, ["tp"])
+    assert lines == ["experts.identity_expert: identity", "  out: tp 1/n share of a sum ==> divide, forward and "
+                     "backward"]
+
+
+# ---- the command line: --experts of verify and codegen -------------------------------------------------------------
+
+def qwen3_moe_model() -> nn.Module:
+    """A ``--module`` factory: the tiny random Qwen3-MoE of the architecture table."""
+    return tiny_model(architectures(["qwen3_moe"])[0])
+
+
+def example_inputs() -> dict[str, Any]:
+    """What ``tplower verify --module test_moe_tp:...`` feeds the model."""
+    return {"input_ids": input_ids(), "use_cache": False}
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    import contextlib
+    import io
+    import sys
+    from pathlib import Path
+
+    from tplower.cli import main
+
+    out = io.StringIO()
+    tests_dir = str(Path(__file__).parent)
+    sys.path.insert(0, tests_dir)  # the ranks import test_moe_tp (spawn copies sys.path)
+    try:
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rc = main([*argv, "--module", "test_moe_tp:qwen3_moe_model", "--plan", "auto", "--experts", "ep"])
+    finally:
+        sys.path.remove(tests_dir)
+    return rc, out.getvalue()
+
+
+def test_cli_verify_and_codegen_take_experts() -> None:
+    import json
+
+    rc, text = _cli("verify", "--nproc", "2", "--steps", "2", "--json", "--no-progress")
+    report = json.loads(text)
+    assert rc == 0 and report["ok"], text
+    experts = [b for b in report["boundaries"] if b["module"] == "model.layers.0.mlp.experts"]
+    assert experts and experts[0]["ok"]
+    rc, source = _cli("codegen")
+    assert rc == 0 and "route = ops.expert_route(self, top_k_index)" in source

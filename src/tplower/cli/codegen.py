@@ -78,7 +78,7 @@ def emit_file(args: argparse.Namespace) -> str:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(sizes))
     try:
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-        return emit(model, mesh, plan, axis=args.axis)
+        return emit(model, mesh, plan, axis=args.axis, experts=args.experts)
     finally:
         dist.destroy_process_group()
 

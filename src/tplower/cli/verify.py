@@ -42,6 +42,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_help: str = "a mo
     src.add_argument("--module", metavar="PKG:ATTR", help="import ATTR from PKG: a callable returning the model")
     parser.add_argument("--plan", metavar="FILE|auto", help="plan file (YAML/JSON) or 'auto' (a transformers "
                         "model's own plan); default for --model: its plan")
+    parser.add_argument("--experts", default="tp", choices=("tp", "ep"),
+                        help="with --plan auto, how mixture-of-experts blocks are parallelized: tp (tensor "
+                             "parallelism inside the experts, default) or ep (expert parallelism: experts sharded "
+                             "by index, tokens dispatched to them)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +140,7 @@ def _rank_body(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any] | 
     build, inputs = _builder(spec)
     report = verify(build, spec["plan"], mesh, inputs, steps=spec["steps"], atol=spec["atol"], rtol=spec["rtol"],
                     input_placements=spec["input_placements"], output_placement=spec["output_placement"],
-                    progress=_bar if rank == 0 and spec["progress"] else None)
+                    progress=_bar if rank == 0 and spec["progress"] else None, experts=spec["experts"])
     return {**report.to_dict(), "table": report.table()} if rank == 0 else None
 
 
@@ -162,7 +166,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
 def _common(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
     if isinstance(plan, str) and plan != "auto" and not Path(plan).is_file():
         raise TPLowerError(f"--plan {plan!r}: no such file (or write 'auto')")
-    return {"plan": plan, "steps": args.steps, "atol": args.atol, "rtol": args.rtol,
+    return {"plan": plan, "experts": args.experts, "steps": args.steps, "atol": args.atol, "rtol": args.rtol,
             "input_placements": _placements(args.input_placement), "output_placement": args.output_placement,
             "progress": not args.no_progress and not args.json}
 

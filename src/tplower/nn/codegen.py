@@ -17,7 +17,7 @@ the model, reads back what it installed on each module, and writes one
   ``embedding`` calls, other modules call their class ``forward`` (or the
   plan's ``local_compute``) with local parameters swapped in;
 * the deferred row-parallel bias is an explicit line after the reduction; a
-  vocabulary-parallel lookup writes its masking; ``partial_tail`` its split;
+  vocabulary-parallel lookup writes its masking; ``partial_tail`` its split; ``share`` its division;
 * a generic boundary calls ``ops.dtensor`` (DTensor's ``redistribute``) with
   a comment saying why; a module whose forward cannot be written out (a
   signature default that is not a literal, a name the code needs, an
@@ -106,7 +106,8 @@ def _fingerprint(module: nn.Module, b: _Boundary, original: nn.Module) -> str:
     """What a generated forward assumes about its module: class, parameters and placements, moves, extras."""
     layouts = dict(b.params)
     parts = [f"{type(module).__module__}.{type(module).__qualname__}", b.info.form.form, b.info.mode,
-             str(b.info.deferred_bias), str(b.lookup is not None), str(b.tail), str(type(b.compute).__name__),
+             str(b.info.deferred_bias), str(b.lookup is not None), str(b.tail), str((b.share, b.share_n)),
+             str(type(b.compute).__name__),
              str("forward" in original.__dict__),
              # names and kinds only: a default's or an annotation's repr may hold a memory address
              str([(p.name, p.kind.name) for p in inspect.signature(type(module).forward).parameters.values()])]
@@ -139,7 +140,7 @@ def _plan_text(plan: Mapping[str, PlanValue]) -> str:
 
 
 def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
-         axis: str = "tp") -> str:
+         axis: str = "tp", experts: str = "tp") -> str:
     """Python source of ``model``'s forwards as :func:`tplower.parallelize` would install them on ``mesh``.
 
     Args:
@@ -150,6 +151,10 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
             written into the file.
         plan: as :func:`tplower.parallelize` (a mapping, a YAML/JSON path or ``"auto"``).
         axis: the tensor-parallel axis HF styles shard on.
+        experts: as :func:`tplower.parallelize`: with ``"auto"``, ``"tp"``
+            (tensor parallelism inside the experts) or ``"ep"`` (expert
+            parallelism); the file's ``PLAN`` is the plan it resolves to, so
+            :func:`install` needs no such argument.
 
     Returns:
         The source of a Python module (see :mod:`tplower.nn.codegen`), the
@@ -157,13 +162,17 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
 
     Raises:
         TypeError: as :func:`tplower.parallelize`.
+        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``.
         TPLowerError: as :func:`tplower.parallelize`, or a plan whose values
             are not Python literals.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"emit: model must be a torch.nn.Module, got {type(model).__name__}")
     check_mesh(mesh, "mesh", "emit")
-    resolved = resolve_model_plan(plan, model)
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"emit: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts), "
+                         "'ep' (expert parallelism)")
+    resolved = resolve_model_plan(plan, model, experts=experts)
     plan_text = _plan_text(resolved)
     _, found = _boundaries(model, mesh, resolved, axis, "emit", quiet=False)
     axes = _mesh_axes(mesh)

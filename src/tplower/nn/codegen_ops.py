@@ -20,6 +20,10 @@ or the live process group goes through one :class:`GeneratedOps` object,
   reduction and DTensor ``.grad`` in backward).
 * ``ops.local_params`` / ``ops.restore_params`` swap a module's parameters
   for their local tensors around a call of the module's own ``forward``.
+* an expert-parallel experts module is written out as its steps:
+  ``ops.expert_route`` (:func:`tplower.core.dispatch.plan_dispatch` on the
+  axis's group), ``ops.dispatch_tokens``, the module's own ``forward`` on the
+  rows received, ``ops.combine_tokens``.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core.dispatch import DispatchPlan, combine_tokens, dispatch_tokens, plan_dispatch
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
 from .boundary_runtime import _Boundary, _dtensor, _lowered, _Move
+from .experts import ExpertDispatch
 from .params import ParamLayout, local_parameter
 from .uneven import exchanged_global_shape
 
@@ -209,6 +215,25 @@ class GeneratedOps:
     def compute(self, module: nn.Module) -> Callable[..., Any]:
         """The module's plan-injected ``local_compute`` function, bound to the module."""
         return self._entry(module).boundary.compute
+
+    def expert_route(self, module: nn.Module, top_k_index: torch.Tensor) -> DispatchPlan:
+        """Plan this step's token exchange of an expert-parallel experts module (one ``all_gather`` of counts).
+
+        Args:
+            top_k_index: ``[T, k]`` int64, this rank's tokens' experts (global indices).
+
+        Raises:
+            TPLowerError: the module is not expert-parallel, or bad indices (as ``plan_dispatch``).
+        """
+        compute = self._entry(module).boundary.compute
+        if not isinstance(compute, ExpertDispatch):
+            raise TPLowerError(f"{type(module).__name__}: not an expert-parallel experts module")
+        return plan_dispatch(top_k_index, compute.num_experts, compute.lowerer.groups[compute.axis])
+
+    #: :func:`tplower.core.dispatch.dispatch_tokens`: ``[T, H]`` -> the ``[R, H]`` rows this rank's experts take
+    dispatch_tokens = staticmethod(dispatch_tokens)
+    #: :func:`tplower.core.dispatch.combine_tokens`: the experts' ``[R, H]`` rows -> ``[T, H]``, weighted by slot
+    combine_tokens = staticmethod(combine_tokens)
 
     def hooked(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Run ``module``'s boundary as :func:`tplower.parallelize` installed it (for what is not written out)."""

@@ -26,12 +26,13 @@ from ..core.placements import format_placements
 from .boundary_runtime import _Boundary, _Move
 from .codegen_ops import operator_name
 from .codegen_text import move_comment
+from .experts import ExpertDispatch
 
 __all__ = ["Writer", "fn_name", "quote"]
 
 #: names the generated code uses for its own values; a forward whose signature uses one is not written out
 _RESERVED = frozenset({"ops", "torch", "tplower", "type", "self", "out", "outs", "saved", "weight", "bias", "head",
-                       "tail", "mine", "ids", "first", "rows", "padding_idx"})
+                       "tail", "mine", "ids", "first", "rows", "padding_idx", "route", "ones"})
 
 
 def _literal(value: Any) -> str | None:
@@ -132,6 +133,9 @@ class Writer:
             self.reason = "it has an instance forward of its own"
         elif b.lookup is not None and type(module) is not nn.Embedding:
             self.reason = "its masked_lookup is written out for nn.Embedding only"
+        self.experts = isinstance(b.compute, ExpertDispatch)
+        if self.experts and (len(self.sig.names) < 3 or self.sig.call.split(", ")[:3] != self.sig.names[:3]):
+            self.reason = "its expert dispatch needs forward(hidden_states, top_k_index, top_k_weights, ...)"
         # nn.Linear and nn.Embedding are written out unless the plan injects their local compute
         self.direct = type(module) in (nn.Linear, nn.Embedding) and not isinstance(b.compute, functools.partial)
         if self.direct and any(mv.slot > 0 for mv in b.outs):
@@ -210,28 +214,40 @@ class Writer:
                 lines.append("    out = out.masked_fill(~mine.unsqueeze(-1), 0)")
             return lines
         names = tuple(n for n, _ in b.params if n != bias)
+        after: list[str] = []
         if isinstance(b.compute, functools.partial):  # the plan's local_compute, bound to the module
             fn, args = "ops.compute(self)", self.sig.call
+        elif self.experts:  # expert parallelism: the module's own forward on the rows its experts take
+            h, ids, w = self.sig.names[:3]
+            rest = self.sig.call.split(", ")[3:]
+            lines += ["    # expert parallelism: plan the exchange (all_gather of per-expert counts), send each slot's",
+                      "    # token to the rank holding its expert (all_to_all), run the local experts, send back",
+                      f"    route = ops.expert_route(self, {ids})",
+                      f"    rows = ops.dispatch_tokens({h}, route)",
+                      f"    ones = torch.ones(rows.shape[0], 1, dtype={w}.dtype, device=rows.device)"]
+            fn = "type(self).forward"
+            args = ", ".join(["self", "rows", "route.local_experts[:, None]", "ones", *rest])
+            after = [f"    out = ops.combine_tokens(out, route, {w})  # all_to_all back, weighted sum over slots"]
         else:
             fn, args = "type(self).forward", ", ".join(["self", self.sig.call] if self.sig.call else ["self"])
         if not names and bias is None:
-            return [*lines, f"    out = {fn}({args})"]
+            return [*lines, f"    out = {fn}({args})", *after]
         names_text = "(" + ", ".join(quote(x) for x in names) + ("," if len(names) == 1 else "") + ")"
         drop = f", drop=({quote(bias)},)" if bias is not None else ""
         lines += [f"    saved = ops.local_params(self, {names_text}{drop})", "    try:",
-                  f"        out = {fn}({args})", "    finally:", "        ops.restore_params(self, saved)"]
+                  f"        out = {fn}({args})", "    finally:", "        ops.restore_params(self, saved)", *after]
         return lines
 
     def _outputs(self) -> list[str]:
         b = self.b
         bias = self._deferred()
-        if not b.outs and bias is None and not b.tail:
+        if not b.outs and bias is None and not b.tail and not b.share:
             return ["    return out"]
         lines: list[str] = []
         if self.direct:
             var = "out"
         else:
-            need = max([mv.slot for mv in b.outs] + [0]) + 1
+            need = max([mv.slot for mv in b.outs] + list(b.share) + [0]) + 1
             lines.append(f"    outs = ops.outputs(out, {need}, {quote('module ' + repr(b.info.module))})")
         for mv in b.outs:
             var = "out" if self.direct else f"outs[{mv.slot}]"
@@ -246,5 +262,9 @@ class Writer:
                       f"    head, tail = {first}.split([{first}.shape[-1] - {b.tail}, {b.tail}], dim=-1)",
                       *_call("tail", tail_mv, "lowered", self.n, "    "),
                       f"    {first} = torch.cat([head, tail], dim=-1)"]
+        for slot in b.share:
+            var = "out" if self.direct else f"outs[{slot}]"
+            lines.append(f"    {var} = {var} / {b.share_n}  # share: this rank's 1/{b.share_n} of a sum, "
+                         "its gradient divided alike")
         lines.append("    return out" if self.direct else "    return ops.pack(out, outs)")
         return lines

@@ -157,7 +157,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
            atol: float | None = None, rtol: float | None = None,
            input_placements: Mapping[int | str, PlacementsLike] | None = None,
            output_placement: PlacementsLike | None = None, axis: str = "tp", seed: int = 0,
-           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+           progress: Callable[[int, int], None] | None = None, experts: str = "tp") -> VerifyReport:
     """Check ``plan`` on ``build_model()`` against one process, boundary by boundary; call it on every rank.
 
     Args:
@@ -194,6 +194,10 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
         axis: the tensor-parallel mesh axis, as :func:`tplower.parallelize`.
         seed: the seed ``build_model`` runs under.
         progress: called as ``progress(done, total)`` while comparing (a progress bar).
+        experts: as :func:`tplower.parallelize`: with ``"auto"``, ``"tp"``
+            (tensor parallelism inside the experts) or ``"ep"`` (expert
+            parallelism; the experts module's boundaries are checked like
+            any other: its inputs' pieces, its gathered output, its gradients).
 
     Returns:
         A :class:`~tplower.nn.verify_report.VerifyReport`, the same on every
@@ -205,16 +209,20 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
             ``nn.Module``, ``mesh`` not a ``DeviceMesh``, ``loss_fn`` not
             callable, inputs of another type, an output without a tensor.
         ValueError: a mesh of more than one axis, ``steps`` below 1, a negative tolerance, an
-            ``input_placements`` key that is no input, or a Partial input.
+            ``input_placements`` key that is no input, a Partial input, or ``experts`` neither
+            ``"tp"`` nor ``"ep"``.
         TPLowerError: the plan does not install (see :func:`tplower.parallelize`).
     """
     _check_args(build_model, mesh, loss_fn, steps, atol, rtol)
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"verify: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts), "
+                         "'ep' (expert parallelism)")
     loss = loss_fn or _default_loss
     args, kwargs = _as_args(example_inputs)
     ref, par = _build(build_model, seed), _build(build_model, seed)
     atol_, rtol_ = _tolerances(ref, atol, rtol)
     cmp = Comparer(mesh, atol_, rtol_)
-    parallelize(par, mesh, plan, axis=axis)
+    parallelize(par, mesh, plan, axis=axis, experts=experts)
     ref_rec, par_rec = Recorder(), Recorder()
     specs = hook_parallel(par, par_rec)
     hook_reference(ref, specs, ref_rec)

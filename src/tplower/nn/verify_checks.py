@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..core.placements import format_placements, replicate_partials
@@ -115,6 +115,19 @@ def point_checks(ref_rec: Recorder, par_rec: Recorder, ref: nn.Module, par: nn.M
     return checks
 
 
+def _packed(place: Placements) -> bool:
+    """A placement beyond ``Shard``/``Replicate``/``Partial`` (a packed parameter's ``_StridedShard``)."""
+    return any(not isinstance(p, Shard | Replicate | Partial) for p in place)
+
+
+def _place_text(place: Placements) -> str:
+    """Placements as text; a packed parameter's ``_StridedShard(d, k)`` reads ``S(d) in k parts``."""
+    if not _packed(place):
+        return format_placements(place)
+    return ",".join(f"S({getattr(p, 'dim', '?')}) in {p.split_factor} parts" if hasattr(p, "split_factor")
+                    else format_placements([p]) for p in place)
+
+
 def input_checks(ref_in: Mapping[int | str, Any], par_in: Mapping[int | str, Any],
                   places: Mapping[int | str, Placements], cmp: Comparer, order: int) -> list[Check]:
     checks = []
@@ -151,10 +164,10 @@ def param_checks(ref: nn.Module, par: nn.Module, cmp: Comparer, phase: str, tick
             local, place = got.to_local(), tuple(got.placements)
         qual = name.rpartition(".")[0] or "(model)"
         what = f"gradient of parameter {name!r}" if phase == "param_grad" else f"parameter {name!r}"
-        if want is None or (isinstance(got, DTensor) and got.device_mesh.ndim != cmp.mesh.ndim):
+        if want is None or (isinstance(got, DTensor) and (got.device_mesh.ndim != cmp.mesh.ndim or _packed(place))):
             d, ok = (math.inf, False) if want is None else cmp.diff(got.full_tensor() if isinstance(got, DTensor)
                                                                     else got, want)
-            checks.append(Check(phase, qual, what, format_placements(place), d, ok, order=i))
+            checks.append(Check(phase, qual, what, _place_text(place), d, ok, order=i))
             continue
         d, ok = cmp.compare(local, place, want, floors.get(name.rpartition(".")[0], 0.0))
         cause = sugg = None
