@@ -79,3 +79,60 @@ def test_hand_written_megatron_model_matches_one_process() -> None:
 
     for diffs in run_threaded(2, _megatron_parity):
         assert max(diffs) < 1e-5, diffs
+
+
+def _traffic(rank: int, world: int) -> list[tuple[dict[str, int], int]]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tplower.bench.traffic import CollectiveTraffic
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x = torch.ones(4, 3)  # 48 bytes
+    calls = [
+        lambda: dist.all_reduce(x.clone()),
+        lambda: funcol.wait_tensor(funcol.all_gather_single(x, 0, mesh)),
+        lambda: distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local(),
+        # rank 0 keeps 1 row and sends 3; rank 1 sends 1 and keeps 3
+        lambda: dist.all_to_all_single(torch.empty(2 if rank == 0 else 6, 3), x, [1, 1] if rank == 0 else [3, 3],
+                                       [1, 3]),
+        lambda: x + 1,
+    ]
+    out = []
+    for call in calls:
+        with CollectiveTraffic() as t:
+            call()
+        out.append((dict(t.counts), t.sent))
+    return out
+
+
+def test_collective_traffic_counts_every_library_alike() -> None:
+    from tplower.testing import run_processes
+
+    per_rank = run_processes(2, _traffic)
+    # by hand, 2 ranks, a [4, 3] float32 local tensor (48 B): all_reduce sends 2(n-1)/n of it, all_gather n-1
+    # pieces, all_to_all the rows bound for the other rank (12 B a row)
+    want0 = [({"all_reduce": 1}, 48), ({"all_gather": 1}, 48), ({"all_gather": 1}, 48), ({"all_to_all": 1}, 36),
+             ({}, 0)]
+    assert per_rank[0] == want0
+    assert per_rank[1][3] == ({"all_to_all": 1}, 12)
+
+
+def test_moe_phase_compares_tplower_with_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("accelerate")  # transformers' own TP and EP need it
+    out = tmp_path / "bench"
+    assert main(["bench", "--quick", "--phases", "moe", "--out", str(out), "--no-plots"]) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["moe"]}
+    assert set(rows) == {"one_process", "tplower_tp", "tplower_ep", "transformers_tp", "transformers_ep"}
+    for name, r in rows.items():
+        assert not r["error"], (name, r["error"])
+        assert r["loss_diff"] <= 1e-5, (name, r["loss_diff"])  # every variant computes the one-process loss
+    assert rows["one_process"]["sent_bytes"] == 0
+    assert rows["tplower_ep"]["collectives"].get("all_to_all", 0) >= 4  # dispatch and combine, forward and back
+    # the same lowering as transformers' TP inside the experts: no byte more
+    assert rows["tplower_tp"]["sent_bytes"] <= rows["transformers_tp"]["sent_bytes"]
+    text = capsys.readouterr().out
+    assert "## Mixture of experts" in text and "MoE layer train step, expert parallelism: tplower/transformers" in text

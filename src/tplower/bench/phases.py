@@ -16,6 +16,9 @@ Phases (each optional, all written to one JSON file with every sample):
   ``torch.cuda.max_memory_allocated`` on GPU).
 * ``model``: :mod:`tplower.bench.model` (per-step time of a real model and
   per-rank resident memory).
+* ``moe``: :mod:`tplower.bench.moe` (one mixture-of-experts layer's train
+  step: tplower's tensor parallelism inside the experts and its expert
+  parallelism against transformers' own, with the bytes each rank sends).
 
 Timings are never asserted anywhere; they depend on the machine.
 """
@@ -48,7 +51,7 @@ __all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "pl
            "summarize"]
 
 #: Phases ``tplower bench`` can run.
-PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model")
+PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe")
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,7 @@ class BenchResult:
     memory: list[dict[str, Any]] = field(default_factory=list)
     model: list[dict[str, Any]] = field(default_factory=list)
     rss: dict[str, Any] = field(default_factory=dict)
+    moe: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult | None:
@@ -364,6 +368,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
 
         res.model, res.rss = model_phase(cfg.model_steps, timeout=cfg.timeout, compile_backend=cfg.compile_backend,
                                          progress=progress)
+    if "moe" in cfg.phases:
+        from .moe import moe_phase
+
+        res.moe = moe_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

@@ -13,10 +13,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..core.explain import format_bytes
 from .cases import IMPLS, size_label
 from .phases import BenchResult, summarize
 
-__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "plan_cache_table",
+__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "moe_table",
+           "plan_cache_table",
            "rss_table", "target_lines", "write_plots"]
 
 _COLOR = {"raw": "tab:blue", "tplower": "tab:orange", "seed_op": "tab:green", "megatron": "tab:purple",
@@ -125,6 +127,25 @@ def model_table(res: BenchResult) -> list[str]:
     return lines
 
 
+def moe_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the MoE phase: step time, difference from one process, collectives and bytes per rank."""
+    head = ["variant", "train step ms", "step / transformers' same kind", "loss diff", "collectives per step",
+            "sent per rank per step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {r["variant"]: r for r in res.moe}
+    for r in res.moe:
+        if r.get("error"):
+            lines.append(f"| {r['variant']} | error: {r['error']} | | | | |")
+            continue
+        kind = r["variant"].rpartition("_")[2]
+        peer = by.get(f"transformers_{kind}") if r["variant"].startswith("tplower_") else None
+        ratio = _ratio(r["train_step_ms"], peer["train_step_ms"]) if peer and not peer.get("error") else "-"
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["collectives"].items())) or "none"
+        lines.append(f"| {r['variant']} | {r['train_step_ms']:.1f} | {ratio} | {r['loss_diff']:.1e} | {calls} | "
+                     f"{format_bytes(r['sent_bytes'])} |")
+    return lines
+
+
 def target_lines(res: BenchResult) -> list[str]:
     """One line per target of issue 6: the measured figure and whether it is met."""
     out: list[str] = []
@@ -194,6 +215,14 @@ def target_lines(res: BenchResult) -> list[str]:
                        f"{dc['train_step_ms'] / tc['train_step_ms']:.2f}, forward DTensor/tplower "
                        f"{dc['forward_ms'] / tc['forward_ms']:.2f} (tplower {tc['train_step_ms']:.1f} ms, "
                        f"parallelize_module {dc['train_step_ms']:.1f} ms per step)")
+    moe = {r["variant"]: r for r in res.moe if not r.get("error")}
+    for kind, what in (("ep", "expert parallelism"), ("tp", "tensor parallelism inside the experts")):
+        t, h = moe.get(f"tplower_{kind}"), moe.get(f"transformers_{kind}")
+        if t and h:
+            ratio = t["train_step_ms"] / h["train_step_ms"]
+            out.append(f"- MoE layer train step, {what}: tplower/transformers {ratio:.2f}"
+                       f" ({t['train_step_ms']:.1f} vs {h['train_step_ms']:.1f} ms); bytes sent per rank "
+                       f"{format_bytes(t['sent_bytes'])} vs {format_bytes(h['sent_bytes'])}")
     if res.rss:
         r = res.rss
         out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
@@ -239,6 +268,13 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
     if res.rss:
         parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
+    if res.moe:
+        from .moe import MOE_BATCH, MOE_SEQ
+
+        parts += [f"## Mixture of experts (one Qwen3-MoE layer, 8 experts, top-2, {MOE_BATCH}x{MOE_SEQ} tokens, "
+                  "interleaved)", "", "Collectives and bytes: one step, forward and backward, counted at the "
+                  "dispatcher for every library alike (all_reduce 2(n-1)/n of the tensor, all_gather n-1 pieces, "
+                  "all_to_all the rows bound for other ranks).", "", *moe_table(res), ""]
     return "\n".join(parts)
 
 
