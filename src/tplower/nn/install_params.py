@@ -18,6 +18,7 @@ from torch.distributed.tensor import Partial, Shard
 from ..core.errors import TPLowerError
 from ..core.placements import replicate_partials
 from ..core.redistribute import MeshLowerer
+from . import packed_checkpoint
 from .boundaries import BoundaryForm, parse_spec
 from .params import ParamLayout, check_plain_parameter, param_layout, shard_parameter
 from .plans import BoundaryEntry
@@ -74,11 +75,13 @@ def _shard_params(module: nn.Module, layouts: Mapping[str, ParamLayout], qual: s
             if (first.mesh, first.placements) != (layout.mesh, layout.placements):
                 raise TPLowerError(f"{where}: a shared parameter gets two placements")
             module._parameters[name] = new
-            continue
-        check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
-        new = shard_parameter(p, layout, where)
-        module._parameters[name] = new
-        seen[id(p)] = (layout, new, p)  # the old object stays referenced, so its id is not reused
+        else:
+            check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
+            new = shard_parameter(p, layout, where)
+            module._parameters[name] = new
+            seen[id(p)] = (layout, new, p)  # the old object stays referenced, so its id is not reused
+        if layout.packed > 1:  # DCP reads and writes it as one box per part
+            packed_checkpoint.register(module, name)
 
 
 def _localize_attrs(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str) -> None:
