@@ -369,3 +369,23 @@ def test_cli_verify_and_codegen_take_experts() -> None:
     assert experts and experts[0]["ok"]
     rc, source = _cli("codegen")
     assert rc == 0 and "route = ops.expert_route(self, top_k_index)" in source
+
+
+def test_explain_moe_bytes_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    from tplower.cli import main
+    from tplower.core.explain import explain_moe
+
+    # 4 tokens, hidden 2, top-2 of 4 experts, tp=2, float32 (4 B), by hand:
+    # tp: all_reduce sends 2(n-1)/n of the tensor: output [4,2] 32 B forward; [4,2] and [4,2] gradients backward
+    info = explain_moe(4, 2, 2, 4, 2)
+    assert (info["tp"]["forward_bytes_per_rank"], info["tp"]["backward_bytes_per_rank"]) == (32, 64)
+    # ep: 2 tokens a rank, 4 slots; counts 4 int64 to the other rank 32 B; each all_to_all half of [4,2] 16 B
+    # (4 of them); output all_gather [2,2] 16 B; backward gathers of the [2,2] and [2,2] input gradients 16 B each
+    assert (info["ep"]["forward_bytes_per_rank"], info["ep"]["backward_bytes_per_rank"]) == (32 + 32 + 16, 32 + 32)
+    assert info["ep"]["worst_step_bytes_per_rank"] == 144 + 4 * 16  # every slot leaves: 32 B per all_to_all
+    with pytest.raises(ValueError, match="num_experts=3 does not divide over tp=2"):
+        explain_moe(4, 2, 2, 3, 2)
+    assert main(["explain", "--moe", "tokens=4,hidden=2,top_k=2,experts=4"]) == 0
+    assert "fewer bytes per step: tensor parallelism inside the experts (96 B vs 144 B)" in capsys.readouterr().out
+    assert main(["explain", "--moe", "tokens=4,hidden=2"]) == 2
+    assert "missing top_k, experts" in capsys.readouterr().out

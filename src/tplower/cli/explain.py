@@ -8,7 +8,7 @@ import json
 import torch
 
 from ..core.errors import TPLowerError
-from ..core.explain import explain_transition, plan_to_dict, plan_to_table
+from ..core.explain import explain_moe, explain_transition, moe_to_table, plan_to_dict, plan_to_table
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
@@ -92,13 +92,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mesh coordinate of the rank to explain, one index per axis (default 0,...,0: the rank "
                              "with the largest pieces)")
     parser.add_argument("--plan", default=None, help="a module plan file (YAML/JSON): explain its boundary forms")
+    parser.add_argument("--moe", default=None, metavar="tokens=T,hidden=H,top_k=K,experts=E",
+                        help="explain one mixture-of-experts block instead: the collectives and bytes per rank per "
+                             "step of tensor parallelism inside the experts and of expert parallelism, over the "
+                             "--mesh axis (e.g. tokens=4096,hidden=2048,top_k=8,experts=128)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+_MOE_KEYS = ("tokens", "hidden", "top_k", "experts")
+
+
+def parse_moe(text: str) -> dict[str, int]:
+    """``"tokens=256,hidden=64,top_k=2,experts=8"`` -> the four sizes of ``--moe``.
+
+    Raises:
+        TPLowerError: an item that is not ``key=integer``, an unknown or missing key; the message names ``--moe``.
+    """
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.strip().partition("="))
+        if not sep or key not in _MOE_KEYS or not value.isdigit():
+            raise TPLowerError(f"--moe {text!r}: {item.strip()!r} is not key=integer with key one of "
+                               f"{', '.join(_MOE_KEYS)} (e.g. tokens=4096,hidden=2048,top_k=8,experts=128)")
+        out[key] = int(value)
+    if missing := [k for k in _MOE_KEYS if k not in out]:
+        raise TPLowerError(f"--moe {text!r}: missing {', '.join(missing)}; give all of {', '.join(_MOE_KEYS)}")
+    return out
+
+
+def _explain_moe(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    if len(names) != 1:
+        raise TPLowerError(f"--moe explains one block over one axis; --mesh {args.mesh} has {len(names)} axes")
+    m = parse_moe(args.moe)
+    info = explain_moe(m["tokens"], m["hidden"], m["top_k"], m["experts"], sizes[0], DTYPES[args.dtype])
+    print(json.dumps(info, indent=2) if args.json else moe_to_table(info))
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     """Print the explanation; exit 2 with the error on bad input."""
     try:
         names, sizes = parse_mesh(args.mesh)
+        if args.moe:
+            return _explain_moe(args, names, sizes)
         if args.plan:
             from ..nn.boundaries import explain_plan_lines
 

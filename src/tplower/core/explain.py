@@ -10,7 +10,7 @@ import torch
 from .placements import PlacementsLike, format_placement, format_placements, parse_placements
 from .transitions import Step, TransitionPlan, plan_transition
 
-__all__ = ["explain_transition", "format_bytes", "plan_to_dict", "plan_to_table"]
+__all__ = ["explain_moe", "explain_transition", "format_bytes", "moe_to_table", "plan_to_dict", "plan_to_table"]
 
 
 def format_bytes(n: int) -> str:
@@ -79,4 +79,116 @@ def plan_to_table(info: dict[str, Any]) -> str:
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.append(f"total bytes sent per rank: forward {format_bytes(info['forward_bytes_per_rank'])}, "
                  f"backward {format_bytes(info['backward_bytes_per_rank'])}")
+    return "\n".join(lines)
+
+
+def _transition_rows(what: str, src: str, dst: str, grad: str, shape: tuple[int, int], n: int,
+                     itemsize: int) -> list[dict[str, Any]]:
+    plan = explain_transition(src, dst, ("tp",), (n,), shape, grad=grad)
+    rows = []
+    for direction, steps in (("forward", plan.forward), ("backward", plan.backward)):
+        rows += [{"what": what, "direction": direction, "collective": st.kind, "shape": list(shape),
+                  "bytes_per_rank": st.send_elems * itemsize} for st in steps]
+    return rows
+
+
+def explain_moe(tokens: int, hidden: int, top_k: int, num_experts: int, tp: int,
+                dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The collectives one mixture-of-experts block issues per step, and the bytes each rank sends, both ways.
+
+    ``"tp"``: tensor parallelism inside the experts (``moe_tp_experts``): the
+    block's partial output is all-reduced once; in backward the gradients of
+    the hidden states and of the routing weights, partial on each rank, are
+    all-reduced. ``"ep"``: expert parallelism (``ep_dispatch_experts``): each
+    rank takes its ``ceil(T/n)`` tokens (nothing sent), exchanges its
+    per-expert counts (``all_gather`` of ``E`` int64), sends each of its
+    ``t * k`` slots to the rank holding its expert and back (``all_to_all``,
+    forward and backward: under uniform routing ``(n-1)/n`` of the rows leave
+    the rank, all of them at worst), and gathers the block's output; in
+    backward the hidden states' and routing weights' gradients are gathered.
+    Transitions are planned by :func:`explain_transition` (ring conventions of
+    :mod:`tplower.core.transitions`); the all-to-all bytes are expectations.
+
+    Args:
+        tokens: ``T``, tokens per step entering the block (batch x sequence), replicated over tp.
+        hidden: ``H``, the hidden size.
+        top_k: ``k``, experts per token.
+        num_experts: ``E``.
+        tp: ``n``, ranks of the axis (experts sharded by index over it for ``"ep"``).
+        dtype: the activations' dtype.
+
+    Returns:
+        ``{"tp": {...}, "ep": {...}, "inputs": {...}}``; each of ``tp`` and
+        ``ep`` has ``rows`` (``what``, ``direction``, ``collective``,
+        ``shape``, ``bytes_per_rank``), ``forward_bytes_per_rank``,
+        ``backward_bytes_per_rank`` and ``step_bytes_per_rank``; ``ep`` also
+        ``worst_step_bytes_per_rank`` (every slot to another rank).
+
+    Raises:
+        ValueError: a size below 1, ``top_k > num_experts``, or ``num_experts`` not dividing over ``tp``.
+    """
+    for name, v in (("tokens", tokens), ("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts),
+                    ("tp", tp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"explain_moe: {name}={v!r}; it must be an integer of at least 1")
+    if top_k > num_experts:
+        raise ValueError(f"explain_moe: top_k={top_k} exceeds num_experts={num_experts}")
+    if num_experts % tp:
+        raise ValueError(f"explain_moe: num_experts={num_experts} does not divide over tp={tp} (expert "
+                         "parallelism shards experts by index)")
+    item = torch.empty((), dtype=dtype).element_size()
+    n = tp
+    tp_rows = (_transition_rows("block output", "P(sum)", "R", "R", (tokens, hidden), n, item)
+               + _transition_rows("hidden states' gradient", "R", "R", "P(sum)", (tokens, hidden), n, item)
+               + _transition_rows("routing weights' gradient", "R", "R", "P(sum)", (tokens, top_k), n, item))
+    t = -(-tokens // n)
+    slots = t * top_k
+    a2a = (n - 1) * slots * hidden * item // n
+    worst = slots * hidden * item if n > 1 else 0
+    ep_rows = (_transition_rows("hidden states (this rank's tokens)", "R", "S(0)", "S(0)", (tokens, hidden), n, item)
+               + _transition_rows("routing weights (this rank's tokens)", "R", "S(0)", "S(0)", (tokens, top_k), n,
+                                  item)
+               + [{"what": "per-expert token counts", "direction": "forward", "collective": "all_gather",
+                   "shape": [num_experts], "bytes_per_rank": (n - 1) * num_experts * 8}]
+               + [{"what": f"{what} ({slots} slots, uniform routing)", "direction": d, "collective": "all_to_all",
+                   "shape": [slots, hidden], "bytes_per_rank": a2a if n > 1 else 0}
+                  for d in ("forward", "backward") for what in ("dispatch", "combine")]
+               + _transition_rows("block output", "S(0)", "R", "R", (tokens, hidden), n, item))
+
+    def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        fwd = sum(r["bytes_per_rank"] for r in rows if r["direction"] == "forward")
+        bwd = sum(r["bytes_per_rank"] for r in rows if r["direction"] == "backward")
+        return {"rows": rows, "forward_bytes_per_rank": fwd, "backward_bytes_per_rank": bwd,
+                "step_bytes_per_rank": fwd + bwd}
+
+    ep = totals(ep_rows)
+    ep["worst_step_bytes_per_rank"] = ep["step_bytes_per_rank"] + 4 * (worst - a2a)
+    return {"inputs": {"tokens": tokens, "hidden": hidden, "top_k": top_k, "num_experts": num_experts, "tp": tp,
+                       "dtype": str(dtype).removeprefix("torch.")},
+            "tp": totals(tp_rows), "ep": ep}
+
+
+def moe_to_table(info: dict[str, Any]) -> str:
+    """The dict of :func:`explain_moe` as text: one table per kind, totals, and which sends less."""
+    i = info["inputs"]
+    lines = [f"one MoE block per step: {i['tokens']} tokens x hidden {i['hidden']}, top-{i['top_k']} of "
+             f"{i['num_experts']} experts, tp={i['tp']}, {i['dtype']}"]
+    for kind, title in (("tp", "tensor parallelism inside the experts (experts='tp')"),
+                        ("ep", "expert parallelism (experts='ep')")):
+        part = info[kind]
+        lines += ["", title]
+        head = ("direction", "what", "collective", "shape", "bytes/rank")
+        rows = [(r["direction"], r["what"], r["collective"], str(tuple(r["shape"])), format_bytes(r["bytes_per_rank"]))
+                for r in part["rows"]] or [("both", "-", "none", "-", "0 B")]
+        widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        extra = (f" (every slot to another rank: {format_bytes(part['worst_step_bytes_per_rank'])})"
+                 if kind == "ep" else "")
+        lines.append(f"total per rank: forward {format_bytes(part['forward_bytes_per_rank'])}, backward "
+                     f"{format_bytes(part['backward_bytes_per_rank'])}, step "
+                     f"{format_bytes(part['step_bytes_per_rank'])}{extra}")
+    tp_b, ep_b = info["tp"]["step_bytes_per_rank"], info["ep"]["step_bytes_per_rank"]
+    fewer = "expert parallelism" if ep_b < tp_b else "tensor parallelism inside the experts"
+    lines += ["", f"fewer bytes per step: {fewer} ({format_bytes(min(tp_b, ep_b))} vs {format_bytes(max(tp_b, ep_b))})"]
     return "\n".join(lines)
