@@ -55,9 +55,10 @@ def packed_boxes(dt: DTensor) -> tuple[int, list[Box]] | None:
     if len(strided) != 1:
         return None
     axis, sp = strided[0]
-    d, k = sp.dim % dt.ndim, sp.split_factor
+    ndim = int(dt.ndim)
+    d, k = sp.dim % ndim, sp.split_factor
     other = [getattr(p, "dim", None) for i, p in enumerate(dt.placements) if i != axis]
-    if any(o is not None and o % dt.ndim == d for o in other) or int(dt.shape[d]) % k:
+    if any(o is not None and o % ndim == d for o in other) or int(dt.shape[d]) % k:
         return None
     rest = [Replicate() if i == axis else p for i, p in enumerate(dt.placements)]
     sizes, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, rest)
