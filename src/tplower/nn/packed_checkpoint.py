@@ -56,7 +56,7 @@ def packed_boxes(dt: DTensor) -> tuple[int, list[Box]] | None:
         return None
     axis, sp = strided[0]
     ndim = int(dt.ndim)
-    d, k = sp.dim % ndim, sp.split_factor
+    d, k = sp.dim % ndim, int(sp.split_factor)
     other = [getattr(p, "dim", None) for i, p in enumerate(dt.placements) if i != axis]
     if any(o is not None and o % ndim == d for o in other) or int(dt.shape[d]) % k:
         return None
