@@ -169,9 +169,10 @@ def _check_case(label: str, make: type[nn.Module], sp: bool, mesh: DeviceMesh, r
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         want = _shard(ref_params[name].grad, name, world, rank)
-        if label == "block" and name.startswith("ln"):  # outside the plan: a plain parameter, as parallelize_module
-            assert not isinstance(p, DTensor) and p.grad is not None, name
-            torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
+        if label == "block" and name.startswith("ln"):  # outside the plan: a Replicate DTensor, its gradient whole
+            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+            assert all(q.is_replicate() for q in p.placements) and p.grad.placements == p.placements, name
+            torch.testing.assert_close(p.grad.to_local(), want, **TOL, msg=lambda m, n=name: f"{label} {n} grad: {m}")
             continue
         # The ecosystem's convention: a DTensor parameter with the global shape, and a DTensor gradient
         assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
@@ -198,9 +199,11 @@ def _torch_oracle(mesh: DeviceMesh, world: int, ours: nn.Module) -> None:
     theirs_params = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
         their = theirs_params[name]
-        assert isinstance(p, DTensor) == isinstance(their, DTensor), name
-        if not isinstance(p, DTensor):
-            torch.testing.assert_close(p.grad, their.grad, **TOL, msg=lambda m, n=name: f"torch oracle {n}: {m}")
+        if not isinstance(their, DTensor):  # outside the plan: theirs stays plain, ours is a Replicate DTensor
+            assert isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements), name
+            assert isinstance(p.grad, DTensor)
+            torch.testing.assert_close(p.grad.to_local(), their.grad, **TOL,
+                                       msg=lambda m, n=name: f"torch oracle {n}: {m}")
             continue
         assert (p.placements, p.shape, p.device_mesh) == (their.placements, their.shape, their.device_mesh), name
         assert p.grad is not None and their.grad is not None

@@ -74,6 +74,7 @@ from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
 from .params import ParamLayout, check_plain_parameter
 from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
+from .rest_params import place_rest
 
 __all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
 
@@ -323,7 +324,7 @@ def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.M
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
-                axis: str = "tp", experts: str = "tp") -> nn.Module:
+                axis: str = "tp", experts: str = "tp", replicate_rest: bool = True) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -346,6 +347,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             tokens and dispatches each to the rank holding its expert;
             :mod:`tplower.nn.experts`). Ignored for other plans, whose styles
             say it.
+        replicate_rest: every parameter the plan does not place becomes a
+            ``Replicate`` DTensor on ``mesh[axis]`` too, a local view while
+            its module or that module's parent runs
+            (:mod:`tplower.nn.rest_params`), so every parameter is a DTensor and ``clip_grad_norm_``,
+            ``foreach``/``fused`` optimizers and DCP take the whole model as
+            they take ``parallelize_module``'s fully placed one. ``False``
+            leaves those parameters plain tensors. Each rank's gradient of
+            such a parameter is taken as whole, as before: a parameter used
+            on a sharded activation needs a plan entry (``P(sum)`` gradient).
 
     Returns:
         ``model`` itself. Every parameter the plan places is an
@@ -417,4 +427,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         for name, p in module._parameters.items():
             if p is not None and id(p) in seen:
                 module._parameters[name] = seen[id(p)][1]
+    if replicate_rest and axis in lowerer.names:
+        place_rest(modules, mesh, axis)
     return model
