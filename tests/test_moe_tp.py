@@ -128,9 +128,48 @@ def _codegen(model_type: str, mesh: Any, experts: str) -> dict[str, Any]:
             else ""}
 
 
+def _stack(model_type: str, mesh: Any, experts: str) -> dict[str, Any]:
+    """What a training script does next, against one process: clip_grad_norm_, 3 AdamW (foreach) steps,
+    activation checkpointing, greedy generate() with the KV cache."""
+    ref = tiny_model(architectures([model_type])[0]).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = tplower.parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
+    out: dict[str, Any] = {"all_dtensor": all(isinstance(p, DTensor) for p in tp.parameters())}
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in (ref, tp)]
+    norms: list[list[float]] = [[], []]
+    for step in range(3):
+        ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))  # routing differs
+        for i, (m, opt) in enumerate(zip((ref, tp), opts, strict=True)):
+            opt.zero_grad()
+            m(input_ids=ids, use_cache=False).logits.square().mean().backward()
+            norms[i].append(float(_full(torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05))))
+            opt.step()
+    out["clip"] = max(abs(a - b) / a for a, b in zip(*norms, strict=True))
+    out["adamw"] = max(float((_full(q) - p).abs().max()) for p, q in zip(ref.parameters(), tp.parameters(),
+                                                                         strict=True))
+    out["rep_after"] = {n: _digest(q) for n, q in tp.named_parameters() if _replicated(q)}
+    ref.eval()
+    tp.eval()
+    ids = input_ids()
+    out["generate"] = bool(torch.equal(ref.generate(ids, max_new_tokens=4, do_sample=False),
+                                       tp.generate(ids, max_new_tokens=4, do_sample=False)))
+    ref.train()
+    tp.train()
+    tp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in (ref, tp):
+        m.zero_grad()
+        m(input_ids=ids, use_cache=False).logits.square().mean().backward()
+    out["checkpointing"] = max(float((_full(q.grad) - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-6)
+                               for p, q in zip(ref.parameters(), tp.parameters(), strict=True) if p.grad is not None)
+    return out
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {m: _one(m, mesh) for m in ARCHS}
+    out["stack:tp"] = _stack("qwen3_moe", mesh, "tp")
+    out["stack:ep"] = _stack("qwen3_moe", mesh, "ep")
     out["codegen:ep"] = _codegen("qwen3_moe", mesh, "ep")
     out["codegen:identity"] = _codegen("longcat_flash", mesh, "tp")
     out.update({f"ep:{m}": _one(m, mesh, "ep") for m in EP_ARCHS})
@@ -389,3 +428,77 @@ def test_explain_moe_bytes_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fewer bytes per step: tensor parallelism inside the experts (96 B vs 144 B)" in capsys.readouterr().out
     assert main(["explain", "--moe", "tokens=4,hidden=2"]) == 2
     assert "missing top_k, experts" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("experts", ["tp", "ep"])
+def test_training_stack_on_a_moe_model(ranks: list[dict[str, Any]], experts: str) -> None:
+    """Every parameter a DTensor; clip, AdamW (foreach), checkpointing and generate() as in one process."""
+    r0, r1 = (r[f"stack:{experts}"] for r in ranks)
+    for r in (r0, r1):
+        assert r["all_dtensor"]
+        assert r["clip"] <= 1e-5, r["clip"]  # the total norm, relative
+        assert r["adamw"] <= 1e-4, r["adamw"]  # after 3 steps of lr 1e-3 (Adam rescales tiny gradients' noise)
+        assert r["generate"]
+        assert r["checkpointing"] <= GRAD_RTOL, r["checkpointing"]
+    assert r0["rep_after"] == r1["rep_after"]  # replicated parameters stay identical on both ranks
+
+
+def _compiled(rank: int, world: int, experts: str) -> dict[str, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref = tiny_model(architectures(["qwen3_moe"])[0]).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = tplower.parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(tp, backend="aot_eager")
+    diffs = []
+    for seed in range(3):  # three steps whose routing differs
+        ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(seed))
+        got = compiled(input_ids=ids, use_cache=False).logits
+        got.square().mean().backward()
+        diffs.append(float((got - ref(input_ids=ids, use_cache=False).logits).abs().max()))
+    return {"diff": max(diffs), "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values())}
+
+
+@pytest.mark.slow
+def test_compiled_moe_graphs_and_breaks() -> None:
+    """torch.compile (aot_eager) over steps whose routing differs: tensor parallelism inside the experts traces
+    without a break; expert parallelism breaks the graph where the dispatch reads its counts on the host."""
+    tp = run_processes(2, _compiled, "tp", timeout=900)[0]
+    assert tp["diff"] <= LOGIT_TOL and tp["breaks"] == 0 and tp["graphs"] <= 2, tp
+    ep = run_processes(2, _compiled, "ep", timeout=900)[0]
+    assert ep["diff"] <= LOGIT_TOL and ep["breaks"] > 0, ep
+
+
+def _fsdp(rank: int, world: int, ref: nn.Module, ids: torch.Tensor, want: dict[str, torch.Tensor],
+          experts: str) -> float:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model: Any = tplower.parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model(input_ids=ids.chunk(2, 0)[dp], use_cache=False).logits.square().mean().backward()
+    return max(float((_full(p.grad) - want[n] / 2).abs().max()) / max(float(want[n].abs().max()), 1e-6)
+               for n, p in model.named_parameters() if n in want)
+
+
+@pytest.mark.parametrize("experts", ["tp", "ep"])
+def test_fsdp2_over_dp_of_a_moe_model_matches_one_process(experts: str) -> None:
+    ref = tiny_model(architectures(["qwen3_moe"])[0]).train()
+    ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))
+    for half in ids.chunk(2, 0):  # each dp rank's loss; FSDP2 averages their gradients over dp
+        ref(input_ids=half, use_cache=False).logits.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    ref.zero_grad(set_to_none=True)
+    for worst in run_threaded(4, _fsdp, ref, ids, want, experts, timeout=600):
+        assert worst <= GRAD_RTOL, worst
