@@ -25,6 +25,7 @@ from .core.placements import (
 from .core.redistribute import MeshLowerer, mesh_lowerer, redistribute_local
 from .core.teardown import shutdown
 from .core.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
+from .core.vocab_loss import vocab_parallel_cross_entropy
 from .nn.boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
 from .nn.parallelize import parallelize
 from .nn.plans import BoundaryEntry, load_plan
@@ -74,4 +75,5 @@ __all__ = [
     "set_cache_size",
     "shutdown",
     "verify",
+    "vocab_parallel_cross_entropy",
 ]
