@@ -62,6 +62,7 @@ from ..core.argcheck import check_mesh
 from ..core.errors import TPLowerError
 from ..core.placements import replicate_partials
 from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.transitions import chunk_size_and_offset
 from .boundaries import (
     BoundaryForm,
     BoundaryOp,
@@ -143,8 +144,7 @@ def _lookup(module: nn.Module, entry: BoundaryEntry, layouts: Mapping[str, Param
     assert p is not None
     n, c = layout.mesh.size(sharded[0]), layout.mesh.get_coordinate()
     assert c is not None
-    rows = p.shape[0] // n
-    offset = c[sharded[0]] * rows
+    rows, offset = chunk_size_and_offset(p.shape[0], n, c[sharded[0]])  # torch.chunk rows: uneven when V % n
     pad = getattr(module, "padding_idx", None)
     local_pad = pad - offset if isinstance(pad, int) and 0 <= pad - offset < rows else None
     return _Lookup(*_input_slot(entry.masked_lookup, fwd, where), offset, rows, local_pad)
@@ -223,6 +223,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     if entry.masked_lookup is None and not isinstance(module, nn.Embedding):  # those inputs are integer ids
         _check_partial_input_grads(entry, form, layouts, qual,
                                    {n: p.dim() for n, p in module.named_parameters(recurse=False)})
+    entry = _uneven_outputs(module, entry, form, layouts, lowerer, axis)
     _shard_params(module, layouts, qual, seen)
     _localize_attrs(module, entry, lowerer, axis, qual)
     if form.form == "identity" and bias is None and not layouts and entry.partial_tail is None and not entry.share:
@@ -248,6 +249,54 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
         boundary.share_n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
     module.forward = boundary
     return info if form.form != "identity" or bias is not None or entry.share else None
+
+
+_HEADS = ("num_attention_heads", "num_key_value_heads")
+
+
+def _check_heads(model: nn.Module, entries: Mapping[str, BoundaryEntry], lowerer: MeshLowerer, axis: str) -> None:
+    """Refuse, before anything is sharded, a plan that splits attention projections over a tp that does not
+    divide the model config's head counts (each rank must own whole query and key/value heads)."""
+    config = getattr(model, "config", None)
+    if config is None or axis not in lowerer.names:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = {k: v for k in _HEADS if isinstance(v := getattr(text, k, None), int) and v > 0}
+    n = lowerer.shape[lowerer.names.index(axis)]
+    bad = {k: v for k, v in counts.items() if v % n}
+    if not bad:
+        return
+    split = [q for q, e in entries.items() if (".attn" in q or "attention" in q or "self_attn" in q) and any(
+        "S(" in str(spec) for spec in e.params.values())]
+    if not split:
+        return
+    ok = [d for d in range(1, max(counts.values()) + 1) if all(v % d == 0 for v in counts.values())]
+    what = ", ".join(f"{k}={v}" for k, v in bad.items())
+    raise TPLowerError(f"plan[{split[0]!r}]: the plan splits attention heads over {n} ranks of axis {axis!r}, but "
+                       f"the model's {what} does not divide over {n}: each rank must own whole query and key/value "
+                       f"heads; use a tp size among {ok}, or a plan that leaves attention replicated")
+
+
+def _uneven_outputs(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm,
+                    layouts: Mapping[str, ParamLayout], lowerer: MeshLowerer, axis: str) -> BoundaryEntry:
+    """``entry`` with its axis-sharded outputs added to ``uneven`` when a parameter's shard dim does not divide.
+
+    A colwise layer of 129 output features on 2 ranks gives pieces of 65 and 64; a move of that output
+    (``S(-1) -> R``) then learns the global size from the ranks' sizes, as a declared ``uneven`` output does.
+    """
+    if axis not in lowerer.names:
+        return entry
+    uneven = False
+    for name, layout in layouts.items():
+        p = module._parameters[name]
+        for j, q in enumerate(layout.placements):
+            if isinstance(q, Shard) and p is not None and (p.shape[q.dim] // layout.packed) % layout.mesh.size(j):
+                uneven = True
+    if not uneven:
+        return entry
+    i = lowerer.names.index(axis)
+    add = [o.name for o in form.outputs if isinstance(o.src[i], Shard) and o.name not in entry.uneven]
+    return dataclasses.replace(entry, uneven=(*entry.uneven, *add)) if add else entry
 
 
 def _global_experts(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str, qual: str
@@ -417,6 +466,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             owner, _, pname = name.rpartition(".")
             entries[owner] = _with_param(entries.get(owner, BoundaryEntry()), pname, plan[key], modules[owner],
                                          axis, name)
+    _check_heads(model, entries, lowerer, axis)
     seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]] = {}
     for qual in (q for q in modules if q in entries):
         module = modules[qual]

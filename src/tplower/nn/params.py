@@ -42,6 +42,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from ..core.errors import TPLowerError
 from ..core.placements import format_placements
 from ..core.redistribute import Program, mesh_lowerer
+from ..core.transitions import chunk_size_and_offset
 
 __all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "param_layout", "shard_parameter"]
 
@@ -126,26 +127,24 @@ def shard_parameter(p: nn.Parameter, layout: ParamLayout, where: str) -> nn.Para
 
     Returns:
         A new ``nn.Parameter`` (same ``requires_grad``) whose DTensor has
-        global shape ``S`` and a local shape of ``S`` divided on each shard dim.
+        global shape ``S`` and this rank's ``torch.chunk`` piece of each
+        shard dim (uneven when the dim does not divide, as
+        ``distribute_tensor`` makes it; a packed parameter's parts each so).
 
     Raises:
-        TPLowerError: a sharded dim that does not divide over its axis
-            (activations may be uneven; parameters, as in Megatron, may not).
+        TPLowerError: a packed parameter whose parts are not equal.
     """
     coord = layout.mesh.get_coordinate()
     assert coord is not None, "parallelize checks that this rank is in the mesh"
-    names = layout.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(layout.mesh.ndim))
     parts = list(p.detach().chunk(layout.packed, _shard_dim(layout))) if layout.packed > 1 else [p.detach()]
     if len(parts) != layout.packed or len({t.shape for t in parts}) != 1:
         raise TPLowerError(f"{where}: size {p.shape} does not pack {layout.packed} equal parts on dim "
                            f"{_shard_dim(layout)}")
     for i, q in enumerate(layout.placements):
-        if isinstance(q, Shard):
+        if isinstance(q, Shard):  # torch.chunk pieces: ceil-sized first, the last ones smaller or empty
             size, n = parts[0].size(q.dim), layout.mesh.size(i)
-            if size % n:
-                raise TPLowerError(f"{where}: dim {q.dim} of size {size} does not divide over {n} ranks of "
-                                   f"axis {names[i]!r}")
-            parts = [t.narrow(q.dim, coord[i] * (size // n), size // n) for t in parts]
+            piece, offset = chunk_size_and_offset(size, n, coord[i])
+            parts = [t.narrow(q.dim, offset, piece) for t in parts]
     local = torch.cat(parts, _shard_dim(layout)) if len(parts) > 1 else parts[0]
     local = local.clone(memory_format=torch.contiguous_format)
     dt = DTensor.from_local(local, layout.mesh, layout.dtensor_placements(), run_check=False, shape=p.shape,

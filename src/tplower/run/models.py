@@ -266,7 +266,7 @@ def skeleton(name: str) -> nn.Module:
 
 
 def check_tp(name: str, tp: int, option: str = "--tp") -> None:
-    """Check that ``tp`` ranks can split the model's heads and sharded sizes.
+    """Check that ``tp`` ranks can split the model's attention heads (other sizes may shard unevenly).
 
     Args:
         name: a model of :data:`MODELS`.
@@ -274,24 +274,24 @@ def check_tp(name: str, tp: int, option: str = "--tp") -> None:
         option: how the command line spells ``tp`` (``--tp``, ``--mesh tp=``), for the message.
 
     Raises:
-        TPLowerError: ``tp`` does not divide a head count or a sharded size;
-            the message lists the values of ``option`` that work.
+        TPLowerError: ``tp`` does not divide a head count; the message lists
+            the values of ``option`` that work.
     """
     if name == MINILM:
         import json
 
         cfg = json.loads((minilm_folder() / "config.json").read_text())
-        sizes = {"num_attention_heads": cfg["num_attention_heads"], "intermediate_size": cfg["intermediate_size"]}
-    else:
+        sizes = {"num_attention_heads": cfg["num_attention_heads"]}
+    else:  # sizes that do not divide (vocabulary, intermediate) are sharded unevenly, as torch.chunk cuts them
         c = LLAMA_TINY_CONFIG
-        sizes = {k: c[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")}
+        sizes = {k: c[k] for k in ("num_attention_heads", "num_key_value_heads")}
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         ok = [d for d in range(1, max(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
         what = ", ".join(f"{k}={v}" for k, v in bad.items())
         sep = "" if option.endswith("=") else " "
-        raise TPLowerError(f"{option}{sep}{tp} does not divide {what} of {name}: each rank must own whole heads "
-                           f"and equal shards; use {option}{sep}N with N one of {ok}")
+        raise TPLowerError(f"{option}{sep}{tp} does not divide {what} of {name}: each rank must own whole heads; "
+                           f"use {option}{sep}N with N one of {ok}")
 
 
 def check_plan_modules(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, list[str]]:
