@@ -87,3 +87,40 @@ def test_bad_input_is_named() -> None:
     assert "holds 3 vocabulary logits" in msgs[1] and "piece of 8 is 4" in msgs[1]
     assert "plus the vocabulary dim" in msgs[2]
     assert "axis='dp'" in msgs[3]
+
+
+def _llama_loss(rank: int, world: int) -> dict[str, float]:
+    import copy
+    import warnings
+
+    import transformers
+
+    import tplower
+    from tplower.nn.hf_plans import model_tp_plan
+
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {**model_tp_plan(ref), "lm_head": "colwise"}  # logits stay sharded on the vocabulary
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = tplower.parallelize(copy.deepcopy(ref), mesh, plan)
+    ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(2))
+    want = ref(input_ids=ids, labels=ids, use_cache=False).loss  # transformers' shifted, token-mean loss
+    want.backward()
+    logits = tp(input_ids=ids, use_cache=False).logits  # [2, 9, this rank's 129 or 128 ids]
+    got = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], mesh)
+    got.backward()
+    full = {n: p.grad for n, p in ref.named_parameters()}
+    grad = max(float(((q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad) - full[n]).abs().max())
+               for n, q in tp.named_parameters())
+    return {"loss": abs(float(got) - float(want)), "grad": grad, "local_vocab": float(logits.shape[-1])}
+
+
+def test_llama_loss_on_vocabulary_shards_equals_transformers_loss() -> None:
+    for rank, r in enumerate(run_processes(2, _llama_loss)):
+        assert r["local_vocab"] == (129, 128)[rank]  # the whole logits never exist on a rank
+        assert r["loss"] <= 1e-6 and r["grad"] <= 1e-6, r
