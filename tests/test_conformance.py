@@ -64,6 +64,7 @@ def test_world4_threaded(conformance_counts):
     assert summary["cases"] == len(cases) and summary["dtensor_fallback"] == 0
 
 
+@pytest.mark.slow  # world 4 runs threaded in the fast suite
 def test_world4_gloo_processes_few(conformance_counts):
     cases = [Case((4,), (13, 3), s, d, g) for s, d, g in [
         ("S(0)", "R", None), ("S(0)", "R", "P(sum)"), ("P(sum)", "S(0)", None), ("S(0)", "S(1)", None),

@@ -108,6 +108,7 @@ def test_sum_avg_mixes_match_dtensor_2x2_every_pair_every_grad(conformance_count
     _check((2, 2), cases, "2x2 mesh, Partial sum/avg mixed across axes", conformance_counts)
 
 
+@pytest.mark.slow  # the 2x2 mesh checks every pair
 def test_sum_avg_mixes_match_dtensor_2x2x2(conformance_counts: dict[str, dict[str, int]]) -> None:
     cases = _mixed_cases(MESH, (5, 3), grads=False)
     if not FULL:  # a fixed sample of the 2x2x2 matrix; TPLOWER_FULL_MATRIX=1 runs all of it

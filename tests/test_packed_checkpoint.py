@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -120,6 +121,7 @@ def _moe(rank: int, world: int, folder: str) -> float:
         return float((loaded(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max())
 
 
+@pytest.mark.slow  # the synthetic expert block checks the same boxes
 def test_moe_model_checkpoint_round_trip(tmp_path: Path) -> None:
     folder = str(tmp_path / "ckpt")
     for diff in run_processes(2, _moe, folder):

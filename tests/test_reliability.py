@@ -186,9 +186,11 @@ def _soak(run, world, mesh_shape, count, label, report):
                      f"{rss0:.0f} -> {rss1:.0f} MiB over the second pass; process groups {pg0} -> {pg1}")
 
 
+@pytest.mark.slow  # a soak
 def test_soak_world2_gloo(reliability_report):
     _soak(run_processes, 2, (2,), SOAK or 400, "soak, world 2 gloo, 1-D mesh", reliability_report)
 
 
+@pytest.mark.slow  # a soak
 def test_soak_world8_threaded(reliability_report):
     _soak(run_threaded, 8, (2, 4), SOAK or 240, "soak, world 8 threaded, 2x4 mesh", reliability_report)

@@ -79,6 +79,7 @@ def _default_is_run() -> bool:
     return DEFAULT == "run"
 
 
+@pytest.mark.slow  # the default run and the architecture table's llama cover it
 def test_llama_tiny_matches_one_process(tmp_path: Path) -> None:
     out, ckpt, gen = tmp_path / "report.json", tmp_path / "ckpt", tmp_path / "llama_tp2.py"
     p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--repeat", "1", "--json", str(out),
