@@ -129,6 +129,7 @@ def test_execution_ops_match_dtensor_threaded(world):
         assert not bad, bad
 
 
+@pytest.mark.slow  # the threaded test checks the same ops; gloo semantics run in test_conformance
 def test_execution_ops_match_dtensor_gloo():
     for rank_results in run_processes(2, _ops_body):
         assert all(r[3] and r[4] for r in rank_results), rank_results

@@ -94,7 +94,7 @@ def _mismatch_body(rank, world, mode):
     return redistribute_local(torch.ones(2, 2), mesh, "P(sum)", "R")
 
 
-@pytest.mark.parametrize("mode", ["placement", "dtype"])
+@pytest.mark.parametrize("mode", [pytest.param("placement", marks=pytest.mark.slow), "dtype"])  # one waits enough
 def test_without_check_disagreement_ends_in_an_error_within_the_timeout(mode):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -131,6 +131,7 @@ def test_tp_that_does_not_divide_the_heads() -> None:
     assert "--tp 5 does not divide num_attention_heads=12" in p.stderr and "[1, 2, 3, 4, 6, 12]" in p.stderr
 
 
+@pytest.mark.slow  # test_reliability ends dying ranks of the same harness
 def test_a_rank_that_dies_ends_the_run() -> None:
     # A deadline far beyond the run on a quiet machine: on a loaded one the death must still come first
     p = _tplower("run", "--model", LLAMA_TINY, "--no-progress", "--kill-rank", "1", "--timeout", "600", timeout=900)
@@ -138,6 +139,7 @@ def test_a_rank_that_dies_ends_the_run() -> None:
     assert "rank 1 died (process exited with code 3); the other ranks were ended" in p.stderr
 
 
+@pytest.mark.slow  # a launcher error path; slow to provoke
 def test_port_in_use_under_torchrun() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

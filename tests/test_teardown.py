@@ -52,7 +52,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
 # tplower.shutdown() instead.
 @pytest.mark.parametrize("args", [
     ("--import-late", "--queued", "50"),
-    ("--queued", "50", "--tplower-shutdown"),
+    pytest.param(("--queued", "50", "--tplower-shutdown"), marks=pytest.mark.slow),  # test_release_... covers it
 ], ids=lambda a: "-".join(x.lstrip("-") for x in a))
 def test_a_training_script_ends_with_no_gloo_thread_and_no_abort(args: tuple[str, ...]) -> None:
     proc = _torchrun(*args)

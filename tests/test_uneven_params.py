@@ -90,9 +90,10 @@ def test_uneven_vocabulary_and_intermediate_at_tp2() -> None:
         _check([r[i] for r in per_rank], want)
 
 
-@pytest.mark.parametrize("world,vocab,want", [(3, 257, ((86, 43), (86, 43), (85, 43))),
-                                              (4, 257, ((65, 33), (65, 33), (65, 33), (62, 30))),
-                                              (4, 130, ((33, 33), (33, 33), (33, 33), (31, 30)))])
+@pytest.mark.parametrize("world,vocab,want", [
+    pytest.param(3, 257, ((86, 43), (86, 43), (85, 43)), marks=pytest.mark.slow),  # the DCP test reads at tp=3
+    (4, 257, ((65, 33), (65, 33), (65, 33), (62, 30))),
+    pytest.param(4, 130, ((33, 33), (33, 33), (33, 33), (31, 30)), marks=pytest.mark.slow)])
 def test_uneven_at_tp3_and_tp4(world: int, vocab: int, want: tuple[tuple[int, int], ...]) -> None:
     _check(run_threaded(world, _train, _llama(vocab, 129)), want)
 

@@ -103,6 +103,7 @@ GATHER_R = {"gather": {"in_src": {"0": {"tp": "S(1)"}}, "in_dst": {"0": {"tp": "
 GATHER_P = {"gather": {**GATHER_R["gather"], "in_grad": {"0": {"tp": "P(sum)"}}}, "proj": COL_WEIGHT}
 
 
+@pytest.mark.slow  # the CLI tests find the same divergence on gloo
 def test_field_case_gather_with_default_gradient_is_found_at_the_gather_gloo() -> None:
     model, x = _seeded(Gathered()), _data(1, 2, 4, D)
     kw = {"input_placements": {0: "S(1)"}, "output_placement": "S(2)"}
