@@ -426,8 +426,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``.
         TPLowerError: a plan error (naming the module, field and value), a
             module already parallelized, a parameter that is already a
-            DTensor (e.g. from ``parallelize_module``), a parameter dim that
-            does not divide over its axis, a bias that a partial output
+            DTensor (e.g. from ``parallelize_module``), attention split over
+            a tp that does not divide the config's head counts (a parameter
+            dim that does not divide is sharded unevenly, ``torch.chunk``
+            pieces), a bias that a partial output
             would add per rank, an ``uneven`` name that is no declared
             input or output, a parameter-key shard that would leave a silent
             partial sum (expert weights split with no ``moe_tp_experts``, a

@@ -99,7 +99,7 @@ def _fields(config_class: Any) -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else {}
 
 
-def _tiny_kwargs(config_class: Any, model_type: str) -> dict[str, Any]:
+def _tiny_kwargs(config_class: Any, model_type: str, vocab_size: int | None = None) -> dict[str, Any]:
     """Constructor keywords: ``_SIZES`` for the class's own fields, per-layer lists cut to two, small token ids.
 
     Only dataclass fields are passed (a derived attribute such as MLA's ``head_dim`` is left to the
@@ -115,7 +115,8 @@ def _tiny_kwargs(config_class: Any, model_type: str) -> dict[str, Any]:
         value: Any = getattr(defaults, name, None) if field.default is dataclasses.MISSING else field.default
         per_layer = isinstance(value, list) and isinstance(layers, int) and layers > 2 and len(value) == layers
         if name in _SIZES:
-            kwargs[name] = [_SIZES[name]] * 2 if per_layer else _SIZES[name]
+            size = vocab_size if name == "vocab_size" and vocab_size is not None else _SIZES[name]
+            kwargs[name] = [size] * 2 if per_layer else size
         elif per_layer and field.default is dataclasses.MISSING:
             kwargs[name] = [value[0], value[-1]]  # two layers, keeping the first and the last kind
     if "qk_rope_head_dim" in fields and "kv_lora_rank" in fields:  # MLA: rope on its own slice, one kv head a head
@@ -131,17 +132,21 @@ def _tiny_kwargs(config_class: Any, model_type: str) -> dict[str, Any]:
     sub_configs = getattr(config_class, "sub_configs", {}) or {}
     if "text_config" in sub_configs:
         sub = sub_configs["text_config"]
-        kwargs["text_config"] = _tiny_kwargs(sub if isinstance(sub, type) else type(defaults.text_config), model_type)
+        kwargs["text_config"] = _tiny_kwargs(sub if isinstance(sub, type) else type(defaults.text_config), model_type,
+                                             vocab_size)
     kwargs.update(_OVERRIDES.get(model_type, {}))
     return kwargs
 
 
-def tiny_config(model_type: str) -> Any:
-    """A small float32 config of ``model_type``: the class defaults, ``_SIZES`` where they apply, the overrides."""
+def tiny_config(model_type: str, vocab_size: int | None = None) -> Any:
+    """A small float32 config of ``model_type``: the class defaults, ``_SIZES`` where they apply, the overrides.
+
+    ``vocab_size`` replaces ``_SIZES``' (e.g. an odd one, which no tp divides).
+    """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    config = config_class(**_tiny_kwargs(config_class, model_type))
+    config = config_class(**_tiny_kwargs(config_class, model_type, vocab_size))
     config.dtype = torch.float32
     return config
 
@@ -158,12 +163,13 @@ def _model_config(model_class: Any, config: Any) -> Any:
     return text
 
 
-def tiny_model(arch: Arch) -> nn.Module:
-    """The causal-LM of ``arch`` on :func:`tiny_config`, random weights from ``WEIGHT_SEED``, float32, ``eval()``."""
+def tiny_model(arch: Arch, vocab_size: int | None = None) -> nn.Module:
+    """The causal-LM of ``arch`` on :func:`tiny_config` (``vocab_size`` as there), random weights from
+    ``WEIGHT_SEED``, float32, ``eval()``."""
     import transformers
 
     model_class = getattr(transformers, arch.causal_lm)
-    config = _model_config(model_class, tiny_config(arch.model_type))
+    config = _model_config(model_class, tiny_config(arch.model_type, vocab_size))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHT_SEED)
         model: nn.Module = model_class(config)

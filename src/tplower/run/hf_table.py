@@ -175,10 +175,11 @@ def has_ep_plan(arch: Arch) -> bool:
     return bool(getattr(CONFIG_MAPPING[arch.model_type], "base_model_ep_plan", None))
 
 
-def _tplower_side(arch: Arch, mesh: Any, ids: torch.Tensor, experts: str = "tp") -> Outcome:
+def _tplower_side(arch: Arch, mesh: Any, ids: torch.Tensor, experts: str = "tp",
+                  vocab_size: int | None = None) -> Outcome:
     from ..nn.parallelize import parallelize
 
-    ref = tiny_model(arch)
+    ref = tiny_model(arch, vocab_size)
     want = _logits(ref, ids)
     return _compare(_logits(parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts), ids), want)
 
@@ -207,7 +208,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str],
-               with_hf: bool) -> list[tuple[Outcome, Outcome, Outcome, Outcome]]:
+               with_hf: bool, vocab_size: int | None = None) -> list[tuple[Outcome, Outcome, Outcome, Outcome]]:
     """On every rank: each architecture's tplower and transformers outcomes, in order."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -223,7 +224,7 @@ def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str]
                 if experts == "ep" and not has_ep_plan(arch):
                     row += [Outcome("n/a", detail="no ep_plan")] * 2
                     continue
-                row.append(_guarded(functools.partial(_tplower_side, arch, mesh, ids, experts)))
+                row.append(_guarded(functools.partial(_tplower_side, arch, mesh, ids, experts, vocab_size)))
                 folder = folders.get(arch.model_type)
                 row.append(_guarded(functools.partial(_hf_side, folder, ids, world, experts))
                            if with_hf and folder else Outcome("n/a", detail="transformers' side not run"))
@@ -240,7 +241,7 @@ def _merge(per_rank: Sequence[Outcome]) -> Outcome:
 
 
 def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True, world: int = 2,
-              timeout: float = 1800.0) -> list[Row]:
+              timeout: float = 1800.0, vocab_size: int | None = None) -> list[Row]:
     """Run every architecture (or ``model_types``) on ``world`` spawned gloo ranks, one spawn for all.
 
     Args:
@@ -249,6 +250,9 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
             parent saves each tiny model to a temporary folder for it.
         world: the tp degree (every sharded dim of the tiny configs divides by 2).
         timeout: seconds for the whole run.
+        vocab_size: every tiny model's vocabulary (default ``_SIZES``' 128,
+            which divides by 2; e.g. 129, which no tp divides: vocabulary-
+            parallel embeddings and heads then shard unevenly).
 
     Returns:
         One :class:`Row` per architecture, in :func:`architectures` order;
@@ -265,14 +269,14 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
         folders: dict[str, str] = {}
         for arch in archs if with_hf else ():  # without transformers' side, a rank reports a build error itself
             try:
-                model: Any = tiny_model(arch)
+                model: Any = tiny_model(arch, vocab_size)
                 folder = str(Path(tmp) / arch.model_type)
                 model.save_pretrained(folder)
                 folders[arch.model_type] = folder
             except Exception as exc:  # a config the generic builder cannot make: its row says why
                 broken[arch.model_type] = Outcome("error", detail=f"tiny model: {_describe(exc)}")
         runnable = [a for a in archs if a.model_type not in broken]
-        results = run_processes(world, _rank_body, runnable, folders, with_hf, timeout=timeout,
+        results = run_processes(world, _rank_body, runnable, folders, with_hf, vocab_size, timeout=timeout,
                                 pg_timeout=min(timeout, 120.0))
     outcomes = {a.model_type: tuple(_merge([r[i][side] for r in results]) for side in range(4))
                 for i, a in enumerate(runnable)}
@@ -328,9 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own TP")
     parser.add_argument("--markdown", action="store_true", help="print the README table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="every tiny model's vocabulary size (default 128; e.g. 129, which no tp divides)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    rows = run_table([m for m in args.only.split(",") if m] or None, with_hf=not args.no_hf)
+    rows = run_table([m for m in args.only.split(",") if m] or None, with_hf=not args.no_hf, vocab_size=args.vocab)
     seconds = time.perf_counter() - start
     if args.markdown:
         print(markdown(rows))
