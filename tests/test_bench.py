@@ -146,3 +146,16 @@ def test_moe_phase_compares_tplower_with_transformers(tmp_path: Path, capsys: py
     assert rows["tplower_tp"]["sent_bytes"] <= rows["transformers_tp"]["sent_bytes"]
     text = capsys.readouterr().out
     assert "## Mixture of experts" in text and "MoE layer train step, expert parallelism: tplower/transformers" in text
+
+
+def test_loss_phase_compares_vocabulary_parallel_loss_with_gathered_logits(tmp_path: Path) -> None:
+    from tplower.bench.loss import loss_phase
+
+    rows = {r["variant"]: r for r in loss_phase(1)}
+    assert set(rows) == {"gathered", "vocab_parallel"}
+    for r in rows.values():
+        assert r["loss_diff"] <= 1e-5, r  # both compute the one-process loss
+    # the whole logits [4, 63, 32000] float32 are kept for backward on a rank only when gathered: the vocabulary-
+    # parallel loss keeps this rank's half (and a few small masks), so the other half less
+    less = rows["gathered"]["saved_bytes"] - rows["vocab_parallel"]["saved_bytes"]
+    assert less >= 0.99 * rows["gathered"]["logits_bytes"] / 2, less

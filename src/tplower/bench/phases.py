@@ -16,6 +16,8 @@ Phases (each optional, all written to one JSON file with every sample):
   ``torch.cuda.max_memory_allocated`` on GPU).
 * ``model``: :mod:`tplower.bench.model` (per-step time of a real model and
   per-rank resident memory).
+* ``loss``: :mod:`tplower.bench.loss` (a train step's peak memory and time
+  with the vocabulary-parallel loss against the loss on gathered logits).
 * ``moe``: :mod:`tplower.bench.moe` (one mixture-of-experts layer's train
   step: tplower's tensor parallelism inside the experts and its expert
   parallelism against transformers' own, with the bytes each rank sends).
@@ -51,7 +53,7 @@ __all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "pl
            "summarize"]
 
 #: Phases ``tplower bench`` can run.
-PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe")
+PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss")
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,7 @@ class BenchResult:
     model: list[dict[str, Any]] = field(default_factory=list)
     rss: dict[str, Any] = field(default_factory=dict)
     moe: list[dict[str, Any]] = field(default_factory=list)
+    loss: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult | None:
@@ -372,6 +375,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         from .moe import moe_phase
 
         res.moe = moe_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
+    if "loss" in cfg.phases:
+        from .loss import loss_phase
+
+        res.loss = loss_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

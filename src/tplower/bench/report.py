@@ -17,7 +17,7 @@ from ..core.explain import format_bytes
 from .cases import IMPLS, size_label
 from .phases import BenchResult, summarize
 
-__all__ = ["fake_table", "format_markdown", "memory_table", "micro_table", "model_table", "moe_table",
+__all__ = ["fake_table", "format_markdown", "loss_table", "memory_table", "micro_table", "model_table", "moe_table",
            "plan_cache_table",
            "rss_table", "target_lines", "write_plots"]
 
@@ -146,6 +146,15 @@ def moe_table(res: BenchResult) -> list[str]:
     return lines
 
 
+def loss_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the loss phase: step time, rank 0's bytes saved for backward, difference from one process."""
+    head = ["variant", "train step ms", "saved for backward MiB (rank 0)", "loss diff"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res.loss:
+        lines.append(f"| {r['variant']} | {r['train_step_ms']:.1f} | {_mb(r['saved_bytes'])} | {r['loss_diff']:.1e} |")
+    return lines
+
+
 def target_lines(res: BenchResult) -> list[str]:
     """One line per target of issue 6: the measured figure and whether it is met."""
     out: list[str] = []
@@ -223,6 +232,14 @@ def target_lines(res: BenchResult) -> list[str]:
             out.append(f"- MoE layer train step, {what}: tplower/transformers {ratio:.2f}"
                        f" ({t['train_step_ms']:.1f} vs {h['train_step_ms']:.1f} ms); bytes sent per rank "
                        f"{format_bytes(t['sent_bytes'])} vs {format_bytes(h['sent_bytes'])}")
+    by_loss: dict[str, dict[str, Any]] = {r["variant"]: r for r in res.loss}
+    lg, lv = by_loss.get("gathered"), by_loss.get("vocab_parallel")
+    if lg and lv:
+        less, share = lg["saved_bytes"] - lv["saved_bytes"], lg["logits_bytes"] * (1 - 1 / lg["tp"])
+        out.append(f"- vocabulary-parallel loss (tp={lg['tp']}): {_mb(lv['saved_bytes'])} MiB saved for backward vs "
+                   f"{_mb(lg['saved_bytes'])} MiB with gathered logits, {_mb(less)} MiB less (the logits alone, beyond "
+                   f"this rank's 1/tp: {_mb(share)} MiB); train step {lv['train_step_ms'] / lg['train_step_ms']:.2f}x "
+                   "the gathered one")
     if res.rss:
         r = res.rss
         out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
@@ -268,6 +285,10 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
     if res.rss:
         parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
+    if res.loss:
+        parts += ["## Loss on vocabulary shards (Llama, 2 layers, vocabulary 32000, 4x63 tokens, interleaved)", "",
+                  "Saved for backward: the storages autograd keeps from one forward to its backward on rank 0 "
+                  "(each once; parameters' local views included).", "", *loss_table(res), ""]
     if res.moe:
         from .moe import MOE_BATCH, MOE_SEQ
 
