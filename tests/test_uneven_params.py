@@ -142,3 +142,52 @@ def test_key_value_heads_that_do_not_divide_are_refused_at_parallelize() -> None
     msg = run_threaded(4, _heads, _llama(128, 128, kv=2))[0]
     assert "num_key_value_heads=2 does not divide over 4" in msg and "among [1, 2]" in msg
     assert "model.layers.0.self_attn" in msg
+
+
+def _fsdp(rank: int, world: int, ref: Any, ids: torch.Tensor, want: dict[str, torch.Tensor]) -> float:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model(input_ids=ids.chunk(2, 0)[dp], use_cache=False).logits.square().mean().backward()
+    return max(float((_full(p.grad) - want[n] / 2).abs().max()) / max(float(want[n].abs().max()), 1e-6)
+               for n, p in model.named_parameters())
+
+
+def test_fsdp2_over_dp_with_uneven_tp_shards() -> None:
+    ref = _llama(257, 129)
+    ids = torch.randint(0, 257, (4, 8), generator=torch.Generator().manual_seed(0))
+    for half in ids.chunk(2, 0):  # each dp rank's loss; FSDP2 averages their gradients
+        ref(input_ids=half, use_cache=False).logits.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref.zero_grad(set_to_none=True)
+    for worst in run_threaded(4, _fsdp, ref, ids, want, timeout=600):
+        assert worst <= 1e-4, worst
+
+
+def _tools(rank: int, world: int, ref: Any) -> dict[str, Any]:
+    from tplower.nn.codegen import emit, install
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ids = torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = tplower.verify(lambda: copy.deepcopy(ref), "auto", mesh, {"input_ids": ids, "use_cache": False},
+                                steps=2)
+        source = emit(ref, mesh, "auto")
+        hooked = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+        written = install(copy.deepcopy(ref), mesh, source)
+    with torch.no_grad():
+        same = bool(torch.equal(hooked(input_ids=ids).logits, written(input_ids=ids).logits))
+    return {"verify": report.ok, "codegen": same, "written_out": "ops.hooked(" not in source}
+
+
+def test_verify_and_codegen_take_uneven_shards() -> None:
+    for r in run_threaded(2, _tools, _llama(257, 129)):
+        assert r == {"verify": True, "codegen": True, "written_out": True}, r
