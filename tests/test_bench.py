@@ -159,3 +159,6 @@ def test_loss_phase_compares_vocabulary_parallel_loss_with_gathered_logits(tmp_p
     # parallel loss keeps this rank's half (and a few small masks), so the other half less
     less = rows["gathered"]["saved_bytes"] - rows["vocab_parallel"]["saved_bytes"]
     assert less >= 0.99 * rows["gathered"]["logits_bytes"] / 2, less
+    # at the step's peak the gathered loss holds the whole logits, their log-softmax and their gradient at once
+    peak_less = rows["gathered"]["peak_bytes"] - rows["vocab_parallel"]["peak_bytes"]
+    assert peak_less >= rows["gathered"]["logits_bytes"], peak_less

@@ -13,8 +13,9 @@ step's largest activation), random weights, on ``tp`` spawned gloo ranks:
 Each row has the median train step (forward, backward, SGD; milliseconds,
 interleaved, a barrier per call), the loss's difference from one process and
 the bytes rank 0 holds for backward after one forward (:func:`saved_bytes`:
-every tensor autograd saves, each storage once; the logits and what the loss
-derives from them dominate it).
+every tensor autograd saves, each storage once) and its peak tensor bytes over
+a whole step (:func:`tplower.bench.memory.peak_tensor_bytes`: storages the
+step creates, alive at once; the parameters not counted).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..testing import run_processes
+from .memory import peak_tensor_bytes
 
 __all__ = ["LOSS_BATCH", "LOSS_SEQ", "loss_config", "loss_phase", "loss_rank", "saved_bytes"]
 
@@ -102,9 +104,11 @@ def loss_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict[
 
     first: dict[str, float] = {}
     saved: dict[str, int] = {}
+    peaks: dict[str, int] = {}
     for key in models:
         held, value = saved_bytes(lambda k=key: step(k))  # type: ignore[misc]
         saved[key], first[key] = held, float(value)  # type: ignore[arg-type]
+        peaks[key], _ = peak_tensor_bytes(lambda k=key: step(k))  # type: ignore[misc]
     samples: dict[str, list[float]] = {k: [] for k in models}
     for r in range(warmup + rounds):
         for key in models:
@@ -118,7 +122,8 @@ def loss_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict[
         return []
     logits_bytes = LOSS_BATCH * (LOSS_SEQ - 1) * 32000 * 4
     return [{"variant": k, "tp": world, "train_step_ms": statistics.median(v), "step_samples_ms": v,
-             "saved_bytes": saved[k], "logits_bytes": logits_bytes, "loss_diff": abs(first[k] - want)}
+             "saved_bytes": saved[k], "peak_bytes": peaks[k], "logits_bytes": logits_bytes,
+             "loss_diff": abs(first[k] - want)}
             for k, v in samples.items()]
 
 

@@ -148,10 +148,11 @@ def moe_table(res: BenchResult) -> list[str]:
 
 def loss_table(res: BenchResult) -> list[str]:
     """Markdown rows of the loss phase: step time, rank 0's bytes saved for backward, difference from one process."""
-    head = ["variant", "train step ms", "saved for backward MiB (rank 0)", "loss diff"]
+    head = ["variant", "train step ms", "peak MiB (rank 0)", "saved for backward MiB (rank 0)", "loss diff"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res.loss:
-        lines.append(f"| {r['variant']} | {r['train_step_ms']:.1f} | {_mb(r['saved_bytes'])} | {r['loss_diff']:.1e} |")
+        lines.append(f"| {r['variant']} | {r['train_step_ms']:.1f} | {_mb(r['peak_bytes'])} | "
+                     f"{_mb(r['saved_bytes'])} | {r['loss_diff']:.1e} |")
     return lines
 
 
@@ -235,11 +236,11 @@ def target_lines(res: BenchResult) -> list[str]:
     by_loss: dict[str, dict[str, Any]] = {r["variant"]: r for r in res.loss}
     lg, lv = by_loss.get("gathered"), by_loss.get("vocab_parallel")
     if lg and lv:
-        less, share = lg["saved_bytes"] - lv["saved_bytes"], lg["logits_bytes"] * (1 - 1 / lg["tp"])
-        out.append(f"- vocabulary-parallel loss (tp={lg['tp']}): {_mb(lv['saved_bytes'])} MiB saved for backward vs "
-                   f"{_mb(lg['saved_bytes'])} MiB with gathered logits, {_mb(less)} MiB less (the logits alone, beyond "
-                   f"this rank's 1/tp: {_mb(share)} MiB); train step {lv['train_step_ms'] / lg['train_step_ms']:.2f}x "
-                   "the gathered one")
+        share = lg["logits_bytes"] * (1 - 1 / lg["tp"])
+        out.append(f"- vocabulary-parallel loss (tp={lg['tp']}): peak {_mb(lv['peak_bytes'])} MiB per rank vs "
+                   f"{_mb(lg['peak_bytes'])} MiB with gathered logits, kept for backward {_mb(lv['saved_bytes'])} vs "
+                   f"{_mb(lg['saved_bytes'])} MiB (the logits beyond this rank's 1/tp: {_mb(share)} MiB); train step "
+                   f"{lv['train_step_ms'] / lg['train_step_ms']:.2f}x the gathered one")
     if res.rss:
         r = res.rss
         out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
@@ -287,8 +288,9 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
     if res.loss:
         parts += ["## Loss on vocabulary shards (Llama, 2 layers, vocabulary 32000, 4x63 tokens, interleaved)", "",
-                  "Saved for backward: the storages autograd keeps from one forward to its backward on rank 0 "
-                  "(each once; parameters' local views included).", "", *loss_table(res), ""]
+                  "Peak: the tensor storages a train step creates, alive at once on rank 0 (parameters not "
+                  "counted). Saved for backward: what autograd keeps from forward to backward (each storage "
+                  "once; parameters' local views included).", "", *loss_table(res), ""]
     if res.moe:
         from .moe import MOE_BATCH, MOE_SEQ
 
