@@ -148,6 +148,7 @@ def test_moe_phase_compares_tplower_with_transformers(tmp_path: Path, capsys: py
     assert "## Mixture of experts" in text and "MoE layer train step, expert parallelism: tplower/transformers" in text
 
 
+@pytest.mark.slow  # vocabulary-parallel loss is checked against F.cross_entropy in test_vocab_loss
 def test_loss_phase_compares_vocabulary_parallel_loss_with_gathered_logits(tmp_path: Path) -> None:
     from tplower.bench.loss import loss_phase
 

@@ -10,6 +10,7 @@ a tp that does not divide the key/value heads refused at ``parallelize``.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tplower import TPLowerError
 from tplower.testing import run_processes, run_threaded
 
 transformers = pytest.importorskip("transformers")
+SLOW = os.environ.get("TPLOWER_SLOW") == "1"
 
 
 def _llama(vocab: int, inter: int, kv: int = 12) -> Any:
@@ -84,9 +86,9 @@ def _tp2(rank: int, world: int, refs: list[Any]) -> list[dict[str, Any]]:
 
 
 def test_uneven_vocabulary_and_intermediate_at_tp2() -> None:
-    refs = [_llama(257, 128), _llama(128, 129), _llama(257, 129)]
+    refs = [_llama(257, 129)] + ([_llama(257, 128), _llama(128, 129)] if SLOW else [])  # each alone: slow run
     per_rank = run_processes(2, _tp2, refs, timeout=600)
-    for i, want in enumerate([((129, 64), (128, 64)), ((64, 65), (64, 64)), ((129, 65), (128, 64))]):
+    for i, want in enumerate([((129, 65), (128, 64)), ((129, 64), (128, 64)), ((64, 65), (64, 64))][:len(refs)]):
         _check([r[i] for r in per_rank], want)
 
 
