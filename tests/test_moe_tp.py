@@ -165,12 +165,23 @@ def _stack(model_type: str, mesh: Any, experts: str) -> dict[str, Any]:
     return out
 
 
+def _verify_ep(mesh: Any) -> dict[str, Any]:
+    """tplower.verify of the expert-parallel plan: every boundary, the experts module's among them."""
+    ref = tiny_model(architectures(["qwen3_moe"])[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = tplower.verify(lambda: copy.deepcopy(ref), "auto", mesh, example_inputs(), steps=2, experts="ep")
+    experts = [b for b in report.to_dict()["boundaries"] if b["module"] == "model.layers.0.mlp.experts"]
+    return {"ok": report.ok, "experts_ok": bool(experts) and experts[0]["ok"]}
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {m: _one(m, mesh) for m in ARCHS}
     out["stack:tp"] = _stack("qwen3_moe", mesh, "tp")
     out["stack:ep"] = _stack("qwen3_moe", mesh, "ep")
     out["codegen:ep"] = _codegen("qwen3_moe", mesh, "ep")
+    out["verify:ep"] = _verify_ep(mesh)
     out["codegen:identity"] = _codegen("longcat_flash", mesh, "tp")
     out.update({f"ep:{m}": _one(m, mesh, "ep") for m in EP_ARCHS})
     out.update({m: _refusal(m, mesh) for m in REFUSED})
@@ -398,7 +409,18 @@ def _cli(*argv: str) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def test_cli_verify_and_codegen_take_experts() -> None:
+def test_verify_of_the_expert_parallel_plan(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["verify:ep"] == {"ok": True, "experts_ok": True}
+
+
+def test_cli_codegen_takes_experts() -> None:
+    rc, source = _cli("codegen")
+    assert rc == 0 and "route = ops.expert_route(self, top_k_index)" in source
+
+
+@pytest.mark.slow  # the API test above runs the same verify in the shared spawn
+def test_cli_verify_takes_experts() -> None:
     import json
 
     rc, text = _cli("verify", "--nproc", "2", "--steps", "2", "--json", "--no-progress")
@@ -406,8 +428,6 @@ def test_cli_verify_and_codegen_take_experts() -> None:
     assert rc == 0 and report["ok"], text
     experts = [b for b in report["boundaries"] if b["module"] == "model.layers.0.mlp.experts"]
     assert experts and experts[0]["ok"]
-    rc, source = _cli("codegen")
-    assert rc == 0 and "route = ops.expert_route(self, top_k_index)" in source
 
 
 def test_explain_moe_bytes_by_hand(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,8 +1,9 @@
 """Packed parameters (``_StridedShard``: fused gate/up, tensor-parallel expert weights) through DCP.
 
 Saved at one layout and loaded at another and into one process, against the one-process weights bit for bit:
-tp=2 (gloo processes) -> one process, one process -> tp=2, tp=2 -> tp=4 (threaded ranks), and a real
-mixture-of-experts model (Qwen3-MoE, ``"auto"``) saved at tp=2 and read back in one process and at tp=2.
+tp=2 -> one process, one process -> tp=2, tp=2 -> tp=4 (threaded ranks), and a real
+mixture-of-experts model (Qwen3-MoE, ``"auto"``, gloo processes) saved at tp=2 and read back in one process and
+at tp=2.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _load(rank: int, world: int, folder: str) -> dict[str, str]:
 
 def test_packed_parameters_save_at_tp2_and_load_in_one_process_and_at_tp4(tmp_path: Path) -> None:
     folder = str(tmp_path / "ckpt")
-    assert run_processes(2, _save, folder) == [True, True]  # the state dict gives the boxes
+    assert run_threaded(2, _save, folder) == [True, True]  # the state dict gives the boxes
     want = _full_digests(_Block())
     one = _zeroed(_Block())
     sd = one.state_dict()
@@ -101,7 +102,7 @@ def test_one_process_checkpoint_loads_into_packed_parameters(tmp_path: Path) -> 
     folder = str(tmp_path / "ckpt")
     dcp.save(_Block().state_dict(), checkpoint_id=folder, no_dist=True)
     want = _full_digests(_Block())
-    for got in run_processes(2, _load, folder):
+    for got in run_threaded(2, _load, folder):
         assert got == want
 
 
