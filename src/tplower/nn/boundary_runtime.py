@@ -188,6 +188,9 @@ class _Boundary:
         if self.tail:
             items[0] = self._reduce_tail_grad(items[0])
         for slot in self.share:  # the division's own gradient is this rank's share: no collective either way
+            if slot >= len(items):
+                raise TPLowerError(f"module {self.info.module!r}: share names output index {slot} but forward "
+                                   f"returned {len(items)} value(s)")
             items[slot] = items[slot] / self.share_n
         if not is_seq:
             return items[0]
