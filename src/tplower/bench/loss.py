@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..testing import run_processes
 from .memory import peak_tensor_bytes
+from .timing import barrier_rounds
 
 __all__ = ["LOSS_BATCH", "LOSS_SEQ", "loss_config", "loss_phase", "loss_rank", "saved_bytes"]
 
@@ -109,15 +108,7 @@ def loss_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict[
         held, value = saved_bytes(lambda k=key: step(k))  # type: ignore[misc]
         saved[key], first[key] = held, float(value)  # type: ignore[arg-type]
         peaks[key], _ = peak_tensor_bytes(lambda k=key: step(k))  # type: ignore[misc]
-    samples: dict[str, list[float]] = {k: [] for k in models}
-    for r in range(warmup + rounds):
-        for key in models:
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(key)
-            dist.barrier()
-            if r >= warmup:
-                samples[key].append((time.perf_counter() - t0) * 1e3)
+    samples = barrier_rounds(list(models), step, rounds, warmup)
     if rank != 0:
         return []
     logits_bytes = LOSS_BATCH * (LOSS_SEQ - 1) * 32000 * 4

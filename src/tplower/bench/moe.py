@@ -23,21 +23,19 @@ the collectives issued and the bytes each rank sent (forward and backward).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import statistics
 import tempfile
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..run.quiet import quiet_transformers
 from ..testing import run_processes
+from .timing import barrier_rounds
 from .traffic import CollectiveTraffic
 
 __all__ = ["MOE_BATCH", "MOE_SEQ", "VARIANTS", "moe_config", "moe_phase", "moe_rank"]
@@ -71,17 +69,6 @@ def _model() -> nn.Module:
 
 def _ids() -> torch.Tensor:
     return torch.randint(0, 512, (MOE_BATCH, MOE_SEQ), generator=torch.Generator().manual_seed(1))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -139,7 +126,7 @@ def moe_rank(rank: int, world: int, folder: str, rounds: int, warmup: int = 1) -
     ``loss_diff`` (absolute, from one process, first step), ``collectives``
     (kind -> count per step), ``sent_bytes`` (per rank per step), ``error``.
     """
-    with _quiet():
+    with quiet_transformers():
         models, errors = _build(rank, world, folder)
     ids = _ids()
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
@@ -157,15 +144,7 @@ def moe_rank(rank: int, world: int, folder: str, rounds: int, warmup: int = 1) -
         traffic[key] = CollectiveTraffic()
         with traffic[key]:
             first[key] = step(key)
-    samples: dict[str, list[float]] = {k: [] for k in models}
-    for r in range(warmup + rounds):
-        for key in models:
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(key)
-            dist.barrier()
-            if r >= warmup:
-                samples[key].append((time.perf_counter() - t0) * 1e3)
+    samples = barrier_rounds(list(models), step, rounds, warmup)
     if rank != 0:
         return []
     rows: list[dict[str, Any]] = []
@@ -188,7 +167,7 @@ def moe_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0,
         tplower.testing.RankFailure: a rank failed.
     """
     progress(f"moe: one Qwen3-MoE layer's train step, tplower TP/EP vs transformers TP/EP, tp={tp}")
-    with tempfile.TemporaryDirectory(prefix="tplower-moe-") as folder, _quiet():
+    with tempfile.TemporaryDirectory(prefix="tplower-moe-") as folder, quiet_transformers():
         model: Any = _model()
         model.save_pretrained(folder)
         rows: list[dict[str, Any]] = run_processes(tp, moe_rank, folder, rounds, 1, timeout=timeout)[0]

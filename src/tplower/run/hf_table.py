@@ -26,7 +26,6 @@ architecture's errors so that one cannot end the others:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -36,8 +35,7 @@ import re
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +45,7 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
+from .quiet import quiet_transformers
 
 __all__ = ["TOL", "Arch", "Outcome", "Row", "architectures", "by_design", "counts", "gaps", "has_ep_plan", "input_ids",
            "main", "markdown", "run_table", "tiny_config", "tiny_model"]
@@ -196,17 +195,6 @@ def _hf_side(folder: str, ids: torch.Tensor, world: int, experts: str = "tp") ->
     return _compare(_logits(tp.eval(), ids), want)
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str],
                with_hf: bool, vocab_size: int | None = None) -> list[tuple[Outcome, Outcome, Outcome, Outcome]]:
     """On every rank: each architecture's tplower and transformers outcomes, in order."""
@@ -217,7 +205,7 @@ def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ids = input_ids()
     out: list[tuple[Outcome, Outcome, Outcome, Outcome]] = []
-    with _quiet():
+    with quiet_transformers():
         for arch in archs:
             row = []
             for experts in ("tp", "ep"):
@@ -265,7 +253,7 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
 
     archs = architectures(model_types)
     broken: dict[str, Outcome] = {}
-    with tempfile.TemporaryDirectory(prefix="tplower-hf-") as tmp, _quiet():
+    with tempfile.TemporaryDirectory(prefix="tplower-hf-") as tmp, quiet_transformers():
         folders: dict[str, str] = {}
         for arch in archs if with_hf else ():  # without transformers' side, a rank reports a build error itself
             try:

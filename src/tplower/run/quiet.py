@@ -17,9 +17,10 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 
-__all__ = ["KINETO_NOISE", "filtered_stderr"]
+__all__ = ["KINETO_NOISE", "filtered_stderr", "quiet_transformers"]
 
 #: kineto's per-window status lines, e.g.
 #: ``USDT:2026-11-30 07:51:55 8992:8992 SyncActivityProfilerHandler.cpp:52] profiler_start``.
@@ -53,3 +54,16 @@ def filtered_stderr(drop: re.Pattern[str] = KINETO_NOISE) -> Iterator[None]:
                     os.write(2, kept.encode("utf-8"))
     finally:
         os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' logging at error level, its progress bars off and Python warnings ignored in the block
+    (building and loading many tiny models, where each would print the same notices)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
