@@ -71,6 +71,7 @@ from .boundaries import (
 )
 from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
 from .experts import ExpertDispatch
+from .full_state import patch_save_pretrained, register_full_load
 from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
 from .params import ParamLayout, check_plain_parameter
@@ -481,4 +482,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
                 module._parameters[name] = seen[id(p)][1]
     if replicate_rest and axis in lowerer.names:
         place_rest(modules, mesh, axis)
+    register_full_load(model)  # load_state_dict of whole tensors: each rank takes its boxes
+    patch_save_pretrained(model)  # save_pretrained writes whole weights from rank 0
     return model
