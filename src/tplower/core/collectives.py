@@ -68,6 +68,32 @@ _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Under torch.compile each collective is a functional collective (``_c10d_functional``: a fresh output and a
+# ``wait_tensor``), which AOT autograd and inductor see as one node they can schedule and overlap. The in-place
+# ``dist.*`` calls would trace to the same node plus a buffer and a copy into it (dynamo's remap), around every
+# collective. Eager keeps the in-place calls: about 10 us cheaper a call on CPU than the functional ops.
+_FC = torch.ops._c10d_functional
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _fc_all_reduce(x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _FC.wait_tensor(_FC.all_reduce(x.contiguous(), op, group.group_name))
+    return out
+
+
+def _fc_all_gather(x: torch.Tensor, n: int, group: ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _FC.wait_tensor(_FC.all_gather_into_tensor(x.contiguous(), n, group.group_name))
+    return out
+
+
+def _fc_reduce_scatter(x: torch.Tensor, op: str, n: int, group: ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _FC.wait_tensor(_FC.reduce_scatter_tensor(x.contiguous(), op, n, group.group_name))
+    return out
+
+
 def _pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     have = x.size(dim)
     if have == size:
@@ -110,21 +136,30 @@ def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: 
     mesh); pieces are put in mesh-coordinate order. Backward:
     ``reduce_scatter`` (gradient ``P``) or :func:`chunk` (gradient ``R``).
     """
-    # The common case (even pieces of dim 0, group in mesh order) issues no op but the gather.
+    # The common case (even pieces, contiguous, group in mesh order) issues no op but the gather; dim > 0 adds
+    # one copy, the reshape that interleaves the gathered pieces (as DTensor's split + cat).
     c = -(-size // n)
     if x.size(dim) != c:
         x = _pad_to(x, dim, c)
-    if dim:
-        x = x.movedim(dim, 0)
-    x = x.contiguous()
-    out = x.new_empty((n * c, *x.shape[1:]))
-    if out.numel():
-        _all_gather_base(out, x, group=group)
+    piece = x.shape
+    if not x.numel():
+        out = x.new_empty((n * c, *piece[1:]) if dim == 0 else (*piece[:dim], n * c, *piece[dim + 1:]))
+    else:
+        if _tracing():
+            out = _fc_all_gather(x, n, group)
+        else:
+            x = x.contiguous()
+            out = x.new_empty((n * piece[0], *piece[1:]))
+            _all_gather_base(out, x, group=group)
         if order is not None:
             out = _blocks(out, n, order)
+        if dim:  # block k of dim 0 is rank k's piece: move the blocks next to dim and merge
+            out = out.view(n, *piece).movedim(0, dim).flatten(dim, dim + 1)
     if n * c != size:
-        out = out.narrow(0, 0, size)
-    return out.movedim(0, dim).contiguous() if dim else out
+        out = out.narrow(dim, 0, size)
+        if dim:
+            out = out.contiguous()
+    return out
 
 
 def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True) -> torch.Tensor:
@@ -133,6 +168,10 @@ def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native:
     With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``.
     Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
     """
+    if _tracing() and x.numel():
+        if op == "avg" and not native:
+            return _fc_all_reduce(x, "sum", group) / n
+        return _fc_all_reduce(x, op, group)
     out = x.clone(memory_format=torch.contiguous_format)
     if not out.numel():
         return out
@@ -162,6 +201,14 @@ def reduce_scatter(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, d
     buf = (buf.movedim(dim, 0) if dim else buf).contiguous()
     if order is not None:
         buf = _blocks(buf, n, _inverse(order))
+    if _tracing() and buf.numel():
+        if op == "avg" and not native_avg:
+            out = _fc_reduce_scatter(buf, "sum", n, group) / n
+        else:
+            out = _fc_reduce_scatter(buf, op, n, group)
+        if size != n * c:
+            out = out.narrow(0, 0, _piece(size, n, rank)[1])
+        return out.movedim(0, dim).contiguous() if dim else out
     out = buf.new_empty((c, *buf.shape[1:]))
     if out.numel():
         if op == "avg" and not native_avg:
@@ -186,6 +233,8 @@ def chunk(x: torch.Tensor, *, n: int, rank: int, dim: int) -> torch.Tensor:
     Backward: ``all_gather`` along ``dim``.
     """
     start, length = _piece(x.size(dim), n, rank)
+    if _tracing():  # a graph's outputs never share storage with its inputs by surprise: no copy needed
+        return x.narrow(dim, start, length).contiguous()
     return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
 
 
@@ -215,9 +264,13 @@ def all_to_all(x: torch.Tensor, *, group: ProcessGroup, n: int, rank: int, src_d
     send = x.unflatten(dst_dim, (n, cj)).movedim(dst_dim, 0).contiguous()
     if order is not None:  # group rank k gets the piece of the coordinate it holds
         send = send.index_select(0, torch.tensor(_inverse(order), device=send.device))
-    recv = torch.empty_like(send)
-    if send.numel():
-        dist.all_to_all_single(recv, send, group=group)
+    if _tracing() and send.numel():
+        ones = [1] * n  # one block of dim 0 to and from each rank
+        recv: torch.Tensor = _FC.wait_tensor(_FC.all_to_all_single(send, ones, ones, group.group_name))
+    else:
+        recv = torch.empty_like(send)
+        if send.numel():
+            dist.all_to_all_single(recv, send, group=group)
     if order is not None:  # block k came from group rank k: put it at that rank's coordinate
         recv = recv.index_select(0, torch.tensor(order, device=recv.device))
     # recv[k] is rank k's block: its piece of src_dim, this rank's piece of dst_dim.
