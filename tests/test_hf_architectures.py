@@ -1,4 +1,5 @@
-"""Hugging Face decoders under ``parallelize(model, mesh, "auto")``: logits equal one process at tp=2 on gloo.
+"""Hugging Face decoders under ``parallelize(model, mesh, "auto")``: logits and every gradient equal one process
+at tp=2 on gloo, replicated gradients equal across ranks.
 
 The fast part runs a handful of representative architectures (tiny random
 configs from :mod:`tplower.run.hf_table`) and checks that an MoE form tplower does
@@ -29,7 +30,8 @@ from tplower.run.hf_table import (
 
 # dense decoders of distinct families: plain, qk-norm, sliding window, gemma norms, fused qkv + gather/split,
 # GPT-NeoX's fused qkv and vocab-parallel embedding, OLMo-2's gather/split styles, MiniCPM3's latent attention
-FAST = ("llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox", "olmo2", "minicpm3")
+# Apertus: a learnable activation parameter between colwise and rowwise layers (covered by tplower.nn.coverage)
+FAST = ("llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox", "olmo2", "minicpm3", "apertus")
 MOE = "longcat_flash"  # tensor-parallel experts with identity (zero) experts among them
 FULL = os.environ.get("TPLOWER_HF_TABLE") == "1"
 
@@ -45,6 +47,8 @@ def test_auto_plan_matches_one_process(fast_rows: dict[str, Row], model_type: st
     outcome = fast_rows[model_type].tplower
     assert outcome.status == "pass", outcome
     assert outcome.max_diff is not None and outcome.max_diff <= TOL
+    # every parameter's gradient and the replicated ones' agreement across ranks, not only the logits
+    assert outcome.grad_diff is not None and outcome.grad_diff <= TOL
 
 
 def test_moe_architecture_passes_in_the_table(fast_rows: dict[str, Row]) -> None:
@@ -80,6 +84,7 @@ def test_markdown_and_gaps_on_known_rows() -> None:
                 Outcome("pass", 1e-7))]
     table = markdown(rows)
     assert "| `x` (XForCausalLM) | pass (1.0e-07) | pass (2.0e-07) | n/a | n/a |  |" in table
+    assert Outcome("pass", 1e-7, grad_diff=3e-7).cell() == "pass (1.0e-07, grads 3.0e-07)"
     assert "`moe_tp_experts` on `m.experts`: MoE" in table
     assert "| error | pass (1.0e-07) | tplower EP: RuntimeError: x |" in table
     assert "tplower: 1 fail, 2 pass, 1 refused" in table and "tplower EP: 1 error" in table

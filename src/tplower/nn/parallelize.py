@@ -70,10 +70,12 @@ from .boundaries import (
     deferred_bias_grad,
 )
 from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
+from .coverage import COVER_MODES, install_coverage
 from .experts import ExpertDispatch
 from .full_state import patch_save_pretrained, register_full_load
 from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
+from .lora import is_lora_layer, place_lora_layer, redirect_to_base, watch_registrations
 from .params import ParamLayout, check_plain_parameter
 from .plans import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from .rest_params import place_rest
@@ -248,6 +250,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     if entry.share:
         boundary.share = tuple(_output_slot(n, entry, qual, "share") for n in entry.share)
         boundary.share_n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
+    boundary.entry, boundary.axis = entry, axis
     module.forward = boundary
     return info if form.form != "identity" or bias is not None or entry.share else None
 
@@ -373,8 +376,15 @@ def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.M
                                packed={**entry.packed, **({pname: packed} if packed > 1 else {})})
 
 
+def _install_adapter(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str) -> None:
+    """Install one LoRA adapter's entry (:mod:`tplower.nn.lora`), its whole parameters in place."""
+    _install(module, qual, entry, lowerer, axis, {})
+    register_full_load(module)
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
-                axis: str = "tp", experts: str = "tp", replicate_rest: bool = True) -> nn.Module:
+                axis: str = "tp", experts: str = "tp", replicate_rest: bool = True,
+                cover: str = "reduce") -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -424,7 +434,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
             ``DeviceMesh`` or ``axis`` not a string (before any collective).
-        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``.
+        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, or ``cover``
+            neither ``"reduce"`` nor ``"refuse"``.
         TPLowerError: a plan error (naming the module, field and value), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), attention split over
@@ -455,13 +466,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if experts not in ("tp", "ep"):
         raise ValueError(f"parallelize: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts) "
                          "or 'ep' (expert parallelism)")
+    if cover not in COVER_MODES:
+        raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
     plan = resolve_model_plan(plan, model, experts=experts)
     lowerer = mesh_lowerer(mesh)
     if axis not in lowerer.names:
         warnings.warn(f"tplower: mesh axes {lowerer.names} have no {axis!r}; HF styles shard nothing", stacklevel=2)
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in modules]
-    matched = match_plan(plan, [*modules, *params])
+    matched = redirect_to_base(match_plan(plan, [*modules, *params]), modules)  # LoRA layers: their base
     entries = {qual: resolve_entry(plan[key], key, kind=_kind(modules[qual]), axis=axis)
                for qual, key in matched.items() if qual in modules}
     for name, key in matched.items():  # keys that name a parameter: place it within its module's entry
@@ -476,12 +489,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         if isinstance(module.__dict__.get("forward"), _Boundary) or REPLACED in module.__dict__:
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         _install(module, qual, entries[qual], lowerer, axis, seen, getattr(model, "config", None))
+    watch_registrations(_install_adapter)
+    for qual, module in modules.items():  # adapters added before parallelize: placed from their base's entry
+        if is_lora_layer(module):
+            place_lora_layer(module, qual)
     for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter
         for name, p in module._parameters.items():
             if p is not None and id(p) in seen:
                 module._parameters[name] = seen[id(p)][1]
-    if replicate_rest and axis in lowerer.names:
-        place_rest(modules, mesh, axis)
+    if axis in lowerer.names:
+        install_coverage(model, mesh, axis, place_rest(modules, mesh, axis) if replicate_rest else None, cover)
     register_full_load(model)  # load_state_dict of whole tensors: each rank takes its boxes
     patch_save_pretrained(model)  # save_pretrained writes whole weights from rank 0
     return model

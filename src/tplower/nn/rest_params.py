@@ -12,38 +12,78 @@ parent module's (a mixer that reads ``self.conv1d.weight``, a router that reads
 ``self.classifier.weight``). A swap finds the parameter already local inside
 an outer swap and leaves it; each restores what it swapped, on an exception
 too. The gradient is taken as whole on each rank (``R``), as it was for the
-plain tensor.
+plain tensor, until :mod:`tplower.nn.coverage` finds the parameter used on an
+activation the plan shards: :meth:`RestParams.reduce_grad` then gives it the
+``P(sum)`` gradient (an ``all_reduce`` in backward) from that call on, and a
+view made while the coverage probe watches (:attr:`RestParams.watch`) learns
+the decision before its backward runs (:class:`_Deferred`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from ..core.redistribute import mesh_lowerer
 from .params import ParamLayout, local_parameter, param_layout, shard_parameter
 
-__all__ = ["place_rest"]
+__all__ = ["RestParams", "place_rest"]
 
-Slot = tuple[nn.Module, str, ParamLayout]
+
+@dataclass
+class _Slot:
+    """One parameter of one module that a swap replaces by its local view (``layout`` changes on a decision)."""
+
+    owner: nn.Module
+    name: str
+    key: int  # id of the DTensor parameter (shared by tied slots)
+    layout: ParamLayout
+
+
+class _Deferred(torch.autograd.Function):
+    """Identity forward; backward reduces the local gradient when the decision (made later) says so."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, rest: RestParams, key: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.rest, ctx.key = rest, key
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        layout = ctx.rest.layouts.get(ctx.key)
+        if layout is not None and layout.grad is not None:
+            grad = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, grad.shape,
+                                                     grad.device.type)(grad)
+        return grad, None, None
 
 
 class _Swap:
     """Forward pre/post hooks of one module: its slots' DTensors out, local views in, and back."""
 
-    def __init__(self) -> None:
-        self.slots: list[Slot] = []
+    def __init__(self, rest: RestParams) -> None:
+        self.rest = rest
+        self.slots: list[_Slot] = []
         self.stack: list[list[tuple[nn.Module, str, Any]]] = []
 
     def pre(self, module: nn.Module, args: Any) -> None:
         swapped: list[tuple[nn.Module, str, Any]] = []
-        for owner, name, layout in self.slots:
-            p = owner._parameters.get(name)
+        watch = self.rest.watch
+        for slot in self.slots:
+            p = slot.owner._parameters.get(slot.name)
             if isinstance(p, DTensor):  # not already local inside an outer call's swap
-                owner._parameters[name] = local_parameter(p, layout)  # type: ignore[assignment]
-                swapped.append((owner, name, p))
+                view = local_parameter(p, slot.layout)
+                if watch is not None:
+                    if slot.layout.grad is None and torch.is_grad_enabled() and p.requires_grad:
+                        view = _Deferred.apply(view, self.rest, slot.key)
+                    watch(view, slot.key)
+                slot.owner._parameters[slot.name] = view  # type: ignore[assignment]
+                swapped.append((slot.owner, slot.name, p))
         self.stack.append(swapped)
 
     def post(self, module: nn.Module, args: Any, out: Any) -> None:
@@ -52,22 +92,55 @@ class _Swap:
                 owner._parameters[name] = p
 
 
-def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> int:
-    """Make every plain parameter of ``modules`` a ``Replicate`` DTensor and install the swaps; the count made.
+class RestParams:
+    """The parameters :func:`place_rest` made ``Replicate`` DTensors, and the swaps that make them local.
+
+    Attributes:
+        names: ``{key: (module name, parameter name)}``, the first place each parameter was found.
+        layouts: ``{key: layout}`` of each parameter (``grad`` set once :meth:`reduce_grad` decided so).
+        watch: while set, every view a swap makes is passed to it with its key (the coverage probe).
+    """
+
+    def __init__(self, mesh: DeviceMesh, axis: str) -> None:
+        self.mesh, self.axis = mesh, axis
+        self.names: dict[int, tuple[str, str]] = {}
+        self.layouts: dict[int, ParamLayout] = {}
+        self.slots: list[_Slot] = []
+        self.params: dict[int, nn.Parameter] = {}  # keeps each key's object alive (ids stay unique)
+        self.watch: Callable[[torch.Tensor, int], None] | None = None
+
+    def reduce_grad(self, key: int) -> None:
+        """From now on parameter ``key``'s local gradient is ``P(sum)`` on the axis: all-reduced in backward."""
+        names = tuple(self.mesh.mesh_dim_names or ())
+        rep = tuple(Replicate() for _ in names)
+        grad = tuple(Partial() if n == self.axis else Replicate() for n in names)
+        layout = param_layout(self.mesh, rep, grad, self.axis)
+        self.layouts[key] = layout
+        for slot in self.slots:
+            if slot.key == key:
+                slot.layout = layout
+
+
+def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> RestParams:
+    """Make every plain parameter of ``modules`` a ``Replicate`` DTensor and install the swaps.
 
     Args:
         modules: ``dict(model.named_modules())`` after the plan is installed.
         mesh: the mesh of :func:`tplower.parallelize`; the DTensors live on ``mesh[axis]``.
         axis: the tensor-parallel axis.
+
+    Returns:
+        The :class:`RestParams` made (``len(rest.names)`` of them).
     """
     names = tuple(mesh.mesh_dim_names or ())
     layout = param_layout(mesh, tuple(Replicate() for _ in names), None, axis)
+    rest = RestParams(mesh, axis)
     made: dict[int, nn.Parameter] = {}
     swaps: dict[int, tuple[nn.Module, _Swap]] = {}
 
     def swap_of(module: nn.Module) -> _Swap:
         if id(module) not in swaps:
-            swaps[id(module)] = (module, _Swap())
+            swaps[id(module)] = (module, _Swap(rest))
         return swaps[id(module)][1]
 
     for qual, module in modules.items():
@@ -76,11 +149,17 @@ def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> in
                 continue
             if id(p) not in made:
                 made[id(p)] = shard_parameter(p, layout, f"module {qual!r}: parameter {name!r}")
-            module._parameters[name] = made[id(p)]
+            new = made[id(p)]
+            module._parameters[name] = new
+            rest.names.setdefault(id(new), (qual, name))
+            rest.params[id(new)] = new
+            rest.layouts.setdefault(id(new), layout)
             parent = modules[qual.rpartition(".")[0]] if qual else module
             for user in dict.fromkeys((module, parent)):
-                swap_of(user).slots.append((module, name, layout))
+                slot = _Slot(module, name, id(new), layout)
+                swap_of(user).slots.append(slot)
+                rest.slots.append(slot)
     for module, swap in swaps.values():
         module.register_forward_pre_hook(swap.pre)
         module.register_forward_hook(swap.post, always_call=True)
-    return len(made)
+    return rest

@@ -10,7 +10,12 @@ architecture's errors so that one cannot end the others:
 
 * tplower: ``parallelize(copy.deepcopy(ref), mesh, "auto")`` on the rank's
   one-process model ``ref``; the logits must equal ``ref``'s within
-  :data:`TOL` (float32).
+  :data:`TOL` (float32), and after one backward of the next-token
+  cross-entropy so must every parameter's gradient (``full_tensor`` of a
+  DTensor gradient), and a replicated parameter's gradient must be the same
+  on every rank (a parameter used on a sharded activation whose gradient is
+  never summed differs across ranks: Apertus' ``act_fn.alpha_p`` before
+  :mod:`tplower.nn.coverage`).
 * transformers' own TP: the same weights (saved by the parent with
   ``save_pretrained``) loaded with ``DistributedConfig(tp_size=world,
   tp_plan="auto")`` (needs ``accelerate``), against the same checkpoint
@@ -47,8 +52,8 @@ from ..core.errors import TPLowerError
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
 from .quiet import quiet_transformers
 
-__all__ = ["TOL", "Arch", "Outcome", "Row", "architectures", "by_design", "counts", "gaps", "has_ep_plan", "input_ids",
-           "main", "markdown", "run_table", "tiny_config", "tiny_model"]
+__all__ = ["TOL", "Arch", "Outcome", "Row", "architectures", "by_design", "compare_training", "counts", "gaps",
+           "has_ep_plan", "input_ids", "main", "markdown", "run_table", "tiny_config", "tiny_model"]
 
 #: largest absolute logit difference from the one-process model that counts as equal (float32)
 TOL = 1e-5
@@ -62,7 +67,9 @@ Status = Literal["pass", "fail", "refused", "error", "n/a"]
 class Outcome:
     """One side's result on one architecture.
 
-    ``pass``/``fail``: logits within / beyond :data:`TOL` (``max_diff`` set);
+    ``pass``/``fail``: logits (and, where checked, every gradient and the cross-rank agreement of the
+    replicated ones: ``grad_diff``, the worst parameter in ``detail``) within / beyond :data:`TOL`
+    (``max_diff``: the logits');
     ``refused``: a :class:`~tplower.TPLowerError` (``detail`` its message);
     ``error``: any other exception (``detail``: type and first line);
     ``n/a``: not run (``detail`` says why).
@@ -71,10 +78,14 @@ class Outcome:
     status: Status
     max_diff: float | None = None
     detail: str = ""
+    grad_diff: float | None = None
 
     def cell(self) -> str:
-        """The table cell: the status, with the max diff for pass/fail."""
-        return f"{self.status} ({self.max_diff:.1e})" if self.max_diff is not None else self.status
+        """The table cell: the status, with the max diff for pass/fail (logits, then gradients where checked)."""
+        if self.max_diff is None:
+            return self.status
+        grads = f", grads {self.grad_diff:.1e}" if self.grad_diff is not None else ""
+        return f"{self.status} ({self.max_diff:.1e}{grads})"
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,68 @@ def _compare(got: torch.Tensor, want: torch.Tensor) -> Outcome:
     return Outcome("pass" if diff <= TOL else "fail", diff, "" if diff <= TOL else f"max diff {diff:.1e} > {TOL:.0e}")
 
 
+def _train_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The logits (whole), after one backward of the next-token cross-entropy on ``ids``."""
+    from torch.distributed.tensor import DTensor
+
+    out = model(input_ids=ids, use_cache=False).logits
+    full = out.full_tensor() if isinstance(out, DTensor) else out
+    logits = full[:, :-1].float()
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    return full.detach()
+
+
+def _replica_spread(grad: torch.Tensor) -> float:
+    """How far a replicated DTensor gradient's local values differ across its mesh's ranks (max - min)."""
+    import torch.distributed as dist
+
+    local = grad.to_local().detach().float()  # type: ignore[attr-defined]
+    hi, lo = local.clone(), local.clone()
+    group = grad.device_mesh.get_group()  # type: ignore[attr-defined]
+    dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
+    return float((hi - lo).abs().max()) if local.numel() else 0.0
+
+
+def compare_training(tp: nn.Module, ref: nn.Module, ids: torch.Tensor) -> Outcome:
+    """Logits, every parameter gradient and the replicated gradients' cross-rank agreement of ``tp`` vs ``ref``.
+
+    Runs one forward and backward of each (next-token cross-entropy on ``ids``); call on every rank alike (the
+    agreement check is a collective per replicated DTensor gradient). ``grad_diff`` is the largest of the
+    gradient differences and spreads; ``detail`` names the worst parameter when it is beyond :data:`TOL`.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    want, got = _train_logits(ref, ids), _train_logits(tp, ids)
+    logits = _compare(got, want)
+    if logits.max_diff is None:
+        return logits
+    mine = dict(tp.named_parameters())
+    worst, what = 0.0, ""
+    for name, p in ref.named_parameters():
+        q = mine.get(name)
+        g = None if q is None else q.grad
+        if (p.grad is None) != (g is None):
+            return Outcome("fail", logits.max_diff, f"gradient of {name}: one process "
+                           f"{'none' if p.grad is None else 'set'}, parallel {'none' if g is None else 'set'}", 0.0)
+        if p.grad is None or g is None:
+            continue
+        if isinstance(g, DTensor) and all(isinstance(x, Replicate) for x in g.placements):
+            spread = _replica_spread(g)
+            if spread > worst:
+                worst, what = spread, f"replicated gradient of {name} differs across ranks by {spread:.1e}"
+        full = g.full_tensor() if isinstance(g, DTensor) else g
+        if full.shape != p.grad.shape:
+            return Outcome("fail", logits.max_diff, f"gradient of {name}: shape {tuple(full.shape)}, one process "
+                           f"{tuple(p.grad.shape)}", 0.0)
+        diff = float((full - p.grad).abs().max()) if full.numel() else 0.0
+        if diff > worst:
+            worst, what = diff, f"gradient of {name} off by {diff:.1e}"
+    ok = logits.status == "pass" and worst <= TOL
+    detail = logits.detail or (what if worst > TOL else "")
+    return Outcome("pass" if ok else "fail", logits.max_diff, detail, worst)
+
+
 def _describe(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
@@ -179,8 +252,8 @@ def _tplower_side(arch: Arch, mesh: Any, ids: torch.Tensor, experts: str = "tp",
     from ..nn.parallelize import parallelize
 
     ref = tiny_model(arch, vocab_size)
-    want = _logits(ref, ids)
-    return _compare(_logits(parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts), ids), want)
+    tp = parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
+    return compare_training(tp, ref, ids)
 
 
 def _hf_side(folder: str, ids: torch.Tensor, world: int, experts: str = "tp") -> Outcome:
@@ -225,7 +298,9 @@ def _merge(per_rank: Sequence[Outcome]) -> Outcome:
     for outcome in per_rank:
         if outcome.status != "pass":
             return outcome
-    return dataclasses.replace(per_rank[0], max_diff=max(o.max_diff or 0.0 for o in per_rank))
+    grads = [o.grad_diff for o in per_rank if o.grad_diff is not None]
+    return dataclasses.replace(per_rank[0], max_diff=max(o.max_diff or 0.0 for o in per_rank),
+                               grad_diff=max(grads) if grads else None)
 
 
 def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True, world: int = 2,
