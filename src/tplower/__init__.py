@@ -27,6 +27,8 @@ from .core.teardown import shutdown
 from .core.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
 from .core.vocab_loss import vocab_parallel_cross_entropy
 from .nn.boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
+from .nn.full_state import full_state_dict
+from .nn.loading import load_safetensors
 from .nn.parallelize import parallelize
 from .nn.plans import BoundaryEntry, load_plan
 from .nn.verify import verify
@@ -62,7 +64,9 @@ __all__ = [
     "explain_plan_lines",
     "format_placement",
     "format_placements",
+    "full_state_dict",
     "load_plan",
+    "load_safetensors",
     "mesh_lowerer",
     "parallelize",
     "parse_placement",

@@ -23,6 +23,7 @@ from ..core.redistribute import MeshLowerer
 from ..core.transitions import global_shape_from_local
 from .boundaries import BoundaryForm, Placements
 from .params import ParamLayout, local_parameter
+from .plans import BoundaryEntry
 from .uneven import exchanged_global_shape
 
 __all__ = ["REPLACED", "InstalledBoundary", "installed_boundary"]
@@ -110,6 +111,9 @@ class _Boundary:
         #: ``share``: output slots given as this rank's ``1/share_n`` of a sum (forward and backward divide)
         self.share: tuple[int, ...] = ()
         self.share_n = 1
+        #: the resolved entry and the axis it was installed for (LoRA adapters take their placements from it)
+        self.entry: BoundaryEntry | None = None
+        self.axis = ""
         self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
 
     def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..core.errors import TPLowerError
 from .full_state import fill_local, local_boxes
 
-__all__ = ["LoadReport", "load_safetensors"]
+__all__ = ["LoadReport", "load_safetensors", "materialize"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -108,6 +108,78 @@ def _materialize(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, DTensor) != isinstance(b, DTensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not isinstance(a, DTensor) or not isinstance(b, DTensor):
+        return True
+    return a.device_mesh == b.device_mesh and a.placements == b.placements
+
+
+def _tie(model: nn.Module) -> None:
+    """Make the model's declared ties (transformers' ``all_tied_weights_keys``, ``{target: source}``) where the
+    two parameters have one layout; a model built under ``init_empty_weights`` has not tied them yet."""
+    ties = getattr(model, "all_tied_weights_keys", None) or {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for target, source in ties.items():
+        a, b = params.get(target), params.get(source)
+        if a is None or b is None or a is b or not _same_layout(a, b):
+            continue
+        owner_name, _, name = target.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._parameters[name] = b
+
+
+def _make_real(items: list[tuple[str, nn.Module, str, torch.Tensor, bool]], device: torch.device) -> torch.Tensor:
+    """Materialize one meta tensor (all its names): a parameter keeps its object (``swap_tensors``)."""
+    _, _, _, t, is_param = items[0]
+    fresh = _materialize(t, device)
+    if is_param:
+        torch.utils.swap_tensors(t, nn.Parameter(fresh, requires_grad=t.requires_grad))
+        return t
+    for _, owner, name, _, _ in items:
+        owner._buffers[name] = fresh
+    return fresh
+
+
+def _meta_buffers(model: nn.Module) -> list[str]:
+    return [f"{p}.{n}" if p else n for p, m in model.named_modules() for n, b in m._buffers.items()
+            if b is not None and b.is_meta]
+
+
+def materialize(model: nn.Module, device: str | torch.device = "cpu") -> list[str]:
+    """Give every meta parameter and persistent buffer of ``model`` real, uninitialized storage on ``device``.
+
+    For loaders that write into existing tensors (``torch.distributed.checkpoint.load``): a parallelized
+    model built on meta gets each DTensor's local shape only. Parameters keep their objects (ties stay).
+
+    Returns:
+        The keys materialized.
+
+    Raises:
+        TPLowerError: a non-persistent buffer still on meta (no checkpoint holds it: build the model under
+            ``accelerate.init_empty_weights()``, which keeps buffers real).
+    """
+    groups: dict[int, list[tuple[str, nn.Module, str, torch.Tensor, bool]]] = {}
+    for item in _tensors(model):
+        groups.setdefault(id(item[3]), []).append(item)
+    done = []
+    for items in groups.values():
+        if items[0][3].is_meta:
+            _make_real(items, torch.device(device))
+            done.append(items[0][0])
+    _refuse_meta_buffers(model)
+    return done
+
+
+def _refuse_meta_buffers(model: nn.Module) -> None:
+    meta = _meta_buffers(model)
+    if meta:
+        raise TPLowerError(f"buffers {meta[:8]} are still on the meta device and are in no checkpoint; build the "
+                           "model under accelerate.init_empty_weights() (it keeps buffers real) instead of "
+                           "torch.device('meta')")
+
+
 def _fill(t: torch.Tensor, h: Any, key: str) -> int:
     """Copy this rank's boxes of checkpoint tensor ``key`` (open file ``h``) into ``t``; bytes read."""
     sl = h.get_slice(key)
@@ -163,6 +235,8 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
         device = real.device if real is not None else torch.device("cpu")
     dev = torch.device(device)
     report = LoadReport()
+    _tie(model)
+    ties: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     first: dict[int, str] = {}
     groups: dict[int, list[tuple[str, nn.Module, str, torch.Tensor, bool]]] = {}
     for item in _tensors(model):
@@ -172,28 +246,28 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
     try:
         for key_id, items in groups.items():
             found = next((it for it in items if it[0] in where), None)
-            if found is None:
+            source = None if found is None else found[0]
+            if found is None:  # a tie the model did not make (layouts differ): read the source's tensor
+                found = next((it for it in items if ties.get(it[0]) in where), None)
+                source = None if found is None else ties[found[0]]
+            if found is None or source is None:
                 report.missing.append(first[key_id])
                 continue
-            key, _, _, t, is_param = found
-            h = handles.get(where[key])
+            key, _, _, t, _ = found
+            h = handles.get(where[source])
             if h is None:
-                h = handles[where[key]] = safe_open(str(where[key]), framework="pt").__enter__()
+                h = handles[where[source]] = safe_open(str(where[source]), framework="pt").__enter__()
             if t.is_meta:
-                fresh = _materialize(t, dev)
-                if is_param:
-                    torch.utils.swap_tensors(t, nn.Parameter(fresh, requires_grad=t.requires_grad))  # same object
-                else:
-                    for _, o, n, _, _ in items:
-                        o._buffers[n] = fresh
-                    t = fresh
+                t = _make_real(items, dev)
                 report.materialized.append(key)
             try:
-                report.bytes_read += _fill(t, h, key)
+                report.bytes_read += _fill(t, h, source)
             except TPLowerError as e:
                 raise TPLowerError(f"load_safetensors: {key!r}: {e}") from None
             report.loaded.append(key)
             report.tied.update({k: key for k, *_ in items if k != key})
+            if source != key:
+                report.tied[key] = source
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
@@ -205,10 +279,5 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
                            "tensors transformers converts on load (stacked experts, renamed keys) must be saved "
                            "in the model's own layout (save_pretrained(..., save_original_format=False)) or "
                            "loaded with torch.distributed.checkpoint; strict=False leaves them as they are")
-    meta = [f"{p}.{n}" if p else n for p, m in model.named_modules() for n, b in m._buffers.items()
-            if b is not None and b.is_meta]
-    if meta:
-        raise TPLowerError(f"load_safetensors: buffers {meta[:8]} are still on the meta device and are in no "
-                           "checkpoint; build the model under accelerate.init_empty_weights() (it keeps buffers "
-                           "real) instead of torch.device('meta')")
+    _refuse_meta_buffers(model)
     return report

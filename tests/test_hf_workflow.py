@@ -1,0 +1,272 @@
+"""The Hugging Face workflow end to end on a parallelized model, against one process (2 gloo ranks, one spawn).
+
+Each row is what a user does after (or before) ``tplower.parallelize(model, mesh, "auto")`` on a tiny random
+Llama: ``save_pretrained`` (reloaded by ``from_pretrained`` in one process), ``load_state_dict`` of a whole
+state dict, ``torch.save(model.state_dict())`` read back, ``clip_grad_norm_`` with a foreach AdamW, PEFT LoRA
+added before and after ``parallelize`` (3 AdamW steps), and a model built on meta filled from a safetensors
+folder (one file; several with an index; tied embeddings; Qwen3-MoE's packed experts and a vocabulary of 129
+that tp=2 does not divide) or from a DCP checkpoint. The oracle is the same model in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import tplower
+from tplower.core.errors import TPLowerError
+from tplower.nn.loading import materialize
+from tplower.testing import run_processes
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+X = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+LORA = {"r": 4, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], "lora_dropout": 0.0,
+        "init_lora_weights": False}
+
+
+def _config(tie: bool = False) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=tie)
+
+
+def _llama(tie: bool = False) -> Any:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(_config(tie))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((_full(a).detach() - _full(b).detach()).abs().max())
+
+
+def _train(one: Any, tp: Any, steps: int, ids: torch.Tensor = X, clip: float | None = None) -> dict[str, float]:
+    """``steps`` AdamW(foreach) steps of both models on the same loss: worst logits, grad, param difference."""
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, foreach=True)
+            for m in (one, tp)]
+    worst = {"logits": 0.0, "grad": 0.0, "norm": 0.0}
+    for _ in range(steps):
+        outs, norms = [], []
+        for m, opt in zip((one, tp), opts, strict=True):
+            opt.zero_grad()
+            y = m(input_ids=ids).logits
+            y.square().mean().backward()
+            outs.append(y)
+            if clip is not None:
+                norms.append(float(_full(torch.nn.utils.clip_grad_norm_(m.parameters(), clip))))
+        worst["logits"] = max(worst["logits"], _diff(outs[0], outs[1]))
+        g1 = {n: p.grad for n, p in one.named_parameters() if p.requires_grad}
+        g2 = {n: p.grad for n, p in tp.named_parameters() if p.requires_grad}
+        assert set(g1) == set(g2)
+        worst["grad"] = max(worst["grad"], *(_diff(g1[n], g2[n]) for n in g1))
+        if norms:
+            worst["norm"] = max(worst["norm"], abs(norms[0] - norms[1]))
+        for opt in opts:
+            opt.step()
+    p1 = dict(one.named_parameters())
+    worst["param"] = max(_diff(p, p1[n]) for n, p in tp.named_parameters())
+    return worst
+
+
+def _replicated_sums(model: Any) -> dict[str, float]:
+    """Each replicated parameter's sum in float64 (ranks must agree exactly)."""
+    return {n: float(p.to_local().double().sum()) for n, p in model.named_parameters()
+            if isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements)}
+
+
+def _lora(before: bool, mesh: Any) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    one = get_peft_model(_llama(), LoraConfig(**LORA))
+    if before:
+        torch.manual_seed(5)
+        tp = get_peft_model(_llama(), LoraConfig(**LORA))
+        tplower.parallelize(tp.base_model.model, mesh, "auto")
+    else:
+        tp = get_peft_model(tplower.parallelize(_llama(), mesh, "auto"), LoraConfig(**LORA))
+        one.load_state_dict({k: _full(v) for k, v in tp.state_dict().items() if "lora_" in k}, strict=False)
+    kinds = {(n.split(".")[-3], type(p.data).__name__, tuple(tplower.format_placement(q) for q in p.placements))
+             for n, p in tp.named_parameters() if "lora_" in n and isinstance(p, DTensor)}
+    plain = [n for n, p in tp.named_parameters() if "lora_" in n and not isinstance(p, DTensor)]
+    return {**_train(one, tp, 3), "kinds": sorted(kinds), "plain": plain, "sums": _replicated_sums(tp)}
+
+
+def _meta_load(mesh: Any, folder: str, build: Any, *, ids: torch.Tensor = X, **kw: Any) -> dict[str, Any]:
+    import accelerate
+
+    ref = build()
+    with accelerate.init_empty_weights():
+        model = type(ref)(ref.config)
+    tplower.parallelize(model, mesh, "auto", **kw)
+    report = tplower.load_safetensors(model, folder)
+    local = sum(t._local_tensor.nbytes if isinstance(t, DTensor) else t.nbytes
+                for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
+    out = {"logits": _diff(model(input_ids=ids).logits, ref(input_ids=ids).logits), "read": report.bytes_read,
+           "local": local, "whole": sum(t.nbytes for t in ref.state_dict().values()),
+           "missing": report.missing, "materialized": len(report.materialized), "tied": report.tied}
+    out["step"] = _train(ref, model, 1, ids)
+    return out
+
+
+def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    from tplower.run.hf_configs import tiny_config
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    d = Path(tmp)
+    ref = _llama()
+    want = ref(input_ids=X).logits
+    out: dict[str, Any] = {}
+
+    tp = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+    tp.save_pretrained(d / "saved")
+    out["files"] = sorted(p.name for p in (d / "saved").iterdir())
+    out["save_pretrained"] = _diff(LlamaForCausalLM.from_pretrained(d / "saved")(input_ids=X).logits, want)
+
+    blank = tplower.parallelize(_llama(), mesh, "auto")
+    with torch.no_grad():
+        for p in blank.parameters():
+            p.zero_()
+    blank.load_state_dict(ref.state_dict())
+    out["full_load"] = _diff(blank(input_ids=X).logits, want)
+
+    torch.save(tp.state_dict(), d / f"state{rank}.pt")
+    again = tplower.parallelize(_llama(), mesh, "auto")
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    again.load_state_dict(torch.load(d / f"state{rank}.pt", weights_only=False))
+    out["torch_save"] = _diff(again(input_ids=X).logits, want)
+
+    out["clip"] = _train(copy.deepcopy(ref), tplower.parallelize(copy.deepcopy(ref), mesh, "auto"), 2, clip=0.5)
+    out["lora_before"] = _lora(True, mesh)
+    out["lora_after"] = _lora(False, mesh)
+
+    tied = _llama(tie=True)
+    moe_config = tiny_config("qwen3_moe", vocab_size=129)
+
+    def moe() -> Any:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(moe_config)
+
+    if rank == 0:  # the folders a one-process run writes
+        tied.save_pretrained(d / "tied")
+        ref.save_pretrained(d / "sharded", max_shard_size="50KB")
+        moe().save_pretrained(d / "moe", save_original_format=False)
+        moe().save_pretrained(d / "moe_original")
+    dist.barrier()
+    out["index"] = (d / "sharded" / "model.safetensors.index.json").is_file()
+    out["meta_tied"] = _meta_load(mesh, str(d / "tied"), lambda: _llama(tie=True))
+    out["meta_sharded"] = _meta_load(mesh, str(d / "sharded"), _llama)
+    ids = torch.randint(0, 129, (2, 8), generator=torch.Generator().manual_seed(2))
+    out["meta_moe"] = _meta_load(mesh, str(d / "moe"), moe, ids=ids)
+    out["meta_moe_ep"] = _meta_load(mesh, str(d / "moe"), moe, ids=ids, experts="ep")
+    import accelerate
+
+    with accelerate.init_empty_weights():
+        converted = type(moe())(moe_config)
+    tplower.parallelize(converted, mesh, "auto")
+    try:
+        tplower.load_safetensors(converted, d / "moe_original")
+        out["converted"] = "loaded"
+    except TPLowerError as e:
+        out["converted"] = str(e)
+    with torch.device("meta"):
+        bare = LlamaForCausalLM(_config())
+    tplower.parallelize(bare, mesh, "auto")
+    try:
+        tplower.load_safetensors(bare, d / "saved")
+        out["meta_buffers"] = "loaded"
+    except TPLowerError as e:
+        out["meta_buffers"] = str(e)
+
+    dcp.save(tp.state_dict(), checkpoint_id=str(d / "dcp"))
+    with accelerate.init_empty_weights():
+        from_dcp = LlamaForCausalLM(_config())
+    tplower.parallelize(from_dcp, mesh, "auto")
+    materialize(from_dcp)
+    state = from_dcp.state_dict()
+    dcp.load(state, checkpoint_id=str(d / "dcp"))
+    from_dcp.load_state_dict(state)
+    out["dcp"] = _diff(from_dcp(input_ids=X).logits, want)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_processes(2, _rank, tmp, timeout=600.0)
+
+
+def test_save_pretrained_writes_whole_weights_that_one_process_reloads(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert "model.safetensors" in r["files"] and "config.json" in r["files"]
+        assert r["save_pretrained"] == 0.0
+
+
+def test_whole_state_dict_and_torch_save_load_into_a_parallelized_model(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["full_load"] < 1e-6
+        assert r["torch_save"] < 1e-6
+
+
+def test_clip_and_foreach_adamw_on_the_auto_plan_equal_one_process(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["clip"]["norm"] < 1e-5 and r["clip"]["grad"] < 1e-6 and r["clip"]["param"] < 1e-4
+
+
+@pytest.mark.parametrize("when", ["lora_before", "lora_after"])
+def test_lora_trains_as_one_process(ranks: list[dict[str, Any]], when: str) -> None:
+    for r in ranks:
+        got = r[when]
+        assert got["plain"] == []  # every adapter is a DTensor
+        # colwise bases: A whole, B as the base; rowwise bases: A as the base, B whole
+        assert got["kinds"] == [("lora_A", "DTensor", ("R",)), ("lora_A", "DTensor", ("S(1)",)),
+                                ("lora_B", "DTensor", ("R",)), ("lora_B", "DTensor", ("S(0)",))]
+        assert got["logits"] < 1e-5 and got["grad"] < 1e-6 and got["param"] < 1e-4
+    assert ranks[0][when]["sums"] == ranks[1][when]["sums"]  # replicated adapters identical across ranks
+
+
+@pytest.mark.parametrize("case", ["meta_tied", "meta_sharded", "meta_moe", "meta_moe_ep"])
+def test_meta_model_filled_from_safetensors_reads_only_its_slices(ranks: list[dict[str, Any]], case: str) -> None:
+    assert ranks[0]["index"]  # "meta_sharded" reads several files through model.safetensors.index.json
+    for r in ranks:
+        got = r[case]
+        assert got["missing"] == [] and got["materialized"] > 0
+        assert got["logits"] < 1e-5
+        assert got["step"]["grad"] < 1e-6 and got["step"]["param"] < 1e-4
+        assert got["read"] == got["local"] < got["whole"]  # this rank's boxes, no more
+    assert ranks[0]["meta_tied"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_loading_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert "save_original_format=False" in r["converted"]
+        assert "init_empty_weights" in r["meta_buffers"]
+
+
+def test_meta_model_from_a_dcp_checkpoint(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["dcp"] < 1e-6
