@@ -38,6 +38,7 @@ EXERCISED: dict[str, tuple[str, ...]] = {
                             "test_examples::test_llama_plan_file_runs_with_llama_tiny"),
     "train.py": ("test_examples_train::test_train_example_runs_under_torchrun_and_leaves_a_trained_checkpoint",),
     "redistribute.py": ("test_examples::test_redistribute_example_runs_under_torchrun",),
+    "load_pretrained.py": ("test_examples::test_load_pretrained_example_reads_slices_and_saves_whole",),
 }
 
 
@@ -154,5 +155,25 @@ def test_redistribute_example_runs_under_torchrun() -> None:
         assert "forward [P(sum)->S(0) on axis 0: reduce_scatter(dim=0, op=sum)]" in output
         assert "backward [S(1)->S(0) on axis 0: all_to_all(dim=1->0)]" in output
         assert "Traceback" not in output and "does not support alltoall" not in output
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_load_pretrained_example_reads_slices_and_saves_whole() -> None:
+    from transformers import AutoModelForCausalLM
+
+    root = tempfile.mkdtemp(prefix="tplower-test-load-pretrained-")
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": root}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(_free_port()), "examples/load_pretrained.py", "--save", f"{root}/out"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output
+        assert "OK: loaded from safetensors, each rank its slices; logits and one step equal one process" in output
+        reads = [line for line in proc.stdout.splitlines() if "(its shards)" in line]
+        assert len(reads) == 2, output
+        saved = AutoModelForCausalLM.from_pretrained(f"{root}/out")  # whole weights, one process
+        assert saved.config.vocab_size == 256 and saved.lm_head.weight is saved.model.embed_tokens.weight
     finally:
         shutil.rmtree(root, ignore_errors=True)
