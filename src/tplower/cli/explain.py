@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
@@ -91,7 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coord", default=None,
                         help="mesh coordinate of the rank to explain, one index per axis (default 0,...,0: the rank "
                              "with the largest pieces)")
-    parser.add_argument("--plan", default=None, help="a module plan file (YAML/JSON): explain its boundary forms")
+    parser.add_argument("--plan", default=None, help="a module plan file (YAML/JSON): explain its boundary forms; "
+                        "'derive' (with --model): the derived plan, each rule that matched, then its forms")
+    parser.add_argument("--model", default=None, help="with --plan derive: a model of tplower run or a family of "
+                        "tplower.run.derive_table")
     parser.add_argument("--moe", default=None, metavar="tokens=T,hidden=H,top_k=K,experts=E",
                         help="explain one mixture-of-experts block instead: the collectives and bytes per rank per "
                              "step of tensor parallelism inside the experts and of expert parallelism, over the "
@@ -138,7 +142,16 @@ def main(args: argparse.Namespace) -> int:
         if args.plan:
             from ..nn.boundaries import explain_plan_lines
 
-            print("\n".join(explain_plan_lines(args.plan, names)))
+            plan: Any = args.plan
+            if args.plan == "derive":
+                if not args.model:
+                    raise TPLowerError("--plan derive needs --model NAME (a model of tplower run or a family)")
+                from .plan import derive_for
+
+                derived = derive_for(args.model)
+                print(derived.explain() + "\n")
+                plan = derived.plan
+            print("\n".join(explain_plan_lines(plan, names)))
             return 0
         if not args.src or not args.dst:
             raise TPLowerError("explain needs SRC and DST placements (or --plan FILE)")

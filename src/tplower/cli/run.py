@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import TPLowerError
 from ..run import RunConfig, RunError, format_report, load_plan, run, texts_from, torchrun_env, verdict, write_json
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1; >1 makes a 2-D mesh)")
     parser.add_argument("--input", metavar="FILE", help="sentences, one a line (default: a built-in list)")
     parser.add_argument("--plan", metavar="FILE",
-                        help="JSON/YAML mapping module name/glob -> colwise|rowwise (default: the model's plan)")
+                        help="JSON/YAML mapping module name/glob -> colwise|rowwise (default: the model's plan), or "
+                             "'derive': a plan derived from the module structure (tplower plan writes it out)")
     parser.add_argument("--steps", type=int, default=2,
                         help="training steps checked against one process (default 2, at least 1)")
     parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward batch (default 16)")
@@ -57,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="debug: rank R exits abruptly after loading, to see how a dying rank is reported")
 
 
+def _plan(option: str | None, model: str) -> dict[str, Any] | None:
+    if option == "derive":
+        from .plan import derive_for
+
+        return dict(derive_for(model).plan)
+    return load_plan(option) if option else None
+
+
 def _config(args: argparse.Namespace) -> RunConfig:
     env = torchrun_env()
     dp = args.dp
@@ -70,7 +80,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         raise RunError(f"--nproc {world} must be at least 1")
     tp = args.tp if args.tp is not None else max(world // dp, 1)
     return RunConfig(model=args.model, world=world, tp=tp, dp=dp, texts=texts_from(args.input),
-                     plan=load_plan(args.plan) if args.plan else None, steps=args.steps, batch_size=args.batch_size,
+                     plan=_plan(args.plan, args.model), steps=args.steps, batch_size=args.batch_size,
                      lr=args.lr, repeat=args.repeat, tolerance=args.tolerance,
                      timeout=args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0,
                      backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,

@@ -71,6 +71,7 @@ from .boundaries import (
 )
 from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
 from .coverage import COVER_MODES, install_coverage
+from .derive import derive_plan
 from .experts import ExpertDispatch
 from .full_state import patch_save_pretrained, register_full_load
 from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
@@ -395,7 +396,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             YAML/JSON file of the same (see :mod:`tplower.nn.plans`), or
             ``"auto"``: a transformers model's own plan (see
             :mod:`tplower.nn.hf_plans`; a ``config.base_model_tp_plan`` given
-            for a model with a ``base_model_prefix`` is put under it). A key
+            for a model with a ``base_model_prefix`` is put under it), or
+            ``"derive"``: a plan derived from the module structure
+            (:func:`tplower.nn.derive.derive_plan`). A key
             may also name a parameter (``layers.*.self_attn.sinks``): it is
             placed as the style places a parameter.
         axis: the tensor-parallel mesh axis HF styles shard on.
@@ -468,6 +471,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
                          "or 'ep' (expert parallelism)")
     if cover not in COVER_MODES:
         raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
+    if isinstance(plan, str) and plan == "derive":
+        plan = derive_plan(model, axis=axis).plan
     plan = resolve_model_plan(plan, model, experts=experts)
     lowerer = mesh_lowerer(mesh)
     if axis not in lowerer.names:

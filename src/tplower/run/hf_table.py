@@ -186,16 +186,21 @@ def _replica_spread(grad: torch.Tensor) -> float:
     return float((hi - lo).abs().max()) if local.numel() else 0.0
 
 
-def compare_training(tp: nn.Module, ref: nn.Module, ids: torch.Tensor) -> Outcome:
+def compare_training(tp: nn.Module, ref: nn.Module, ids: torch.Tensor | None,
+                     step: Callable[[nn.Module], torch.Tensor] | None = None) -> Outcome:
     """Logits, every parameter gradient and the replicated gradients' cross-rank agreement of ``tp`` vs ``ref``.
 
-    Runs one forward and backward of each (next-token cross-entropy on ``ids``); call on every rank alike (the
+    Runs one forward and backward of each (next-token cross-entropy on ``ids``, or ``step(model)``, which
+    runs a forward and a backward and returns the whole output, detached); call on every rank alike (the
     agreement check is a collective per replicated DTensor gradient). ``grad_diff`` is the largest of the
     gradient differences and spreads; ``detail`` names the worst parameter when it is beyond :data:`TOL`.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
-    want, got = _train_logits(ref, ids), _train_logits(tp, ids)
+    if step is None:
+        assert ids is not None, "compare_training: ids or step"
+        step = functools.partial(_train_logits, ids=ids)
+    want, got = step(ref), step(tp)
     logits = _compare(got, want)
     if logits.max_diff is None:
         return logits
