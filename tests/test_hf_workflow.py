@@ -98,7 +98,7 @@ def _lora(before: bool, mesh: Any) -> dict[str, Any]:
     if before:
         torch.manual_seed(5)
         tp = get_peft_model(_llama(), LoraConfig(**LORA))
-        tplower.parallelize(tp.base_model.model, mesh, "auto")
+        tplower.parallelize(tp, mesh, "auto")  # the PeftModel: "auto" is its transformers model's plan
     else:
         tp = get_peft_model(tplower.parallelize(_llama(), mesh, "auto"), LoraConfig(**LORA))
         one.load_state_dict({k: _full(v) for k, v in tp.state_dict().items() if "lora_" in k}, strict=False)
@@ -161,6 +161,12 @@ def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["clip"] = _train(copy.deepcopy(ref), tplower.parallelize(copy.deepcopy(ref), mesh, "auto"), 2, clip=0.5)
     out["lora_before"] = _lora(True, mesh)
     out["lora_after"] = _lora(False, mesh)
+
+    ids = torch.tensor([[0, 0, 5, 9, 11, 3], [7, 2, 8, 1, 4, 6]])  # left padding on the first row
+    mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
+    greedy = {"max_new_tokens": 5, "do_sample": False, "use_cache": True, "pad_token_id": 0}
+    out["generate"] = torch.equal(ref.generate(input_ids=ids, attention_mask=mask, **greedy),
+                                  tp.generate(input_ids=ids, attention_mask=mask, **greedy))
 
     tied = _llama(tie=True)
     moe_config = tiny_config("qwen3_moe", vocab_size=129)
@@ -232,6 +238,10 @@ def test_whole_state_dict_and_torch_save_load_into_a_parallelized_model(ranks: l
         assert r["torch_save"] < 1e-6
 
 
+def test_generate_with_kv_cache_and_left_padding_gives_one_process_tokens(ranks: list[dict[str, Any]]) -> None:
+    assert all(r["generate"] for r in ranks)
+
+
 def test_clip_and_foreach_adamw_on_the_auto_plan_equal_one_process(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["clip"]["norm"] < 1e-5 and r["clip"]["grad"] < 1e-6 and r["clip"]["param"] < 1e-4
@@ -270,3 +280,50 @@ def test_loading_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
 def test_meta_model_from_a_dcp_checkpoint(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["dcp"] < 1e-6
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+#: sequence parallelism: the block's input and output are sequence shards (dim 1)
+SP_PLAN = {"norm": "sequence_parallel", "up": {"style": "colwise", "in_src": {"0": {"tp": "S(1)"}}},
+           "down": {"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}}
+
+
+def _sp_rank(rank: int, world: int, ref: Any, x: torch.Tensor) -> dict[str, Any]:
+    one, tp = copy.deepcopy(ref), copy.deepcopy(ref)  # threads share the RNG: the model is drawn once, outside
+    tplower.parallelize(tp, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), SP_PLAN)
+    one(x).square().sum().backward()
+    y = tp(x.chunk(world, 1)[rank])  # this rank's sequence shard in, its shard out
+    y.square().sum().backward()  # the ranks' losses sum to one process's
+    worst = max(_diff(p.grad, q.grad) / float(q.grad.abs().max())
+                for (n, p), q in zip(tp.named_parameters(), one.parameters(), strict=True) if p.requires_grad)
+    return {"out": _diff(y, one(x).chunk(world, 1)[rank]), "grad": worst,
+            "whole": sorted(n for n, p in tp.named_parameters() if "lora" in n and isinstance(p, DTensor)
+                            and p.placements[0].is_replicate())}
+
+
+def test_lora_under_sequence_parallelism_reduces_the_whole_adapters_gradients() -> None:
+    """Under sequence parallelism the whole adapter runs on a sequence shard: its gradient is partial per rank and
+    must be summed (without it each rank's A of ``up`` would hold its shard's gradient only)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tplower.testing import run_threaded
+
+    torch.manual_seed(0)
+    ref = get_peft_model(_Block(), LoraConfig(r=2, target_modules=["up", "down"], lora_dropout=0.0,
+                                              init_lora_weights=False))
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
+    for r in run_threaded(2, _sp_rank, ref, x):
+        assert r["whole"] == ["base_model.model.down.lora_B.default.weight",
+                              "base_model.model.up.lora_A.default.weight"]
+        assert r["out"] < 1e-5
+        assert r["grad"] < 1e-6  # relative to the largest entry of each gradient

@@ -78,6 +78,19 @@ def model_ep_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+def _wrapped_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The transformers model inside a wrapper that names it ``get_base_model()`` (a PEFT ``PeftModel``), and
+    its name in ``model`` plus a dot; ``(model, "")`` for anything else."""
+    get = getattr(type(model), "get_base_model", None)
+    if not callable(get):
+        return model, ""
+    inner = model.get_base_model()  # type: ignore[operator]
+    if inner is model or not isinstance(inner, nn.Module):
+        return model, ""
+    qual = next((q for q, m in model.named_modules() if m is inner), None)
+    return (inner, f"{qual}.") if qual else (model, "")
+
+
 def _names(model: nn.Module) -> list[str]:
     modules = [n for n, _ in model.named_modules()]
     params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -117,22 +130,30 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
         The checked plan; when no key matches the model but every key
         matches under the model's ``base_model_prefix`` (a
         ``config.base_model_tp_plan`` applied to a ``*ForCausalLM``), the
-        keys prefixed.
+        keys prefixed; likewise under a wrapper's model (a PEFT
+        ``PeftModel``'s ``get_base_model()``), for ``"auto"`` too.
 
     Raises:
         TPLowerError: as :func:`tplower.nn.plans.load_plan`, or ``"auto"`` on a
             model without a plan.
     """
     if isinstance(plan, str) and plan == AUTO:
+        inner, prefix = _wrapped_model(model)
         if experts == "ep":  # the expert-parallel keys replace the tensor-parallel ones they name
-            return load_plan({**model_tp_plan(model), **model_ep_plan(model)})
-        return load_plan(model_tp_plan(model))
+            shipped = {**model_tp_plan(inner), **model_ep_plan(inner)}
+        else:
+            shipped = model_tp_plan(inner)
+        return load_plan({f"{prefix}{k}": v for k, v in shipped.items()})
     loaded = load_plan(plan)
     names = _names(model)
     if loaded and not _matches_any(loaded, names):
         prefixed = _under_prefix(loaded, model)
         if prefixed is not None and _matches_any(prefixed, names):
             return prefixed
+        inner, qual = _wrapped_model(model)
+        if qual:  # keys named inside a wrapper's model (a PeftModel's base model)
+            within = resolve_model_plan(loaded, inner)
+            return {f"{qual}{k}": v for k, v in within.items()}
     return loaded
 
 
