@@ -141,10 +141,9 @@ class Coverage:
         for module in self.model.modules():
             boundary = module.__dict__.get("forward")
             boundary = boundary if isinstance(boundary, _Boundary) else module.__dict__.get(REPLACED)
-            if isinstance(boundary, _Boundary):
+            if isinstance(boundary, _Boundary):  # every boundary: its outputs are activations, not parameters'
                 tags = self._boundary_tags(boundary)
-                if tags:
-                    self.handles.append(module.register_forward_hook(self._tagger(tags)))
+                self.handles.append(module.register_forward_hook(self._tagger(tags)))
 
     def _boundary_tags(self, boundary: _Boundary) -> dict[int, str | None]:
         slots = {mv.name: mv.slot for mv in boundary.outs}
@@ -162,11 +161,11 @@ class Coverage:
             if self.mode is None:
                 return
             items = list(out) if isinstance(out, tuple | list) else [out]
-            for slot, kind in tags.items():
-                if slot < len(items) and isinstance(items[slot], torch.Tensor):
-                    t = items[slot]
-                    setattr(t, _TAG, kind)
-                    if hasattr(t, _FROM):
+            for slot, t in enumerate(items):
+                if isinstance(t, torch.Tensor):
+                    if slot in tags:
+                        setattr(t, _TAG, tags[slot])
+                    if hasattr(t, _FROM):  # e.g. a partial_tail boundary's output: no output move, still its own
                         delattr(t, _FROM)
         return tag
 
