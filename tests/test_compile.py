@@ -88,6 +88,21 @@ def _body(rank: int, world: int, backend: str) -> dict[str, Any]:
         torch.testing.assert_close(p.grad.to_local(), pe.grad.to_local(), atol=1e-4, rtol=1e-5,
                                    msg=lambda m, n=name: f"{n}: {m}")
     out["model_frames"] = _frames(cnt)
+    # 3. three SGD steps at one shape on a new mesh (cold plan caches, the lowerer made eagerly by parallelize):
+    # the graph must not guard on the caches, or the second step recompiles
+    mesh2 = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = tplower.parallelize(copy.deepcopy(ref), mesh2, SP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled_model = torch.compile(model, backend=cnt, fullgraph=True)
+    x = torch.randn(4, 2 * world, 8, generator=torch.Generator().manual_seed(3)).chunk(world, 1)[rank]
+    steps = []
+    for _ in range(3):
+        opt.zero_grad()
+        compiled_model(x).square().sum().backward()
+        opt.step()
+        steps.append(_frames(cnt))
+    out["step_frames"] = steps
     return out
 
 
@@ -97,3 +112,51 @@ def test_fullgraph_cold_dynamic_batch_world2(backend: str) -> None:
         # one compile for the first batch, at most one more that makes the batch dim dynamic
         assert res["redistribute_frames"] <= 2 and res["model_frames"] <= 2, res
         assert res["mark_dynamic_frames"] == 1, res
+        assert res["step_frames"] == [1, 1, 1], res
+
+
+def _llama_steps(rank: int, world: int) -> dict[str, Any]:
+    """Three compiled AdamW steps of a 1-layer random Llama, from a cold process; the eager copy alongside."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tplower.bench.graphs import GraphCapture, copies_around_collectives
+    from tplower.run.models import LLAMA_TINY_CONFIG
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**{**LLAMA_TINY_CONFIG, "num_hidden_layers": 1})).eval()
+    compiled_model = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+    eager = tplower.parallelize(copy.deepcopy(ref), mesh, "auto")
+    cap = GraphCapture()
+    compiled = torch.compile(compiled_model, backend=cap, fullgraph=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled_model, eager)]
+    ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
+    frames, losses = [], []
+    for _ in range(3):
+        pair = []
+        for model, opt in zip((compiled, eager), opts, strict=True):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            pair.append(float(loss))
+        losses.append(pair)
+        frames.append(cap.frames)
+    return {"frames": frames, "losses": losses, "graphs": (len(cap.forward), len(cap.backward)),
+            "forward_near": copies_around_collectives(cap.forward[0]),
+            "backward_near": copies_around_collectives(cap.backward[0])}
+
+
+@pytest.mark.slow
+def test_parallelized_llama_compiles_once_from_a_cold_process() -> None:
+    # The first trace meets cold plan caches; the graph must not guard on them (it would recompile at step 2).
+    for res in run_processes(2, _llama_steps, timeout=600):
+        assert res["frames"] == [1, 1, 1] and res["graphs"] == (1, 1), res
+        for compiled_loss, eager_loss in res["losses"]:
+            assert abs(compiled_loss - eager_loss) <= 1e-4 * max(1.0, abs(eager_loss)), res["losses"]
+        assert res["losses"][2][1] < res["losses"][0][1], res["losses"]  # the steps train
+        # every all_reduce of the row-parallel outputs (forward) and of the column-parallel inputs' gradients
+        # (backward) has no copy next to it; the one copy is the lm_head's gather of the vocabulary dim
+        fwd = [n for name, n in res["forward_near"] if name.endswith("all_reduce")]
+        bwd = [n for name, n in res["backward_near"] if name.endswith("all_reduce")]
+        assert fwd and not any(fwd) and bwd and not any(bwd), res

@@ -200,21 +200,43 @@ class MeshLowerer:
 
         The cache is bounded (:mod:`tplower.core.cache`): beyond its bound the least
         recently used program is dropped and rebuilt, the same, when next needed.
+
+        Under ``torch.compile`` the lookup is not traced (it runs at trace
+        time), so the graph guards on nothing in the cache and the first trace,
+        cold cache or warm, is the one every later call reuses.
         """
-        pkey = (_key(src), _key(dst), _key(grad), None if global_shape is None else tuple(global_shape),
-                len(local_shape), device_type)
-        compiling = torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            # Traced, a cache lookup would make the graph guard on the cache's contents: a first trace on a
+            # cold cache would guard on the program being absent and recompile at the next call, which finds
+            # it. So the lookup runs untraced, at trace time, and the trace reads the program from an
+            # attribute of its own that never changes (_traced_program).
+            dims = _traced_dims(self, src, dst, grad, len(local_shape), global_shape, device_type)
+            # The sizes of the dims the placements shard are part of the plan: the graph specializes on them.
+            planned = tuple(int(s) if dims is None or i in dims else 1 for i, s in enumerate(local_shape))
+            slot = _traced_slot(self, src, dst, planned, device_type, grad, global_shape)
+            prog: Program = getattr(_TRACED, slot)
+            return prog
+        return self._program(src, dst, local_shape, device_type, grad, global_shape)
+
+    def _dims(self, src: PlacementsLike, dst: PlacementsLike, grad: PlacementsLike | None, ndim: int,
+              global_shape: Sequence[int] | None, device_type: str) -> tuple[Hashable, frozenset[int] | None]:
+        """The placements' part of the cache key, and the dims whose sizes the plan depends on (``None``: all)."""
+        pkey = (_key(src), _key(dst), _key(grad), None if global_shape is None else tuple(global_shape), ndim,
+                device_type)
         found = self._planned_dims.peek(pkey)
         if found is None:
-            found = (self._shaping_dims(src, dst, grad, len(local_shape), global_shape),)
+            found = (self._shaping_dims(src, dst, grad, ndim, global_shape),)
             self._planned_dims.put(pkey, found)
-        dims = found[0]
+        return pkey, found[0]
+
+    def _program(self, src: PlacementsLike, dst: PlacementsLike, local_shape: Sequence[int], device_type: str,
+                 grad: PlacementsLike | None, global_shape: Sequence[int] | None) -> Program:
+        pkey, dims = self._dims(src, dst, grad, len(local_shape), global_shape, device_type)
         # Only the sizes of sharded dims change a plan: the others stay out of the key (1 in the planned
         # shape), so a batch dim can stay dynamic under torch.compile.
         shape = tuple(local_shape) if dims is None else tuple(s if i in dims else 1 for i, s in enumerate(local_shape))
         key = (pkey, shape)
-        # Under torch.compile: no hit/miss counters and no reordering, which a graph would guard on.
-        prog = self._cache.peek(key) if compiling else self._cache.get(key)
+        prog = self._cache.get(key)
         if prog is None:
             prog = self._build(src, dst, grad, shape, global_shape, device_type)
             self._cache.put(key, prog)
@@ -300,6 +322,56 @@ class MeshLowerer:
         return dt.redistribute(self.mesh, tuple(dst)).to_local(grad_placements=tuple(grad))
 
 
+class _TracedObjects:
+    """Every program and lowerer a ``torch.compile`` trace has used, one attribute each (``p0``, ``p1``, ...).
+
+    An attribute is bound once and never rebound, so a graph that reads one
+    guards on something that holds for good. They are kept for the life of
+    the process (a few per distinct transition a graph runs); a lowerer's
+    programs are released with their process groups as ever.
+    """
+
+
+_TRACED = _TracedObjects()
+_TRACED_SLOTS: dict[int, str] = {}  # id of a kept object -> its attribute
+
+
+def _slot(obj: object) -> str:
+    """``obj``'s attribute of :data:`_TRACED`, bound on first use."""
+    slot = _TRACED_SLOTS.get(id(obj))
+    if slot is None:
+        slot = f"p{len(vars(_TRACED))}"
+        setattr(_TRACED, slot, obj)
+        _TRACED_SLOTS[id(obj)] = slot
+    return slot
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_lowerer_slot(mesh: DeviceMesh) -> str:
+    """The attribute of :data:`_TRACED` holding ``mesh``'s lowerer (made at trace time, untraced)."""
+    return _slot(mesh_lowerer(mesh))
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_dims(lowerer: MeshLowerer, src: PlacementsLike, dst: PlacementsLike, grad: PlacementsLike | None,
+                 ndim: int, global_shape: Sequence[int] | None, device_type: str) -> tuple[int, ...] | None:
+    """:meth:`MeshLowerer._dims` run at trace time, untraced: its result is a constant of the graph."""
+    dims = lowerer._dims(src, dst, grad, ndim, global_shape, device_type)[1]
+    return None if dims is None else tuple(sorted(dims))
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_slot(lowerer: MeshLowerer, src: PlacementsLike, dst: PlacementsLike, planned: tuple[int, ...],
+                 device_type: str, grad: PlacementsLike | None, global_shape: Sequence[int] | None) -> str:
+    """The program's attribute of :data:`_TRACED`, looked up (or built) at trace time, untraced.
+
+    A trace reads the program as ``_TRACED.<slot>``: its own guard source,
+    bound once and never rebound, so the guard holds for every later call
+    whatever happens to the caches.
+    """
+    return _slot(lowerer._program(src, dst, planned, device_type, grad, global_shape))
+
+
 _LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyDictionary()
 
 
@@ -377,7 +449,10 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     group orders its ranks differently (DTensor gets uneven shards wrong there).
     """
     try:
-        lowerer = mesh_lowerer(mesh)
+        # Traced, the lookup would guard on the map of lowerers (and a first use would make the lowerer inside
+        # the graph): it runs untraced at trace time, as the program lookup does.
+        lowerer = getattr(_TRACED, _traced_lowerer_slot(mesh)) if torch.compiler.is_compiling() else \
+            mesh_lowerer(mesh)
     except TypeError:
         check_mesh(mesh, "mesh", "redistribute_local")
         raise
