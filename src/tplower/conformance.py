@@ -148,7 +148,7 @@ def _local_input(case: Case, mesh: DeviceMesh, src: Sequence[Placement], dtype: 
             t = pieces[c] if c < len(pieces) else t.narrow(p.dim, t.size(p.dim), 0)
     if any(isinstance(p, Partial) for p in src):
         t = t + _values(t.shape, _seed(7, src, coord, keep=Partial), dtype)
-    return t.contiguous()
+    return t.contiguous().to(mesh.device_type)
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ def _dtensor_run(local: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, ..
     dt = DTensor.from_local(x, mesh, src, run_check=False, shape=torch.Size(gshape), stride=stride)
     out = dt.redistribute(mesh, dst).to_local(grad_placements=grad)
     if x.requires_grad:
-        out.backward(_values(out.shape, grad_seed, local.dtype))
+        out.backward(_values(out.shape, grad_seed, local.dtype).to(local.device))
     return out.detach(), x.grad
 
 
@@ -229,7 +229,7 @@ def check_case(case: Case, mesh: DeviceMesh) -> CaseResult:
         lowered = prog.fallback_reason is None
         out = redistribute_local(x, mesh, case.src, dst=case.dst, grad=case.grad, global_shape=gshape)
         if x.requires_grad:
-            out.backward(_values(out.shape, grad_seed, dtype))
+            out.backward(_values(out.shape, grad_seed, dtype).to(x.device))
     except Exception as exc:
         if ref_err is not None:
             return CaseResult(case, "both_raise", False, f"{type(ref_err).__name__} / {type(exc).__name__}: {exc}")
@@ -248,7 +248,7 @@ def check_case(case: Case, mesh: DeviceMesh) -> CaseResult:
     if not _close(got, want, dtype):
         return CaseResult(case, "mismatch", lowered, f"global value differs (DTensor refuses: {ref_err})")
     if x.requires_grad:
-        g = _values(out.shape, grad_seed, dtype)
+        g = _values(out.shape, grad_seed, dtype).to(x.device)
         want_grad = _moved(g, mesh, grad, replicate_partials(src), gshape)
         if not _close(x.grad, want_grad, dtype):
             return CaseResult(case, "mismatch", lowered, f"gradient differs (DTensor refuses: {ref_err})")
