@@ -189,6 +189,12 @@ def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     ids = torch.randint(0, 129, (2, 8), generator=torch.Generator().manual_seed(2))
     out["meta_moe"] = _meta_load(mesh, str(d / "moe"), moe, ids=ids)
     out["meta_moe_ep"] = _meta_load(mesh, str(d / "moe"), moe, ids=ids, experts="ep")
+    from transformers import AutoModelForCausalLM
+
+    for experts in ("tp", "ep"):  # packed and index-sharded experts gathered whole, written in the original format
+        tplower.parallelize(moe(), mesh, "auto", experts=experts).save_pretrained(d / f"moe_saved_{experts}")
+        back = AutoModelForCausalLM.from_pretrained(d / f"moe_saved_{experts}")
+        out[f"moe_save_{experts}"] = _diff(back(input_ids=ids).logits, moe()(input_ids=ids).logits)
     import accelerate
 
     with accelerate.init_empty_weights():
@@ -230,6 +236,7 @@ def test_save_pretrained_writes_whole_weights_that_one_process_reloads(ranks: li
     for r in ranks:
         assert "model.safetensors" in r["files"] and "config.json" in r["files"]
         assert r["save_pretrained"] == 0.0
+        assert r["moe_save_tp"] == 0.0 and r["moe_save_ep"] == 0.0  # Qwen3-MoE, experts under TP and EP
 
 
 def test_whole_state_dict_and_torch_save_load_into_a_parallelized_model(ranks: list[dict[str, Any]]) -> None:
