@@ -16,17 +16,25 @@ rule               matches, and what it plans
                    count heads (``num_heads``, ``n_heads``, ``num_attention_heads``, ...) or hold the
                    projections' width (``all_head_size``, ``inner_dim``) are divided (``local_attrs``)
 ``fused_qkv``      one ``query_key_value`` projection laid out head by head (GPT-NeoX, BLOOM, Falcon):
-                   ``colwise`` (whole heads per rank), ``dense`` ``rowwise``, head counts divided
+                   ``colwise`` (whole heads per rank), ``dense`` ``rowwise``, head counts divided; a
+                   ``forward`` taking ``alibi`` (BLOOM: built for all heads, ``[batch * heads, 1, seq]``)
+                   gets ``local_compute`` :func:`tplower.nn.alibi.alibi_heads_forward`, which slices it
+                   to the rank's heads
 ``mlp``            an up (and gate) projection feeding a down projection: ``gate_proj``/``up_proj`` ->
                    ``down_proj``, ``fc1`` -> ``fc2``, ``lin1`` -> ``lin2``, ``dense_h_to_4h`` ->
                    ``dense_4h_to_h``, ``wi``/``wi_0``/``wi_1`` -> ``wo``, ``intermediate.dense`` ->
                    ``output.dense``; the up ones ``colwise``, the down one ``rowwise``, only when the widths
                    match (up ``out_features`` == down ``in_features``); a fused ``gate_up_proj`` is
-                   ``packed_colwise``
+                   ``packed_colwise``; ``Conv1D`` projections (GPT-2's ``c_fc`` -> ``c_proj``) take
+                   ``conv1d_colwise`` / ``conv1d_rowwise``
 ``head_bias``      an ``nn.Embedding`` child of an attention module with one column per head (T5's
                    relative position bias): its columns split as the heads are, lookups stay local
-``not_linear``     a projection of those names that is not an ``nn.Linear`` (transformers' ``Conv1D`` with its
-                   ``[in, out]`` weight): left whole, since no style shards it
+``fused_conv1d``   GPT-2's attention: one transformers ``Conv1D`` ``c_attn`` (weight ``[in, out]``, query, key
+                   and value packed along ``out``) and ``c_proj``: ``c_attn`` ``conv1d_colwise`` with its 3
+                   parts each split (``packed``), so each rank keeps its own query, key and value heads,
+                   ``c_proj`` ``conv1d_rowwise``; ``num_heads`` and ``split_size`` divided
+``not_linear``     a projection of those names that is neither an ``nn.Linear`` nor a ``Conv1D``: left whole,
+                   since no style shards it
 =================  ==========================================================================================
 
 Everything else stays replicated: embeddings and the output head (sharding
@@ -41,6 +49,7 @@ sharded activation is found at the first forward by
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +58,7 @@ from typing import Any
 from torch import nn
 
 from ..core.errors import TPLowerError
+from .conv1d import is_conv1d
 
 __all__ = ["DerivedPlan", "Rule", "derive_plan"]
 
@@ -57,7 +67,7 @@ _OUT = ("o_proj", "out_proj", "o", "out_lin", "dense")
 _MLP = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
         (("lin1",), "lin2"), (("dense_h_to_4h",), "dense_4h_to_h"), (("wi_0", "wi_1"), "wo"), (("wi",), "wo"),
         (("c_fc",), "c_proj"), (("gate_up_proj",), "down_proj"))
-_WIDTH_ATTRS = ("all_head_size", "inner_dim")
+_WIDTH_ATTRS = ("all_head_size", "inner_dim", "split_size")
 _HEAD_WORDS = re.compile(r"(^|_)(heads?|n_head|num_heads)($|_)")
 
 
@@ -93,6 +103,31 @@ def _join(prefix: str, name: str) -> str:
 
 def _linear(module: nn.Module | None) -> bool:
     return isinstance(module, nn.Linear)
+
+
+def _projection(module: nn.Module | None) -> bool:
+    """An ``nn.Linear`` or a transformers ``Conv1D`` (the same map, weight stored ``[in, out]``)."""
+    return _linear(module) or is_conv1d(module)
+
+
+def _width(module: nn.Module, side: str) -> int:
+    """``in`` or ``out`` features of an ``nn.Linear`` or a ``Conv1D``."""
+    if is_conv1d(module):
+        return int(getattr(module, "nx" if side == "in" else "nf"))
+    return int(getattr(module, "in_features" if side == "in" else "out_features"))
+
+
+def _style(module: nn.Module, split: str) -> str:
+    """``colwise``/``rowwise`` for an ``nn.Linear``, ``conv1d_colwise``/``conv1d_rowwise`` for a ``Conv1D``."""
+    return f"conv1d_{split}" if is_conv1d(module) else split
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    """Whether the module's ``forward`` has a parameter called ``name``."""
+    try:
+        return name in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _head_attrs(module: nn.Module, heads: Iterable[int], width: int) -> dict[str, str]:
@@ -143,11 +178,11 @@ class _Deriver:
 
     def not_linear(self, name: str) -> bool:
         module = self.modules.get(name)
-        if module is None or _linear(module):
+        if module is None or _projection(module):
             return False
         if _glob(name) not in {r.key for r in self.out.rules}:
-            self.out.rules.append(Rule(_glob(name), "not_linear", f"{type(module).__name__} is not an nn.Linear "
-                                       "(no style shards its weight); left whole"))
+            self.out.rules.append(Rule(_glob(name), "not_linear", f"{type(module).__name__} is neither an "
+                                       "nn.Linear nor a Conv1D (no style shards its weight); left whole"))
         self.taken.add(name)
         return True
 
@@ -158,25 +193,53 @@ class _Deriver:
                 continue
             if any(self.not_linear(_join(qual, n)) for n in (q, k, v)):
                 return
-            out = next((_join(qual, n) for n in _OUT if _linear(names.get(n))), None)
+            out = next((_join(qual, n) for n in _OUT if _projection(names.get(n))), None)
             parent = qual.rpartition(".")[0]
             if out is None and _linear(self.modules.get(_join(parent, "output.dense"))):
                 out = _join(parent, "output.dense")  # BERT and ViT: attention.self + attention.output.dense
-            width = sum(names[n].out_features for n in (q, k, v))  # type: ignore[misc]
-            if out is None or self.modules[out].in_features != names[v].out_features:  # type: ignore[operator,arg-type]
+            width = sum(_width(names[n], "out") for n in (q, k, v))
+            if out is None or _width(self.modules[out], "in") != _width(names[v], "out"):
                 return
             self.split_attention(qual, module, [_join(qual, n) for n in (q, k, v)], out,
-                                 names[q].out_features, width)  # type: ignore[arg-type]
+                                 _width(names[q], "out"), width)
+            return
+        if is_conv1d(names.get("c_attn")) and is_conv1d(names.get("c_proj")):
+            self.fused_conv1d(qual, module, names)
             return
         fused = names.get("query_key_value")
-        if fused is not None and not self.not_linear(_join(qual, "query_key_value")) and _linear(names.get("dense")):
+        if (fused is not None and not self.not_linear(_join(qual, "query_key_value")) and _linear(fused)
+                and _linear(names.get("dense"))):
             attrs = _head_attrs(module, self.heads, int(fused.out_features) // 3)  # type: ignore[arg-type]
-            if attrs:
-                self.put(qual, {"local_attrs": attrs}, "fused_qkv", f"head counts {sorted(attrs)} divided by tp")
+            entry: dict[str, Any] = {"local_attrs": attrs} if attrs else {}
+            if _takes(module, "alibi") and "num_heads" in attrs:  # BLOOM: alibi is built for all heads outside
+                entry["local_compute"] = "tplower.nn.alibi:alibi_heads_forward"
+            if entry:
+                self.put(qual, entry, "fused_qkv", f"head counts {sorted(attrs)} divided by tp" + (
+                    "; the alibi argument (built for all heads) sliced to this rank's heads"
+                    if "local_compute" in entry else ""))
             self.put(_join(qual, "query_key_value"), "colwise", "fused_qkv",
                      "query/key/value packed head by head: a colwise split gives each rank whole heads")
             self.put(_join(qual, "dense"), "rowwise", "fused_qkv", "attention output projection: rowwise "
                      "(one all_reduce)")
+
+    def fused_conv1d(self, qual: str, module: nn.Module, names: dict[str, nn.Module]) -> None:
+        """GPT-2's attention: ``c_attn`` packs query, key and value along its ``Conv1D`` output, ``c_proj`` out."""
+        attn, proj = names["c_attn"], names["c_proj"]
+        width = _width(proj, "in")
+        if "q_attn" in names or _width(attn, "out") != 3 * width:  # cross-attention: c_attn packs key, value only
+            self.out.rules.append(Rule(_glob(qual), "fused_conv1d", f"c_attn's {_width(attn, 'out')} outputs are "
+                                       f"not query, key and value of {width} each (cross-attention); left whole"))
+            self.taken.update(_join(qual, n) for n in ("c_attn", "c_proj"))
+            return
+        attrs = _head_attrs(module, self.heads, width)
+        if attrs:
+            self.put(qual, {"local_attrs": attrs}, "fused_conv1d", f"head counts and widths {sorted(attrs)} divided "
+                     "by tp (each rank splits and reshapes its own heads)")
+        self.put(_join(qual, "c_attn"), {"style": "conv1d_colwise", "packed": {"weight": 3, "bias": 3}},
+                 "fused_conv1d", "query, key and value packed along the Conv1D output: each part split on its own, "
+                 "so each rank keeps its own heads of all three")
+        self.put(_join(qual, "c_proj"), "conv1d_rowwise", "fused_conv1d", "attention output projection (Conv1D): "
+                 "rowwise (one all_reduce)")
 
     def split_attention(self, qual: str, module: nn.Module, qkv: list[str], out: str, q_width: int,
                         width: int) -> None:
@@ -185,8 +248,10 @@ class _Deriver:
             self.put(qual, {"local_attrs": attrs}, "attention", f"head counts and widths {sorted(attrs)} divided "
                      "by tp (each rank reshapes its own heads)")
         for name in qkv:
-            self.put(name, "colwise", "attention", "query/key/value projection: colwise, each rank owns whole heads")
-        self.put(out, "rowwise", "attention", "attention output projection: rowwise (one all_reduce)")
+            self.put(name, _style(self.modules[name], "colwise"), "attention",
+                     "query/key/value projection: colwise, each rank owns whole heads")
+        self.put(out, _style(self.modules[out], "rowwise"), "attention",
+                 "attention output projection: rowwise (one all_reduce)")
         for name, child in module.named_children():  # T5's relative position bias: one column per head
             if isinstance(child, nn.Embedding) and child.embedding_dim in self.heads:
                 self.put(_join(qual, name), {"params": {"weight": {self.axis: "S(1)"}}}, "head_bias",
@@ -207,16 +272,19 @@ class _Deriver:
 
     def pair(self, qual: str, ups: list[str], down: str, packed: bool = False) -> None:
         d = self.modules[down]
-        assert isinstance(d, nn.Linear)
-        widths = [self.modules[u].out_features // (2 if packed else 1) for u in ups]  # type: ignore[operator]
-        if any(w != d.in_features for w in widths):
+        widths = [_width(self.modules[u], "out") // (2 if packed else 1) for u in ups]
+        if any(w != _width(d, "in") for w in widths):
             self.out.rules.append(Rule(_glob(qual), "mlp", f"widths {widths} of {ups} do not feed {down} "
-                                       f"({d.in_features} inputs); left whole"))
+                                       f"({_width(d, 'in')} inputs); left whole"))
+            return
+        if packed and any(is_conv1d(self.modules[u]) for u in ups):
+            self.out.rules.append(Rule(_glob(qual), "mlp", "gate and up packed in a Conv1D; left whole"))
             return
         for name in ups:
-            self.put(name, "packed_colwise" if packed else "colwise", "mlp",
+            style = "packed_colwise" if packed else _style(self.modules[name], "colwise")
+            self.put(name, style, "mlp",
                      "up/gate projection: colwise" + (" (gate and up packed: each half split)" if packed else ""))
-        self.put(down, "rowwise", "mlp", "down projection: rowwise (one all_reduce)")
+        self.put(down, _style(d, "rowwise"), "mlp", "down projection: rowwise (one all_reduce)")
 
     def head_and_embeddings(self) -> None:
         config = getattr(self.model, "config", None)

@@ -75,6 +75,23 @@ def _packed_colwise(a: str) -> dict[str, Any]:
     return {**_colwise(a, "S(-1)"), "packed": {"weight": 2, "bias": 2}}
 
 
+_CONV1D = "tplower.nn.conv1d:conv1d_forward"
+
+
+def _conv1d_colwise(a: str) -> dict[str, Any]:
+    # transformers' Conv1D stores its weight [in, out]: a column split shards weight dim 1 and bias dim 0; the
+    # local compute sizes the output from the local weight (Conv1D.forward reshapes to the module's whole nf).
+    # A fused projection (GPT-2's c_attn: q, k, v along out) adds packed: {weight: 3, bias: 3}.
+    return {**_colwise(a, "S(-1)"), "params": {"weight": {a: "S(1)"}, "bias": {a: "S(0)"}},
+            "local_compute": _CONV1D}
+
+
+def _conv1d_rowwise(a: str) -> dict[str, Any]:
+    # a row split of a Conv1D shards weight dim 0 (its inputs); the bias is added once after the reduction
+    return {**_rowwise(a, "S(-1)"), "params": {"weight": {a: "S(0)"}, "bias": {a: "R"}},
+            "local_compute": _CONV1D}
+
+
 def _replicated_partial_grad(a: str) -> dict[str, Any]:
     # parameters replicated, their local gradients partial (a per-head q/k norm between colwise and
     # rowwise layers sees this rank's heads only): reduced in backward.
@@ -117,6 +134,9 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     "rowwise_rep": {"linear": lambda a: _rowwise(a, "R"), "embedding": _embedding_hidden},
     "rowwise_split_input": {"linear": lambda a: _rowwise(a, "R")},
     "local_colwise": {"linear": _local_colwise},
+    # transformers' Conv1D (GPT-2): a linear layer with its weight stored [in, out] (tplower.nn.conv1d)
+    "conv1d_colwise": {"other": _conv1d_colwise},
+    "conv1d_rowwise": {"other": _conv1d_rowwise},
     "local_rowwise": {"linear": _local_rowwise},
     "packed_colwise": {"linear": _packed_colwise,
                        "other": "a module key takes it on nn.Linear only; name a packed 3-D expert weight by its "

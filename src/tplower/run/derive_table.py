@@ -102,7 +102,7 @@ def _one(family: str, mesh: Any) -> tuple[Outcome, int]:
 
     ref, inputs = tiny_family(family)
     plan = derive_plan(ref).plan
-    sharded = sum(1 for v in plan.values() if isinstance(v, str))
+    sharded = sum(1 for v in plan.values() if isinstance(v, str) or "style" in v or "params" in v)
     tp = parallelize(copy.deepcopy(ref), mesh, plan)
     return compare_training(tp, ref, None, functools.partial(_step, inputs)), sharded
 
