@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 from ..core.errors import TPLowerError
 from ..core.placements import replicate_partials
@@ -159,6 +159,12 @@ def _hook_boundary(module: nn.Module, qual: str, boundary: _Boundary,
                    slots: dict[str, tuple[int, str | None]], rec: Recorder, in_region: bool) -> None:
     form = boundary.info.form
     biased = boundary.info.deferred_bias is not None
+    # a packed projection (fused gate/up, GPT-2's q/k/v) gives each rank its piece of every part, concatenated:
+    # its sharded output is no S(d) piece, so it is not read back; its consumers' inputs are compared instead
+    packed = any(layout.packed > 1 for _, layout in boundary.params)
+
+    def readable(place: Placements | None) -> Placements | None:
+        return None if packed and place is not None and any(isinstance(q, Shard) for q in place) else place
 
     def pre(m: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         rec.calls[qual] += 1
@@ -171,8 +177,8 @@ def _hook_boundary(module: nn.Module, qual: str, boundary: _Boundary,
 
     def post(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
         for op in form.outputs:
-            rec.add(qual, "out", op.name, _out_item(out, op.name, boundary.outs), op.dst,
-                    None if op.identity and in_region else op.grad)
+            rec.add(qual, "out", op.name, _out_item(out, op.name, boundary.outs), readable(op.dst),
+                    None if op.identity and in_region else readable(op.grad))
 
     inner = boundary.compute
 
@@ -182,7 +188,7 @@ def _hook_boundary(module: nn.Module, qual: str, boundary: _Boundary,
         out = inner(*args, **kwargs)
         for mv in boundary.outs if boundary.lookup is None else ():  # a lookup's rows are masked after compute
             rec.add(qual, "out_local", mv.name, _out_item(out, mv.name, boundary.outs),
-                    None if biased else mv.src, replicate_partials(mv.src))
+                    None if biased else readable(mv.src), readable(replicate_partials(mv.src)))
         return out
 
     boundary.compute = compute
