@@ -2,10 +2,15 @@
 
     tplower plan --model all-minilm-l6-v2 -o minilm_plan.yaml
     tplower plan --model t5_encoder            # a tiny family of tplower.run.derive_table, printed
+    tplower plan --model gpt2 --verify -o gpt2_plan.yaml
 
 The plan (YAML, or JSON for a ``.json`` file) is what ``parallelize(model,
 mesh, "derive")`` and ``tplower run --plan derive`` apply; each rule that
-matched is printed to stderr (``tplower.nn.derive``).
+matched is printed to stderr (``tplower.nn.derive``). ``--verify`` first
+runs the derived plan against one process on ``--nproc`` local gloo ranks
+(:func:`tplower.nn.derive_check.verify_derived`: a tiny random input of the
+model's own kind, output, every boundary and every gradient) and writes
+nothing when it does not match (exit 1, the first divergence printed).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embeddings", action="store_true",
                         help="also shard word embeddings (vocabulary-parallel) and an output head of the vocabulary")
     parser.add_argument("--axis", default="tp", help="the tensor-parallel mesh axis (default tp)")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the derived plan against one process first (a tiny random input of the model's "
+                             "kind, every gradient); refuse it (exit 1, nothing written) when it does not match")
+    parser.add_argument("--nproc", type=int, default=2, help="with --verify: local gloo ranks (default 2)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="with --verify: seconds for the whole run")
 
 
 def derive_for(name: str, *, embeddings: bool = False, axis: str = "tp") -> Any:
@@ -55,11 +65,73 @@ def derive_for(name: str, *, embeddings: bool = False, axis: str = "tp") -> Any:
     return derive_plan(model, embeddings=embeddings, axis=axis)
 
 
+def _full_model(name: str) -> Any:
+    """The model ``name`` with values: ``tplower run``'s loaded model, or a tiny family's random one."""
+    from ..run.derive_table import FAMILIES, tiny_family
+    from ..run.models import MODELS, load_model
+    from ..run.quiet import quiet_transformers
+
+    with quiet_transformers():
+        if name in MODELS:
+            return load_model(name)[0]
+        if name in FAMILIES:
+            return tiny_family(name)[0]
+    raise TPLowerError(f"--model {name!r} is not known")
+
+
+def _verify_rank(rank: int, world: int, name: str, embeddings: bool, axis: str) -> dict[str, Any] | None:
+    """One rank of ``--verify``: derive, verify, and (rank 0) say what happened as plain data."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..nn.derive_check import DerivedPlanRefused, verify_derived
+    from ..run.quiet import quiet_transformers
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
+    model = _full_model(name)
+    try:
+        with quiet_transformers():
+            _, report = verify_derived(model, mesh, embeddings=embeddings, axis=axis)
+    except DerivedPlanRefused as exc:
+        return {"ok": False, "text": str(exc)} if rank == 0 else None
+    return {"ok": True, "text": report.summary()} if rank == 0 else None
+
+
+def verify_in_processes(name: str, nproc: int, *, embeddings: bool = False, axis: str = "tp",
+                        timeout: float = 600.0) -> tuple[bool, str]:
+    """Run :func:`tplower.nn.derive_check.verify_derived` for ``name`` on ``nproc`` spawned gloo ranks.
+
+    Returns:
+        ``(ok, text)``: the report's summary, or the refusal with its first divergence.
+
+    Raises:
+        TPLowerError: ``nproc`` below 1, or an error other than a refusal in the derivation.
+        tplower.testing.RankFailure: a rank died or the run outlived ``timeout``.
+    """
+    from ..testing import run_processes
+
+    if nproc < 1:
+        raise TPLowerError(f"--nproc {nproc}: at least 1")
+    result = run_processes(nproc, _verify_rank, name, embeddings, axis, timeout=timeout)[0]
+    assert result is not None
+    return bool(result["ok"]), str(result["text"])
+
+
 def main(args: argparse.Namespace) -> int:
-    """Write (or print) the derived plan and print the rules to stderr; exit 2 on an error."""
+    """Write (or print) the derived plan and print the rules to stderr; exit 1 when ``--verify`` refuses it, 2 on
+    an error."""
+    from ..testing import RankFailure
+
     try:
         derived = derive_for(args.model, embeddings=args.embeddings, axis=args.axis)
-    except TPLowerError as exc:
+        if args.verify:
+            print(f"tplower plan: verifying on {args.nproc} processes ...", file=sys.stderr, flush=True)
+            ok, text = verify_in_processes(args.model, args.nproc, embeddings=args.embeddings, axis=args.axis,
+                                           timeout=args.timeout)
+            print(f"tplower plan: {text}", file=sys.stderr)
+            if not ok:
+                print("tplower plan: refused: the derived plan does not verify; nothing written", file=sys.stderr)
+                return 1
+    except (TPLowerError, RankFailure) as exc:
         print(f"tplower plan: error: {exc}", file=sys.stderr)
         return 2
     import importlib
