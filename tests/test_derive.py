@@ -102,3 +102,12 @@ def test_local_alibi_is_each_ranks_heads() -> None:
         torch.testing.assert_close(local_alibi(alibi, batch, 2, index), want)
     with pytest.raises(TPLowerError, match="not \\[batch \\* heads"):
         local_alibi(alibi[:7], batch, 2, 1)
+
+
+def test_explain_reads_conv1d_styles_as_conv1d(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert cli_main(["explain", "--plan", "derive", "--model", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    fc = out[out.index("h.*.mlp.c_fc: region"):]
+    assert fc.splitlines()[2:4] == ["  param weight: tp S(1)", "  param bias: tp S(0)"]  # weight [in, out]
+    proj = out[out.index("h.*.mlp.c_proj: region"):]
+    assert "  param weight: tp S(0)" in proj.splitlines()[1:4]

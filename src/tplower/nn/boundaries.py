@@ -37,7 +37,7 @@ from ..core.errors import TPLowerError
 from ..core.placements import format_placement, parse_placements, replicate_partials
 from ..core.transitions import classify_axis
 from .operators import TPOperators  # re-exported: it lived here
-from .plans import BoundaryEntry, PlacementSpec, PlanValue, load_plan, resolve_entry
+from .plans import BoundaryEntry, PlacementSpec, PlanValue, load_plan, resolve_entry, style_kind
 
 __all__ = [
     "FORMS",
@@ -281,7 +281,8 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
     ``layers.*.mlp.down_proj: tp_collective`` then
     ``  out: tp P(sum) -> R ==> all_reduce(op=sum)``, and one
     ``  param weight: tp S(1)`` line per parameter that is not replicated.
-    HF styles are read as for ``nn.Linear``. ``plan`` is a mapping or a
+    HF styles are read as for ``nn.Linear`` (a style only for other modules, ``conv1d_colwise``, as for
+    those: :func:`tplower.nn.plans.style_kind`). ``plan`` is a mapping or a
     path to a YAML/JSON plan file.
 
     Raises:
@@ -293,7 +294,7 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
         raise TypeError(f"explain_plan_lines: axis must be a str, got {describe(axis)}")
     lines = []
     for key, value in load_plan(plan).items():
-        entry = resolve_entry(value, key, axis=axis)
+        entry = resolve_entry(value, key, axis=axis, kind=style_kind(value))
         form = classify_boundary_form(entry, names, axes=(axis,), module=key)
         lines.append(f"{key}: {form.form}")
         lines.extend(f"  {a}" for a in form.annotations)

@@ -103,6 +103,7 @@ __all__ = [
     "load_plan",
     "match_plan",
     "resolve_entry",
+    "style_kind",
 ]
 
 PlacementSpec: TypeAlias = str | Mapping[str, str]
@@ -296,17 +297,21 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
     return plan
 
 
+def style_kind(value: Any) -> str:
+    """The module kind a plan value is read as without its module: ``"linear"`` where its style is defined
+    for ``nn.Linear`` (or any module), else the first kind it is defined for (``conv1d_colwise``: ``"other"``)."""
+    style = value if isinstance(value, str) else value.get("style") if isinstance(value, Mapping) else None
+    if not isinstance(style, str) or style not in HF_STYLES:
+        return "linear"
+    kinds = [k for k, v in HF_STYLES[style].items() if not isinstance(v, str)]
+    return "linear" if "linear" in kinds or "*" in kinds or not kinds else kinds[0]
+
+
 def _check_value(value: Any, key: str) -> None:
     """Check a plan value without knowing its module's kind: the schema, and that a style is known."""
-    style = value if isinstance(value, str) else value.get("style") if isinstance(value, Mapping) else None
     if isinstance(value, str) and value in PARAMETER_ONLY_STYLES:
         return  # checked at install, on the parameter its key names (a module key is refused there)
-    if isinstance(style, str) and style in HF_STYLES:
-        kinds = [k for k, v in HF_STYLES[style].items() if not isinstance(v, str)]
-        kind = "linear" if "linear" in kinds or "*" in kinds else kinds[0]
-        resolve_entry(value, key, kind=kind)
-    else:
-        resolve_entry(value, key)
+    resolve_entry(value, key, kind=style_kind(value))
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
