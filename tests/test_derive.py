@@ -111,3 +111,18 @@ def test_explain_reads_conv1d_styles_as_conv1d(capsys) -> None:  # type: ignore[
     assert fc.splitlines()[2:4] == ["  param weight: tp S(1)", "  param bias: tp S(0)"]  # weight [in, out]
     proj = out[out.index("h.*.mlp.c_proj: region"):]
     assert "  param weight: tp S(0)" in proj.splitlines()[1:4]
+
+
+def test_a_linear_style_on_a_conv1d_names_the_conv1d_style() -> None:
+    from tplower.nn.plans import resolve_entry
+
+    with pytest.raises(TPLowerError, match=r"plan\['h.0.mlp.c_fc'\]: style 'colwise'.*takes conv1d_colwise"):
+        resolve_entry("colwise", "h.0.mlp.c_fc", kind="other")
+    with pytest.raises(TPLowerError, match="takes conv1d_rowwise"):
+        resolve_entry("rowwise", "h.0.mlp.c_proj", kind="other")
+    entry = resolve_entry({"style": "conv1d_colwise", "packed": {"weight": 3, "bias": 3}}, "c_attn", kind="other")
+    assert entry.params == {"weight": {"tp": "S(1)"}, "bias": {"tp": "S(0)"}} and entry.packed == {"weight": 3,
+                                                                                                   "bias": 3}
+    assert entry.local_compute == "tplower.nn.conv1d:conv1d_forward"
+    row = resolve_entry("conv1d_rowwise", "c_proj", kind="other")
+    assert row.params == {"weight": {"tp": "S(0)"}, "bias": {"tp": "R"}} and row.deferred_bias == "bias"

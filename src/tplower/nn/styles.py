@@ -127,10 +127,14 @@ _ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}
 #: style -> {module kind -> builder(axis) or the reason it has no faithful translation}
 HF_STYLES: dict[str, dict[str, Any]] = {
     "colwise": {"linear": lambda a: _colwise(a, "S(-1)"),
-                "embedding": "use embedding_rowwise (vocabulary) or embedding_colwise (hidden dim) for embeddings"},
+                "embedding": "use embedding_rowwise (vocabulary) or embedding_colwise (hidden dim) for embeddings",
+                "other": "it is defined for nn.Linear modules only (a transformers Conv1D, weight [in, out], takes "
+                         "conv1d_colwise)"},
     "colwise_rep": {"linear": lambda a: _colwise(a, "R")},
     "colwise_gather_output": {"linear": lambda a: _colwise(a, "R")},
-    "rowwise": {"linear": lambda a: _rowwise(a, "S(-1)"), "embedding": _embedding_hidden},
+    "rowwise": {"linear": lambda a: _rowwise(a, "S(-1)"), "embedding": _embedding_hidden,
+                "other": "it is defined for nn.Linear and nn.Embedding modules only (a transformers Conv1D, weight "
+                         "[in, out], takes conv1d_rowwise)"},
     "rowwise_rep": {"linear": lambda a: _rowwise(a, "R"), "embedding": _embedding_hidden},
     "rowwise_split_input": {"linear": lambda a: _rowwise(a, "R")},
     "local_colwise": {"linear": _local_colwise},
