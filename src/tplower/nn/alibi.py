@@ -20,6 +20,7 @@ of its own heads only.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -32,6 +33,11 @@ from ..core.errors import TPLowerError
 __all__ = ["alibi_heads_forward", "local_alibi"]
 
 _RANK = "_tplower_head_rank"
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(forward: Any) -> inspect.Signature:
+    return inspect.signature(forward)
 
 
 def _head_rank(module: nn.Module) -> tuple[int, int]:
@@ -97,7 +103,7 @@ def alibi_heads_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         TPLowerError: ``alibi`` requires a gradient, or does not hold this rank's heads (see :func:`local_alibi`).
     """
     forward = type(module).forward
-    bound = inspect.signature(forward).bind(module, *args, **kwargs)
+    bound = _signature(forward).bind(module, *args, **kwargs)
     alibi = bound.arguments.get("alibi")
     if isinstance(alibi, torch.Tensor):
         if alibi.requires_grad and torch.is_grad_enabled():
