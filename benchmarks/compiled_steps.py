@@ -6,9 +6,10 @@
 Each run spawns 2 fresh gloo ranks (a cold process: empty caches) that build
 the model four times: tplower (:func:`tplower.parallelize`, ``"auto"`` for
 llama-tiny, the shipped plan for MiniLM) and ``parallelize_module`` on the
-same plan, each eager and ``torch.compile``'d (``fullgraph=True``). The first
-two compiled train steps are timed on their own (compile, then any
-recompile); then ``--rounds`` rounds time every copy's forward (no grad) and
+same plan, each eager and ``torch.compile``'d (``fullgraph=True``). After a
+tiny compile that starts the backend, the first two compiled train steps are
+timed on their own (compile, then any recompile; inductor's on-disk caches
+are as earlier runs left them); then ``--rounds`` rounds time every copy's forward (no grad) and
 AdamW train step in turn, each after a barrier; the slower rank's median
 counts. The table gives per run and the median over runs the ratio
 tplower / ``parallelize_module``.
@@ -74,6 +75,9 @@ def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> 
         fn()
         return time.perf_counter() - t0
 
+    # The first compile of a process also starts the backend (inductor's workers and caches): pay it here, so
+    # that neither copy's first step carries it.
+    torch.compile(lambda t: (t * 2).sum(), backend=backend)(torch.ones(3, requires_grad=True)).backward()
     first = {}
     for name in ("tplower_compiled", "dtensor_compiled"):
         first[name] = [timed(step(name)), timed(step(name)), timed(forward(name)), timed(forward(name))]

@@ -233,8 +233,8 @@ def chunk(x: torch.Tensor, *, n: int, rank: int, dim: int) -> torch.Tensor:
     Backward: ``all_gather`` along ``dim``.
     """
     start, length = _piece(x.size(dim), n, rank)
-    if _tracing():  # a graph's outputs never share storage with its inputs by surprise: no copy needed
-        return x.narrow(dim, start, length).contiguous()
+    if _tracing():  # the graph's consumers take any strides (a collective makes its input contiguous): a view
+        return x.narrow(dim, start, length)
     return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
 
 
