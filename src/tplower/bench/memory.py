@@ -22,7 +22,7 @@ from ..run.quiet import filtered_stderr
 from .cases import Case, dtensor_leaf, raw_call, setup
 
 if TYPE_CHECKING:
-    from .phases import BenchConfig
+    from .config import BenchConfig
 
 __all__ = ["memory_rows", "peak_bytes", "peak_tensor_bytes"]
 

@@ -46,71 +46,12 @@ from ..conformance import quiet_dtensor_logs
 from ..core.cache import cache_size
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..testing import run_processes
-from .cases import CASES, IMPLS, SIZES, Case, build, describe, setup
+from .cases import CASES, IMPLS, Case, build, describe, setup
+from .config import PHASES, BenchConfig
 from .memory import memory_rows, peak_bytes  # peak_bytes re-exported: it lived here
 
 __all__ = ["PHASES", "BenchConfig", "fake_rank", "micro_rank", "peak_bytes", "plan_cache_rows", "run_bench",
            "summarize"]
-
-#: Phases ``tplower bench`` can run.
-PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss")
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What one bench run measures.
-
-    Attributes:
-        worlds: world sizes of the micro phase (spawned gloo processes; under
-            ``torchrun`` the launcher's world is used instead).
-        sizes: global tensor sizes in bytes (float32).
-        cases: transition names (``S(0)->R``, ``S(0),S(1)->R,R@2x2``).
-        impls: implementations of the micro phase.
-        modes: ``fwd`` and/or ``fwd_bwd``.
-        reps: timed rounds at sizes up to 64 KiB (fewer above).
-        warmup: untimed rounds first.
-        fake_world: ranks the ``fake`` backend pretends to have.
-        fake_calls: calls per fake-backend sample.
-        fake_reps: fake-backend samples per implementation.
-        memory_size: bytes of the tensor the memory phase uses.
-        phases: subset of :data:`PHASES`.
-        device: ``cpu`` or ``cuda``.
-        model_steps: timed rounds of the model phase.
-        compile_backend: also time ``torch.compile`` of tplower's and
-            ``parallelize_module``'s model with this backend (``None``: eager only).
-        multi_axis_only_at: worlds whose micro phase runs only the
-            multi-axis cases (the quick preset covers the 1-D ones at world 2).
-        timeout: seconds for each spawned group of ranks.
-    """
-
-    worlds: tuple[int, ...] = (2, 4)
-    sizes: tuple[int, ...] = SIZES
-    cases: tuple[str, ...] = tuple(c.name for c in CASES)
-    impls: tuple[str, ...] = ("raw", "tplower", "seed_op", "dtensor")
-    modes: tuple[str, ...] = ("fwd", "fwd_bwd")
-    reps: int = 30
-    warmup: int = 3
-    fake_world: int = 4
-    fake_calls: int = 300
-    fake_reps: int = 15
-    memory_size: int = 4 << 20
-    phases: tuple[str, ...] = PHASES
-    device: str = "cpu"
-    model_steps: int = 10
-    compile_backend: str | None = None
-    multi_axis_only_at: tuple[int, ...] = ()
-    timeout: float = 900.0
-
-    @staticmethod
-    def quick() -> BenchConfig:
-        """The ``--quick`` preset: world 2 (and 4 for the 2x2 case), sizes up to 4 MiB, few rounds."""
-        return BenchConfig(worlds=(2, 4), sizes=SIZES[:3], reps=13, warmup=2, fake_calls=150, fake_reps=7,
-                           model_steps=7, multi_axis_only_at=(4,))
-
-    def case_objs(self) -> list[Case]:
-        """The selected :class:`Case` objects, in table order."""
-        return [c for c in CASES if c.name in self.cases]
-
 
 def _check(cfg: BenchConfig) -> None:
     known = {c.name for c in CASES}

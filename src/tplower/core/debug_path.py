@@ -9,13 +9,15 @@ difference; otherwise it runs the cached program.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from .agreement import check_agreement
 from .argcheck import check_local_tensor, check_shape
@@ -23,10 +25,32 @@ from .errors import TPLowerError
 from .placements import PlacementsLike, format_placements, parse_placements
 from .transitions import global_shape_from_local
 
-if TYPE_CHECKING:
-    from .redistribute import MeshLowerer
+__all__ = ["Lowerer", "checked", "debug_group", "describe_spec", "name_type_error"]
 
-__all__ = ["checked", "debug_group", "describe_spec", "name_type_error"]
+
+class Lowerer(Protocol):
+    """What the debug path reads of a :class:`~tplower.core.redistribute.MeshLowerer` (which calls it; typed
+    by this protocol so the two modules do not import each other)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    _flat_group: ProcessGroup | None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The lowerer's device mesh."""
+
+    @property
+    def groups(self) -> tuple[ProcessGroup, ...]:
+        """The process group of each mesh axis."""
+
+    def parse(self, spec: PlacementsLike, tensor_ndim: int, arg: str) -> tuple[Placement, ...]:
+        """Placements of the mesh from any accepted form."""
+
+    def program(self, src: PlacementsLike, dst: PlacementsLike, local_shape: Sequence[int], device_type: str, *,
+                grad: PlacementsLike | None = None,
+                global_shape: Sequence[int] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The cached program of a transition."""
 
 
 def name_type_error(names: Sequence[str], src: Any, dst: Any, grad: Any, global_shape: Any) -> None:
@@ -47,7 +71,7 @@ def describe_spec(spec: PlacementsLike, names: Sequence[str]) -> str:
         return repr(spec)
 
 
-def checked(lowerer: MeshLowerer, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
+def checked(lowerer: Lowerer, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
             grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
             where: str | None = None, hint: str | None = None) -> torch.Tensor:
     """:func:`redistribute_local` after the debug check (:mod:`tplower.core.agreement`); collective.
@@ -91,7 +115,7 @@ def checked(lowerer: MeshLowerer, local: torch.Tensor, src: PlacementsLike, dst:
     assert prog is not None  # check_agreement raised otherwise
     return prog(local)
 
-def debug_group(lowerer: MeshLowerer) -> ProcessGroup | None:
+def debug_group(lowerer: Lowerer) -> ProcessGroup | None:
     if lowerer.mesh.mesh.numel() == dist.get_world_size():
         return None
     if lowerer.mesh.ndim == 1:
