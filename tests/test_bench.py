@@ -119,6 +119,7 @@ def _traffic(rank: int, world: int) -> list[tuple[dict[str, int], int]]:
     return out
 
 
+@pytest.mark.slow  # the moe phase test and the MoE bench count through it too
 def test_collective_traffic_counts_every_library_alike() -> None:
     from tplower.testing import run_processes
 
@@ -131,6 +132,7 @@ def test_collective_traffic_counts_every_library_alike() -> None:
     assert per_rank[1][3] == ({"all_to_all": 1}, 12)
 
 
+@pytest.mark.slow  # tests/test_moe_tp.py checks the same MoE forms against one process
 def test_moe_phase_compares_tplower_with_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("accelerate")  # transformers' own TP and EP need it
     out = tmp_path / "bench"

@@ -40,8 +40,9 @@ def _world(mesh):
     return size
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.slow) if len(m) == 3 else m for m in MESHES],
-                         ids=["x".join(map(str, m)) for m in MESHES])  # 3-D: with TPLOWER_SLOW=1 (two 2-D meshes run)
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.slow) if len(m) == 3 or m == (2, 4) else m
+                                  for m in MESHES],
+                         ids=["x".join(map(str, m)) for m in MESHES])  # 3-D and 2x4: with TPLOWER_SLOW=1
 def test_each_axis_every_pair(mesh, conformance_counts):
     shapes, others = MESHES[mesh]
     cases = [c for axis in range(len(mesh)) for c in one_axis_cases(mesh, axis, PLACEMENTS, shapes, others)]

@@ -65,6 +65,7 @@ def _helps() -> tuple[str, str]:
     return run_help, bench_help
 
 
+@pytest.mark.slow  # the refusal without a GPU runs in CI
 @needs_bash
 def test_dry_run_lists_every_step_with_real_files_and_options(tmp_path: Path) -> None:
     res = _run("--dry-run", str(tmp_path / "check"), env={"DEVICE_CHECK_GPUS": "4"})

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -41,6 +42,7 @@ def _example() -> ModuleType:
     return module
 
 
+@pytest.mark.slow  # tests/test_training_stack.py checks training, clipping and DCP in-process
 def test_train_example_runs_under_torchrun_and_leaves_a_trained_checkpoint() -> None:
     root = tempfile.mkdtemp(prefix="tplower-test-train-")
     tmpdir, scratch = os.path.join(root, "ckpt"), os.path.join(root, "tmp")

@@ -71,7 +71,8 @@ def _debug_body(rank, world, modes, use_env):
     return out
 
 
-@pytest.mark.parametrize("use_env", [False, True], ids=["check=True", "TPLOWER_DEBUG=1"])
+@pytest.mark.parametrize("use_env", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["check=True", "TPLOWER_DEBUG=1"])  # the env switch: the same check, with TPLOWER_SLOW=1
 def test_debug_check_raises_on_every_rank_naming_ranks(use_env, reliability_report):
     results = run_processes(2, _debug_body, list(DISAGREEMENTS), use_env)
     assert results[0] == results[1]  # every rank raises the same message

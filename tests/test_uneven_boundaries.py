@@ -122,6 +122,7 @@ def _debug(rank: int, world: int, seq: int, set_env: bool) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # its threaded twin runs in CI
 def test_debug_check_names_module_input_and_dim_on_every_rank_gloo_world2() -> None:
     results = run_processes(2, _debug, 3, True)
     assert results[0] == results[1]  # every rank raises the same message

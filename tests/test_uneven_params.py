@@ -122,6 +122,7 @@ def _load(rank: int, world: int, ref: Any, folder: str) -> bool:
     return all(torch.equal(_full(q), p) for p, q in zip(ref.parameters(), tp.parameters(), strict=True))
 
 
+@pytest.mark.slow  # tests/test_packed_checkpoint.py reshards tp=2 -> tp=4 and one process in CI
 def test_dcp_saved_at_tp2_loads_at_tp3_tp4_and_in_one_process(tmp_path: Path) -> None:
     ref, folder = _llama(257, 129), str(tmp_path / "ckpt")
     run_processes(2, _save, ref, folder)

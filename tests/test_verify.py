@@ -201,6 +201,7 @@ def _assert_clean(report: dict[str, Any], modules: set[str]) -> None:
     assert grads and all(math.isfinite(c["max_diff"]) for c in grads)
 
 
+@pytest.mark.slow  # its threaded world-4 twin runs in CI
 def test_block_sp_plan_is_clean_gloo_world2_with_steps() -> None:
     model, x = _seeded(Block(), scale=0.3), _data(6, 2, T, BD)
     kw = {"input_placements": {0: "S(1)"}, "output_placement": "S(1)", "steps": 2}
@@ -289,6 +290,7 @@ def test_cli_wrong_plan_prints_the_table_and_exits_1(tmp_path: Path) -> None:
     assert "suggested plan change: in the plan entry for 'gather' add  in_grad: {'0': {tp: \"P(sum)\"}}" in text
 
 
+@pytest.mark.slow  # the CLI path runs in CI through test_cli_wrong_plan_prints_the_table_and_exits_1
 def test_cli_json_of_the_fixed_plan_exits_0(tmp_path: Path) -> None:
     import json
 
