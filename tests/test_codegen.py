@@ -1,4 +1,4 @@
-"""Generated forwards (tplower.nn.codegen): bit-identical to ``parallelize``'s hooks, plain code, fullgraph.
+"""Generated forwards (tplower.codegen.emit): bit-identical to ``parallelize``'s hooks, plain code, fullgraph.
 
 The oracle is the same model after :func:`tplower.parallelize` on the same
 mesh and input: outputs, the input gradient where there is one, and every
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import tplower
 from tplower import TPLowerError
-from tplower.nn.codegen import GeneratedOps, emit, install
+from tplower.codegen.emit import GeneratedOps, emit, install
 from tplower.testing import run_processes, run_threaded
 
 from test_parallelize import PLANS, Block, _make

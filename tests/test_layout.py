@@ -1,15 +1,15 @@
-"""The package layout: the layer contract holds and can fail, and every name and module path of before still imports.
+"""The package layout: the layer contract holds and can fail, no two modules import each other, public names stay.
 
 Layers, top to bottom (``[tool.importlinter]`` in ``pyproject.toml``): the
-command line; the benchmarks; the main job; the module layer, the test
-harness and the conformance checks; the core. ``lint-imports`` checks that
-no import points up. Before the sub-packages every module sat directly under
-``tplower``; those paths are aliases of the moved modules (the same objects).
+command line; the benchmarks; the main job; the code generator and the
+verifier (independent of each other); the module layer, the test harness and
+the conformance checks; the core. ``lint-imports`` checks that no import
+points up.
 """
 
 from __future__ import annotations
 
-import importlib
+import json
 import shutil
 import subprocess
 import sys
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 import tplower
-from tplower._moved import MOVED
 
 ROOT = Path(__file__).parent.parent
 LINT = shutil.which("lint-imports")
@@ -65,6 +64,47 @@ def test_public_names_unchanged() -> None:
     assert callable(tplower.parallelize) and callable(tplower.verify)  # functions, not the modules of the same name
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_paths_are_the_moved_modules(old: str) -> None:
-    assert importlib.import_module(old) is importlib.import_module(MOVED[old])
+@pytest.mark.skipif(LINT is None, reason="import-linter is not installed (pip install -e '.[dev]')")
+@pytest.mark.parametrize(("where", "line", "shown"), [
+    ("nn/parallelize.py", "from ..codegen import emit", "tplower.nn.parallelize -> tplower.codegen"),
+    ("codegen/writer.py", "from ..verify import report", "tplower.codegen.writer -> tplower.verify"),
+], ids=["nn->codegen", "codegen->verify"])
+def test_the_module_layer_cannot_use_the_generator_or_the_verifier(tmp_path: Path, where: str, line: str,
+                                                                   shown: str) -> None:
+    shutil.copytree(ROOT / "src" / "tplower", tmp_path / "src" / "tplower",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / "src" / "tplower" / where
+    planted.write_text(planted.read_text() + f"\n{line}  # noqa: E402\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    done = _lint(tmp_path / "pyproject.toml", tmp_path / "src")
+    assert done.returncode == 1 and "0 kept, 1 broken" in done.stdout, done.stdout + done.stderr
+    assert shown in done.stdout, done.stdout
+
+
+_PAIRS = """
+import json, grimp
+graph = grimp.build_graph("tplower", cache_dir=None)
+print(json.dumps(sorted((a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+                        if a < b and graph.direct_import_exists(importer=b, imported=a))))
+"""
+
+
+def _mutual_imports(src: Path) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other, from import-linter's own graph (grimp), in a fresh interpreter
+    that finds ``tplower`` under ``src`` (``TYPE_CHECKING`` imports count)."""
+    pytest.importorskip("grimp")
+    done = subprocess.run([sys.executable, "-c", _PAIRS], capture_output=True, text=True, cwd=src,
+                          env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(src)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [tuple(p) for p in json.loads(done.stdout)]
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    assert _mutual_imports(ROOT / "src") == []
+
+
+def test_a_planted_circle_is_found(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "src" / "tplower", tmp_path / "tplower", ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / "tplower" / "core" / "placements.py"
+    planted.write_text(planted.read_text() + "\nfrom . import transitions  # noqa: E402\n")
+    assert ("tplower.core.placements", "tplower.core.transitions") in _mutual_imports(tmp_path)

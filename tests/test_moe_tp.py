@@ -110,7 +110,7 @@ def _ep_refusals(mesh: Any) -> list[str]:
 
 def _codegen(model_type: str, mesh: Any, experts: str) -> dict[str, Any]:
     """Generated forwards (tplower codegen) against the hooks: logits and every local gradient, bit for bit."""
-    from tplower.nn.codegen import emit, install
+    from tplower.codegen.emit import emit, install
 
     ref = tiny_model(architectures([model_type])[0]).train()
     ids = input_ids()

@@ -175,7 +175,7 @@ def test_fsdp2_over_dp_with_uneven_tp_shards() -> None:
 
 
 def _tools(rank: int, world: int, ref: Any) -> dict[str, Any]:
-    from tplower.nn.codegen import emit, install
+    from tplower.codegen.emit import emit, install
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ids = torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(1))

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tplower.nn.verify import verify
-from tplower.nn.verify_report import VerifyReport
 from tplower.testing import run_processes, run_threaded
+from tplower.verify.report import VerifyReport
+from tplower.verify.verifier import verify
 
 from test_parallelize import MLP, Block
 from test_parallelize import D as BD
@@ -230,7 +230,7 @@ def test_tiny_llama_auto_plan_is_clean_threaded_world2() -> None:
 # ---- the report and the arguments ------------------------------------------------------------------------------
 
 def test_report_table_names_the_first_divergence() -> None:
-    from tplower.nn.verify_report import BoundaryVerdict, Check
+    from tplower.verify.report import BoundaryVerdict, Check
 
     bad = Check("backward", "gather", "grad of input '0' (after the move)", "R", 0.5, False, "cause", "fix", 3)
     report = VerifyReport((BoundaryVerdict("gather", "tp_collective", 0.0, 0.5, False),),

@@ -6,6 +6,7 @@ and backward, on plain local tensors.
 
 from __future__ import annotations
 
+from ._version import __version__
 from .core.cache import set_cache_size
 from .core.dispatch import DispatchPlan, all_to_all_splits, combine_tokens, dispatch_tokens, plan_dispatch
 from .core.errors import TPLowerError, TPLowerTypeError
@@ -31,14 +32,8 @@ from .nn.full_state import full_state_dict
 from .nn.loading import load_safetensors
 from .nn.parallelize import parallelize
 from .nn.plans import BoundaryEntry, load_plan
-from .nn.verify import verify
-from .nn.verify_report import VerifyReport
-
-from . import _moved  # isort: skip
-
-_moved.install()  # module paths from before the layer sub-packages (tplower.collectives, ...) still import
-
-__version__ = "0.1.0"
+from .verify.report import VerifyReport
+from .verify.verifier import verify
 
 __all__ = [
     "BoundaryEntry",

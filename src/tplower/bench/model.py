@@ -146,7 +146,7 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     Rows: ``model``, ``tp``, ``variant``, ``forward_ms`` and
     ``train_step_ms`` (medians) and their samples.
     """
-    from ..nn.codegen import emit, install
+    from ..codegen.emit import emit, install
     from ..nn.parallelize import parallelize
     from ..run.models import MINILM, MINILM_TP_PLAN, load_model, sentences
     from ..run.paths import parallelize_dtensor

@@ -1,4 +1,4 @@
-"""``tplower codegen``: write a model's parallelized forwards out as a Python file (see :mod:`tplower.nn.codegen`).
+"""``tplower codegen``: write a model's parallelized forwards out as a Python file (see :mod:`tplower.codegen.emit`).
 
 No process is started and no weight is read: a ``--model`` is built on the
 meta device, and the mesh lives on PyTorch's ``fake`` process group in this
@@ -63,7 +63,7 @@ def emit_file(args: argparse.Namespace) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..nn.codegen import emit
+    from ..codegen.emit import emit
 
     names, sizes = parse_mesh(args.mesh)
     if args.axis not in names:

@@ -8,7 +8,7 @@ The plan (YAML, or JSON for a ``.json`` file) is what ``parallelize(model,
 mesh, "derive")`` and ``tplower run --plan derive`` apply; each rule that
 matched is printed to stderr (``tplower.nn.derive``). ``--verify`` first
 runs the derived plan against one process on ``--nproc`` local gloo ranks
-(:func:`tplower.nn.derive_check.verify_derived`: a tiny random input of the
+(:func:`tplower.verify.derived.verify_derived`: a tiny random input of the
 model's own kind, output, every boundary and every gradient) and writes
 nothing when it does not match (exit 1, the first divergence printed).
 """
@@ -83,8 +83,8 @@ def _verify_rank(rank: int, world: int, name: str, embeddings: bool, axis: str) 
     """One rank of ``--verify``: derive, verify, and (rank 0) say what happened as plain data."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..nn.derive_check import DerivedPlanRefused, verify_derived
     from ..run.quiet import quiet_transformers
+    from ..verify.derived import DerivedPlanRefused, verify_derived
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
     model = _full_model(name)
@@ -98,7 +98,7 @@ def _verify_rank(rank: int, world: int, name: str, embeddings: bool, axis: str) 
 
 def verify_in_processes(name: str, nproc: int, *, embeddings: bool = False, axis: str = "tp",
                         timeout: float = 600.0) -> tuple[bool, str]:
-    """Run :func:`tplower.nn.derive_check.verify_derived` for ``name`` on ``nproc`` spawned gloo ranks.
+    """Run :func:`tplower.verify.derived.verify_derived` for ``name`` on ``nproc`` spawned gloo ranks.
 
     Returns:
         ``(ok, text)``: the report's summary, or the refusal with its first divergence.

@@ -141,7 +141,7 @@ def parallelize_tplower(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, P
         if codegen is None:
             parallelize(model, mesh, plan, axis=axis)
         else:
-            from ..nn.codegen import emit, install
+            from ..codegen.emit import emit, install
 
             if Path(codegen).is_file():
                 source = Path(codegen).read_text()

@@ -234,7 +234,7 @@ class _Run:
         "first"}`` (the first divergence or ``None``); ``None`` with ``dp > 1``,
         since verify takes a one-axis mesh.
         """
-        from ..nn.verify import verify
+        from ..verify.verifier import verify
 
         if self.cfg.dp != 1:
             return None

@@ -1,4 +1,4 @@
-"""The runtime a generated forward calls: named bare operators bound to one mesh (see :mod:`tplower.nn.codegen`).
+"""The runtime a generated forward calls: named bare operators bound to one mesh (see :mod:`tplower.codegen.emit`).
 
 A file from :func:`tplower.codegen.emit` holds, per module, a ``forward``
 written out as straight-line code. Everything in it that depends on the rank
@@ -41,10 +41,10 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
-from .boundary_runtime import _Boundary, _dtensor, _lowered, _Move
-from .experts import ExpertDispatch
-from .params import ParamLayout, local_parameter
-from .uneven import exchanged_global_shape
+from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move
+from ..nn.experts import ExpertDispatch
+from ..nn.params import ParamLayout, local_parameter
+from ..nn.uneven import exchanged_global_shape
 
 __all__ = ["OPERATORS", "GeneratedOps", "operator_name"]
 

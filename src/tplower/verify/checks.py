@@ -1,8 +1,8 @@
-"""The checks of :func:`tplower.nn.verify.verify`: one parallel model against one process, point by point.
+"""The checks of :func:`tplower.verify.verifier.verify`: one parallel model against one process, point by point.
 
 Each boundary's inputs and outputs (forward) and gradients (backward), each
 parameter gradient and, after training steps, each parameter, become a
-:class:`~tplower.nn.verify_report.Check`; :func:`verdicts` folds them into
+:class:`~tplower.verify.report.Check`; :func:`verdicts` folds them into
 one verdict per boundary, naming the first divergence and its cause.
 """
 
@@ -21,10 +21,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.placements import format_placements, replicate_partials
 from ..core.redistribute import redistribute_local
-from .parallelize import installed_boundary
-from .verify_compare import Comparer, bias_cause, grad_cause, param_cause
-from .verify_record import Recorder
-from .verify_report import BoundaryVerdict, Check
+from ..nn.parallelize import installed_boundary
+from .compare import Comparer, bias_cause, grad_cause, param_cause
+from .record import Recorder
+from .report import BoundaryVerdict, Check
 
 __all__ = ["Ticker", "input_checks", "model_check", "param_checks", "point_checks", "train", "verdicts"]
 

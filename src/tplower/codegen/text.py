@@ -1,4 +1,4 @@
-"""The comments :mod:`tplower.nn.codegen` writes above each operator call: transition, collectives, shapes, bytes.
+"""The comments :mod:`tplower.codegen.emit` writes above each operator call: transition, collectives, shapes, bytes.
 
 For a move ``x: tp S(1) -> R, grad P(sum)`` on ``tp=2``::
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.placements import format_placement, replicate_partials
 from ..core.transitions import classify_axis
-from .boundaries import op_text
+from ..nn.boundaries import op_text
 
 __all__ = ["move_comment", "step_text"]
 

@@ -3,7 +3,7 @@
 :func:`emit` runs :func:`tplower.parallelize` on a weightless (meta) copy of
 the model, reads back what it installed on each module, and writes one
 ``forward`` per module as plain code over the named bare operators of
-:class:`~tplower.nn.codegen_ops.GeneratedOps`:
+:class:`~tplower.codegen.ops.GeneratedOps`:
 
 * an identity boundary writes nothing (the module keeps its class forward);
 * each moved input or output is one call (``ops.all_gather``,
@@ -51,18 +51,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import __version__
+from .._version import __version__
 from ..core.argcheck import check_mesh
 from ..core.errors import TPLowerError
 from ..core.placements import format_placements
 from ..core.redistribute import mesh_lowerer
-from .boundary_runtime import REPLACED, _Boundary
-from .codegen_ops import GeneratedOps
-from .codegen_writer import Writer, fn_name, quote
-from .hf_plans import resolve_model_plan
-from .parallelize import parallelize
-from .params import check_plain_parameter
-from .plans import PlanValue
+from ..nn.boundary_runtime import REPLACED, _Boundary
+from ..nn.hf_plans import resolve_model_plan
+from ..nn.parallelize import parallelize
+from ..nn.params import check_plain_parameter
+from ..nn.plans import PlanValue
+from .ops import GeneratedOps
+from .writer import Writer, fn_name, quote
 
 __all__ = ["GeneratedOps", "emit", "install"]
 
@@ -157,7 +157,7 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
             :func:`install` needs no such argument.
 
     Returns:
-        The source of a Python module (see :mod:`tplower.nn.codegen`), the
+        The source of a Python module (see :mod:`tplower.codegen.emit`), the
         same bytes for the same model, plan and mesh.
 
     Raises:

@@ -19,8 +19,8 @@ from torch.distributed.tensor.placement_types import Placement, Shard
 
 from ..core.errors import TPLowerError
 from ..core.placements import replicate_partials
-from .boundary_runtime import _Boundary
-from .parallelize import _input_slot
+from ..nn.boundary_runtime import _Boundary
+from ..nn.parallelize import _input_slot
 
 __all__ = ["Point", "Recorder", "Slots", "hook_parallel", "hook_reference"]
 

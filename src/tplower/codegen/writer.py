@@ -1,4 +1,4 @@
-"""The text of one generated forward (:mod:`tplower.nn.codegen`): signature, moves, compute, outputs.
+"""The text of one generated forward (:mod:`tplower.codegen.emit`): signature, moves, compute, outputs.
 
 :class:`Writer` turns what :func:`tplower.parallelize` installed on one
 module (its :class:`~tplower.nn.boundary_runtime._Boundary`) into the lines
@@ -23,10 +23,10 @@ from typing import Any
 from torch import nn
 
 from ..core.placements import format_placements
-from .boundary_runtime import _Boundary, _Move
-from .codegen_ops import operator_name
-from .codegen_text import move_comment
-from .experts import ExpertDispatch
+from ..nn.boundary_runtime import _Boundary, _Move
+from ..nn.experts import ExpertDispatch
+from .ops import operator_name
+from .text import move_comment
 
 __all__ = ["Writer", "fn_name", "quote"]
 

@@ -45,9 +45,9 @@ from torch.distributed.tensor import Partial, Replicate, distribute_tensor
 from ..core.argcheck import check_mesh
 from ..core.placements import PlacementsLike, parse_placements
 from ..core.redistribute import redistribute_local
-from .parallelize import parallelize
-from .plans import PlanValue
-from .verify_checks import (
+from ..nn.parallelize import parallelize
+from ..nn.plans import PlanValue
+from .checks import (
     Placements,
     Ticker,
     _call,
@@ -59,9 +59,9 @@ from .verify_checks import (
     train,
     verdicts,
 )
-from .verify_compare import Comparer
-from .verify_record import Recorder, hook_parallel, hook_reference
-from .verify_report import VerifyReport
+from .compare import Comparer
+from .record import Recorder, hook_parallel, hook_reference
+from .report import VerifyReport
 
 __all__ = ["DEFAULT_TOLERANCES", "verify"]
 
@@ -200,7 +200,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
             any other: its inputs' pieces, its gathered output, its gradients).
 
     Returns:
-        A :class:`~tplower.nn.verify_report.VerifyReport`, the same on every
+        A :class:`~tplower.verify.report.VerifyReport`, the same on every
         rank: ``ok``, ``first_divergence`` (module, tensor, max difference,
         likely cause, suggested plan change), ``table()``, ``to_dict()``.
 

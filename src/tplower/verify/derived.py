@@ -27,10 +27,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import TPLowerError
-from .derive import DerivedPlan, derive_plan
-from .parallelize import parallelize
-from .verify import verify
-from .verify_report import VerifyReport
+from ..nn.derive import DerivedPlan, derive_plan
+from ..nn.parallelize import parallelize
+from .report import VerifyReport
+from .verifier import verify
 
 __all__ = ["DerivedPlanRefused", "parallelize_verified", "tiny_inputs", "verify_derived"]
 
