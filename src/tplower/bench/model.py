@@ -135,8 +135,12 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
-               compile_backend: str | None = None) -> list[dict[str, Any]]:
-    """Time forward and training step of the five copies on this rank (``tp = world``); rank 0 returns rows.
+               compile_backend: str | None = None, model_name: str | None = None) -> list[dict[str, Any]]:
+    """Time forward and training step of the copies on this rank (``tp = world``); rank 0 returns rows.
+
+    ``model_name``: a model of ``tplower run`` (default all-MiniLM-L6-v2 and its shipped plan, in the five
+    copies above; another, e.g. ``llama-tiny`` with its transformers plan, in three: ``one_process``,
+    ``tplower``, ``dtensor``, as the code generator and the hand-written copy are written for MiniLM's plan).
 
     With ``compile_backend`` (e.g. ``"inductor"``), also ``tplower_compiled``
     and ``dtensor_compiled``: ``torch.compile`` of those two copies (sharing
@@ -148,39 +152,44 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     """
     from ..codegen.emit import emit, install
     from ..nn.parallelize import parallelize
-    from ..run.models import MINILM, MINILM_TP_PLAN, load_model, sentences
+    from ..run.models import MINILM, load_model, model_spec, sentences
     from ..run.paths import parallelize_dtensor
 
     task = _task()
     make_batch, model_output, training_loss = task.make_batch, task.model_output, task.training_loss
+    name = model_name or MINILM
+    spec = model_spec(name)
+    plan, kind = spec.plan, spec.task
 
     quiet_dtensor_logs()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     models: dict[str, nn.Module] = {}
-    models["one_process"], tok = load_model(MINILM)
-    models["tplower"] = parallelize(load_model(MINILM)[0], mesh, MINILM_TP_PLAN)
-    models["codegen"] = install(load_model(MINILM)[0], mesh, emit(models["one_process"], mesh, MINILM_TP_PLAN))
-    models["dtensor"] = load_model(MINILM)[0]
-    parallelize_dtensor(models["dtensor"], mesh, MINILM_TP_PLAN)
-    models["megatron"] = megatronize(load_model(MINILM)[0], MINILM_TP_PLAN, mesh.get_group("tp"))
+    models["one_process"], tok = load_model(name)
+    models["tplower"] = parallelize(load_model(name)[0], mesh, plan)
+    if name == MINILM:
+        models["codegen"] = install(load_model(name)[0], mesh, emit(models["one_process"], mesh, plan))
+    models["dtensor"] = load_model(name)[0]
+    parallelize_dtensor(models["dtensor"], mesh, plan)
+    if name == MINILM:
+        models["megatron"] = megatronize(load_model(name)[0], dict(plan), mesh.get_group("tp"))
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     if compile_backend is not None:
         for key in ("tplower", "dtensor"):
             models[f"{key}_compiled"] = torch.compile(models[key], backend=compile_backend)  # type: ignore[assignment]
             opts[f"{key}_compiled"] = opts[key]
-    batch = make_batch(MINILM, tok, sentences()[:16])
+    batch = make_batch(name, tok, sentences()[:16])
 
     def forward(key: str) -> Callable[[], object]:
         def go() -> object:
             with torch.no_grad():
-                return model_output("embedding", models[key], batch)
+                return model_output(kind, models[key], batch)
         return go
 
     def step(key: str) -> Callable[[], object]:
         def go() -> object:
             opts[key].zero_grad(set_to_none=True)
-            loss = training_loss("embedding", models[key], batch)
+            loss = training_loss(kind, models[key], batch)
             loss.backward()
             opts[key].step()
             return loss
@@ -197,7 +206,7 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
                     samples[key][what].append(time.perf_counter() - t0)
     if rank != 0:
         return []
-    return [{"model": MINILM, "tp": world, "variant": k, "forward_ms": _median_ms(v["forward"]),
+    return [{"model": name, "tp": world, "variant": k, "forward_ms": _median_ms(v["forward"]),
              "train_step_ms": _median_ms(v["step"]), "forward_samples_ms": [s * 1e3 for s in v["forward"]],
              "step_samples_ms": [s * 1e3 for s in v["step"]]} for k, v in samples.items()]
 
@@ -317,17 +326,19 @@ def rss_phase(tp: int = 2, timeout: float = 600.0) -> dict[str, Any]:
 
 def model_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0, compile_backend: str | None = None,
                 progress: Callable[[str], None] = lambda _: None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Model timing rows (:func:`model_rank`, compiled rows with ``compile_backend``) and the RSS figures
-    (:func:`rss_phase`).
+    """Model timing rows (:func:`model_rank`: all-MiniLM-L6-v2; with ``compile_backend`` compiled rows, and
+    llama-tiny's too) and the RSS figures (:func:`rss_phase`).
 
     Raises:
         tplower.run.models.MissingPackageError: transformers or the MiniLM
             package is missing (the model phase needs them).
     """
-    from ..run.models import MINILM, model_spec
+    from ..run.models import LLAMA_TINY, MINILM, model_spec
 
     model_spec(MINILM)  # a clear error naming the package, before any process starts
-    progress(f"model: {MINILM} step time, tp={tp}")
-    rows = run_processes(tp, model_rank, rounds, 1, compile_backend, timeout=timeout)[0]
+    rows: list[dict[str, Any]] = []
+    for name in (MINILM, LLAMA_TINY) if compile_backend is not None else (MINILM,):
+        progress(f"model: {name} step time, tp={tp}")
+        rows += run_processes(tp, model_rank, rounds, 1, compile_backend, name, timeout=timeout)[0]
     progress("model: resident memory per rank")
     return rows, rss_phase(tp, timeout=timeout)
