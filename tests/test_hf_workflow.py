@@ -30,6 +30,7 @@ peft = pytest.importorskip("peft")
 
 X = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], "lora_dropout": 0.0,
+        "lora_bias": True,
         "init_lora_weights": False}
 
 

@@ -119,8 +119,10 @@ def adapter_entries(base: BoundaryEntry, axis: str, qual: str, has_bias: bool
     if has_bias and family == "colwise":
         params["bias"] = base.params.get("bias", weight)
     packed = {"weight": base.packed["weight"]} if "weight" in base.packed else {}
+    # no deferred bias: the sharded adapter of a rowwise base is A, which PEFT never gives a bias (lora_bias
+    # puts it on B, the whole one here), and a colwise base's B bias is sharded with its rows
     sharded = dataclasses.replace(base, params=params, param_grads={}, local_attrs={}, packed=packed,
-                                  deferred_bias=base.deferred_bias if has_bias and family == "rowwise" else None)
+                                  deferred_bias=None)
     if family == "colwise":
         inp = next(iter(base.in_src.values()), "R")
         name, whole_name = "lora_B", "lora_A"
