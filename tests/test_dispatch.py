@@ -118,6 +118,7 @@ def _gloo_cases(rank: int, world: int) -> list[list[dict[str, float]]]:
     return out
 
 
+@pytest.mark.slow  # the threaded world-4 cases run in CI, and tests/test_moe_tp.py dispatches over gloo ranks
 def test_dispatch_combine_gloo_world2() -> None:
     per_rank = run_processes(2, _gloo_cases)
     for i in range(len(per_rank[0])):
