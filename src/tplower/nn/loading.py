@@ -130,6 +130,36 @@ def _tie(model: nn.Module) -> None:
         owner._parameters[name] = b
 
 
+def _ignored(model: nn.Module, key: str) -> bool:
+    """A checkpoint key the model's class says to ignore on load (transformers'
+    ``_keys_to_ignore_on_load_unexpected``, regular expressions)."""
+    import re
+
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(p, key) for p in patterns)
+
+
+def _mismatch(path: str | Path, missing: list[str], unexpected: list[str]) -> str:
+    def few(keys: list[str]) -> str:
+        return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} model keys are not in it: {few(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} of its keys name no tensor of the model: {few(unexpected)}")
+    if missing and unexpected:
+        fix = ("it looks like a checkpoint of another architecture or configuration; or one whose tensors "
+               "transformers converts on load (stacked experts, renamed keys): save that in the model's own "
+               "layout (save_pretrained(..., save_original_format=False)) or load it with "
+               "torch.distributed.checkpoint")
+    elif missing:
+        fix = "a checkpoint of fewer layers or another configuration; strict=False leaves those tensors as they are"
+    else:
+        fix = "strict=False skips them (they are listed in the report's unexpected)"
+    return f"load_safetensors: {str(path)!r} does not fit the model: " + "; ".join(parts) + f"; {fix}"
+
+
 def _make_real(items: list[tuple[str, nn.Module, str, torch.Tensor, bool]], device: torch.device) -> torch.Tensor:
     """Materialize one meta tensor (all its names): a parameter keeps its object (``swap_tensors``)."""
     _, _, _, t, is_param = items[0]
@@ -211,8 +241,10 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
             or any model (plain tensors are read whole).
         path: a Hugging Face model folder (``model.safetensors``, or ``model.safetensors.index.json`` and the
             files it names) or one ``.safetensors`` file.
-        strict: raise when a model key is missing from the checkpoint (ties count as present under any of
-            their names).
+        strict: raise, before reading anything, when a model key is missing from the checkpoint (ties count
+            as present under any of their names) or a checkpoint key names no tensor of the model (keys the
+            model's class ignores on load, ``_keys_to_ignore_on_load_unexpected``, aside), as
+            ``load_state_dict(strict=True)``.
         device: where a meta tensor is materialized (default: CPU, or the device of the model's first real
             parameter).
 
@@ -221,7 +253,8 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
 
     Raises:
         TPLowerError: ``path`` is no safetensors folder or file; a key's global shape differs between model
-            and checkpoint (naming the key); with ``strict``, keys missing (naming them and the fix); a
+            and checkpoint (naming the key); with ``strict``, keys missing or unexpected (naming them and the
+            likely cause); a
             non-persistent buffer still on the meta device (it is not in any checkpoint: build the model
             under ``accelerate.init_empty_weights()``, which keeps buffers real).
     """
@@ -242,6 +275,12 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
     for item in _tensors(model):
         groups.setdefault(id(item[3]), []).append(item)
         first.setdefault(id(item[3]), item[0])
+    known = {k for items in groups.values() for k, *_ in items}
+    report.unexpected = sorted(k for k in where if k not in known and not _ignored(model, k))
+    missing = [first[i] for i, items in groups.items()
+               if not any(k in where or ties.get(k) in where for k, *_ in items)]
+    if strict and (missing or report.unexpected):  # before reading anything
+        raise TPLowerError(_mismatch(path, missing, report.unexpected))
     handles: dict[Path, Any] = {}
     try:
         for key_id, items in groups.items():
@@ -271,13 +310,5 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True,
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    known = {k for items in groups.values() for k, *_ in items}
-    report.unexpected = sorted(k for k in where if k not in known)
-    if strict and report.missing:
-        raise TPLowerError(f"load_safetensors: {len(report.missing)} model keys are not in {str(path)!r}: "
-                           f"{report.missing[:8]}{' ...' if len(report.missing) > 8 else ''}; a checkpoint whose "
-                           "tensors transformers converts on load (stacked experts, renamed keys) must be saved "
-                           "in the model's own layout (save_pretrained(..., save_original_format=False)) or "
-                           "loaded with torch.distributed.checkpoint; strict=False leaves them as they are")
     _refuse_meta_buffers(model)
     return report
