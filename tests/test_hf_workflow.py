@@ -126,6 +126,15 @@ def _meta_load(mesh: Any, folder: str, build: Any, *, ids: torch.Tensor = X, **k
     return out
 
 
+def _refusal(model: Any, folder: Path) -> str:
+    """``load_safetensors``' error message, or ``"loaded"`` when it did not refuse."""
+    try:
+        tplower.load_safetensors(model, folder)
+    except TPLowerError as e:
+        return str(e)
+    return "loaded"
+
+
 def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -200,20 +209,10 @@ def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     with accelerate.init_empty_weights():
         converted = type(moe())(moe_config)
-    tplower.parallelize(converted, mesh, "auto")
-    try:
-        tplower.load_safetensors(converted, d / "moe_original")
-        out["converted"] = "loaded"
-    except TPLowerError as e:
-        out["converted"] = str(e)
+    out["converted"] = _refusal(tplower.parallelize(converted, mesh, "auto"), d / "moe_original")
     with torch.device("meta"):
         bare = LlamaForCausalLM(_config())
-    tplower.parallelize(bare, mesh, "auto")
-    try:
-        tplower.load_safetensors(bare, d / "saved")
-        out["meta_buffers"] = "loaded"
-    except TPLowerError as e:
-        out["meta_buffers"] = str(e)
+    out["meta_buffers"] = _refusal(tplower.parallelize(bare, mesh, "auto"), d / "saved")
 
     dcp.save(tp.state_dict(), checkpoint_id=str(d / "dcp"))
     with accelerate.init_empty_weights():
