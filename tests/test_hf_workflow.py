@@ -3,7 +3,8 @@
 Each row is what a user does after (or before) ``tplower.parallelize(model, mesh, "auto")`` on a tiny random
 Llama: ``save_pretrained`` (reloaded by ``from_pretrained`` in one process), ``load_state_dict`` of a whole
 state dict, ``torch.save(model.state_dict())`` read back, ``clip_grad_norm_`` with a foreach AdamW, PEFT LoRA
-added before and after ``parallelize`` (3 AdamW steps), and a model built on meta filled from a safetensors
+added before and after ``parallelize`` (3 AdamW steps; ``PeftModel.save_pretrained`` byte for byte as one
+process writes it), and a model built on meta filled from a safetensors
 folder (one file; several with an index; tied embeddings; Qwen3-MoE's packed experts and a vocabulary of 129
 that tp=2 does not divide) or from a DCP checkpoint. The oracle is the same model in one process.
 """
@@ -91,7 +92,19 @@ def _replicated_sums(model: Any) -> dict[str, float]:
             if isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements)}
 
 
-def _lora(before: bool, mesh: Any) -> dict[str, Any]:
+def _same_adapter_file(tp: Any, one: Any, folder: Path, name: str) -> bool:
+    """``tp.save_pretrained`` (every rank) writes the ``adapter_model.safetensors`` one process writes for ``one``."""
+    import torch.distributed as dist
+
+    tp.save_pretrained(folder / f"{name}_tp")
+    if dist.get_rank() == 0:
+        one.save_pretrained(folder / f"{name}_one")
+    dist.barrier()
+    return bool((folder / f"{name}_tp" / "adapter_model.safetensors").read_bytes()
+                == (folder / f"{name}_one" / "adapter_model.safetensors").read_bytes())
+
+
+def _lora(before: bool, mesh: Any, folder: Path) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(5)
@@ -106,7 +119,21 @@ def _lora(before: bool, mesh: Any) -> dict[str, Any]:
     kinds = {(n.split(".")[-3], type(p.data).__name__, tuple(tplower.format_placement(q) for q in p.placements))
              for n, p in tp.named_parameters() if "lora_" in n and isinstance(p, DTensor)}
     plain = [n for n, p in tp.named_parameters() if "lora_" in n and not isinstance(p, DTensor)]
-    return {**_train(one, tp, 3), "kinds": sorted(kinds), "plain": plain, "sums": _replicated_sums(tp)}
+    saved = _same_adapter_file(tp, one, folder, "before" if before else "after")
+    return {**_train(one, tp, 3), "kinds": sorted(kinds), "plain": plain, "sums": _replicated_sums(tp),
+            "saved": saved}
+
+
+def _lora_inner(mesh: Any, folder: Path) -> bool:
+    """LoRA added before, ``parallelize`` given the model inside the ``PeftModel``: its save is whole too."""
+    from peft import LoraConfig, get_peft_model
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        models.append(get_peft_model(_llama(), LoraConfig(**LORA)))
+    tplower.parallelize(models[0].base_model.model, mesh, "auto")
+    return _same_adapter_file(models[0], models[1], folder, "inner")
 
 
 def _meta_load(mesh: Any, folder: str, build: Any, *, ids: torch.Tensor = X, **kw: Any) -> dict[str, Any]:
@@ -169,8 +196,9 @@ def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["torch_save"] = _diff(again(input_ids=X).logits, want)
 
     out["clip"] = _train(copy.deepcopy(ref), tplower.parallelize(copy.deepcopy(ref), mesh, "auto"), 2, clip=0.5)
-    out["lora_before"] = _lora(True, mesh)
-    out["lora_after"] = _lora(False, mesh)
+    out["lora_before"] = _lora(True, mesh, d)
+    out["lora_after"] = _lora(False, mesh, d)
+    out["lora_inner"] = _lora_inner(mesh, d)
 
     ids = torch.tensor([[0, 0, 5, 9, 11, 3], [7, 2, 8, 1, 4, 6]])  # left padding on the first row
     mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
@@ -263,7 +291,12 @@ def test_lora_trains_as_one_process(ranks: list[dict[str, Any]], when: str) -> N
         assert got["kinds"] == [("lora_A", "DTensor", ("R",)), ("lora_A", "DTensor", ("S(1)",)),
                                 ("lora_B", "DTensor", ("R",)), ("lora_B", "DTensor", ("S(0)",))]
         assert got["logits"] < 1e-5 and got["grad"] < 1e-6 and got["param"] < 1e-4
+        assert got["saved"]  # adapter_model.safetensors byte for byte as one process writes it
     assert ranks[0][when]["sums"] == ranks[1][when]["sums"]  # replicated adapters identical across ranks
+
+
+def test_lora_save_pretrained_when_the_peft_model_was_not_parallelized(ranks: list[dict[str, Any]]) -> None:
+    assert all(r["lora_inner"] for r in ranks)  # parallelize(peft_model.base_model.model): saved whole
 
 
 @pytest.mark.parametrize("case", ["meta_tied", "meta_sharded", "meta_moe", "meta_moe_ep"])

@@ -16,12 +16,23 @@ module turns between the two without ever building a whole tensor on a rank that
   the writing rank only; :func:`patch_save_pretrained` makes a transformers model's ``save_pretrained``
   write that, from rank 0, reloadable by ``from_pretrained`` in one process (as transformers' own
   tensor-parallel save does). Both are collectives: call them on every rank.
+* :func:`collective_peft_save`: PEFT's ``PeftModel.save_pretrained`` writes whole adapters (what one process
+  writes) for a ``PeftModel`` that holds parameters tplower placed, however it was built around the
+  parallelized model (``parallelize(peft_model)``, ``get_peft_model`` on a parallelized model, or
+  ``parallelize(peft_model.base_model.model)``). A ``PeftModel`` is made before or after ``parallelize`` and
+  holds no link tplower could follow from the model it wraps, so this is the class's method, wrapped once per
+  process when tplower first places a LoRA adapter; a ``PeftModel`` without tplower's parameters saves as
+  before.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 import types
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,11 +44,16 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..core.errors import TPLowerError
 from .packed_checkpoint import PackedLocal, packed_boxes
 
-__all__ = ["Box", "full_state_dict", "local_boxes", "patch_save_pretrained", "register_full_load",
-           "shard_of"]
+__all__ = ["Box", "collective_peft_save", "full_state_dict", "local_boxes", "patch_save_pretrained",
+           "placed_by_tplower", "register_full_load", "shard_of", "whole_adapter_state"]
 
 #: one box: (global offsets, sizes, offsets of the box in the local tensor)
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+#: ``module.__dict__`` key: the module owns a DTensor parameter tplower placed (see :func:`register_full_load`)
+_FULL_LOAD = "_tplower_full_load"
+#: ``{peft.PeftModel: its own save_pretrained}`` once :func:`collective_peft_save` wrapped it
+_PEFT_SAVE: dict[type, Callable[..., Any]] = {}
 
 
 def local_boxes(dt: DTensor) -> list[Box]:
@@ -141,11 +157,11 @@ def register_full_load(model: nn.Module) -> int:
     """
     n = 0
     for module in model.modules():
-        if "_tplower_full_load" in module.__dict__:
+        if _FULL_LOAD in module.__dict__:
             continue
         if any(isinstance(p, DTensor) for p in module._parameters.values()):
             module.register_load_state_dict_pre_hook(_load_hook)
-            module.__dict__["_tplower_full_load"] = True
+            module.__dict__[_FULL_LOAD] = True
             n += 1
     return n
 
@@ -204,19 +220,129 @@ def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs:
 
 
 def patch_save_pretrained(model: nn.Module) -> bool:
-    """Make ``model.save_pretrained(dir, ...)`` write whole weights from rank 0 (transformers models only).
+    """Make ``model.save_pretrained(dir, ...)`` write whole weights from rank 0 (transformers and PEFT models).
 
-    The instance's ``save_pretrained`` (the class is not touched; a bound method, so ``copy.deepcopy`` of the
-    model binds its copy) gathers :func:`full_state_dict` when no ``state_dict`` is given, writes on global
-    rank 0 only (``is_main_process``), and waits at a barrier so no rank reads the folder before it is
-    written. A collective: call it on every rank, as transformers' own tensor-parallel save. Without it,
-    transformers' save of DTensor parameters fails ("invalid python storage").
+    A transformers model: the instance's ``save_pretrained`` (the class is not touched; a bound method, so
+    ``copy.deepcopy`` of the model binds its copy) gathers :func:`full_state_dict` when no ``state_dict`` is
+    given, writes on global rank 0 only (``is_main_process``), and waits at a barrier so no rank reads the
+    folder before it is written. A PEFT ``PeftModel``: :func:`collective_peft_save` (whole adapters). A
+    collective: call it on every rank, as transformers' own tensor-parallel save. Without it, transformers'
+    and PEFT's save of DTensor parameters fails ("invalid python storage").
 
     Returns:
         ``True`` when ``model``'s class has a ``save_pretrained`` method and the instance now writes whole
         weights.
     """
+    peft_model = _peft_model_class()
+    if peft_model is not None and isinstance(model, peft_model):
+        return collective_peft_save()
     if not callable(getattr(type(model), "save_pretrained", None)) or "save_pretrained" in model.__dict__:
         return False
     model.__dict__["save_pretrained"] = types.MethodType(_save_pretrained, model)
+    return True
+
+
+def _peft_model_class() -> type | None:
+    """``peft.PeftModel`` when PEFT is imported (tplower never imports it)."""
+    cls = getattr(sys.modules.get("peft"), "PeftModel", None)
+    return cls if isinstance(cls, type) else None
+
+
+def placed_by_tplower(model: nn.Module) -> bool:
+    """Whether ``model`` holds a parameter :func:`tplower.parallelize` placed (:func:`register_full_load` saw it)."""
+    return any(_FULL_LOAD in m.__dict__ for m in model.modules())
+
+
+def whole_adapter_state(model: nn.Module, state_dict: Mapping[str, Any] | None, adapters: list[str],
+                        save_embedding_layers: bool | str = "auto") -> dict[str, Any]:
+    """``state_dict`` with each DTensor PEFT would save for ``adapters`` gathered whole (a collective).
+
+    PEFT's own selection (``peft.get_peft_model_state_dict``, run on the DTensor values, which moves
+    nothing) names the tensors ``PeftModel.save_pretrained`` writes; only those are gathered
+    (``full_tensor``, one at a time, in ``state_dict``'s order, on every rank), so a rank holds the whole
+    adapters and never the whole base model.
+
+    Args:
+        model: a ``PeftModel``.
+        state_dict: the state dict to save from (default ``model.state_dict()``: DTensors for placed
+            parameters).
+        adapters: the adapter names to save (``save_pretrained``'s ``selected_adapters``).
+        save_embedding_layers: ``save_pretrained``'s, which decides whether embeddings are saved too.
+
+    Returns:
+        ``{key: value}`` with ``state_dict``'s keys and order; the selected DTensors replaced by their whole
+        tensors (plain tensors of the global shape), every other value as it was.
+    """
+    peft = sys.modules["peft"]
+    state = dict(model.state_dict() if state_dict is None else state_dict)
+    wanted: set[int] = set()
+    with warnings.catch_warnings():  # PEFT's notes on embeddings come once, from the save itself
+        warnings.simplefilter("ignore")
+        for name in adapters:
+            picked = peft.get_peft_model_state_dict(model, state_dict=state, adapter_name=name,
+                                                    save_embedding_layers=save_embedding_layers)
+            wanted.update(id(v) for v in picked.values())
+    return {k: _plain(v).full_tensor().detach() if isinstance(v, DTensor) and id(v) in wanted else v
+            for k, v in state.items()}
+
+
+def _peft_save(own: Callable[..., Any], self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """PEFT's ``save_pretrained`` ``own``, collective for a model tplower placed (see :func:`collective_peft_save`)."""
+    if not placed_by_tplower(self):
+        return own(self, *args, **kwargs)
+    call = inspect.signature(own).bind(self, *args, **kwargs)
+    call.apply_defaults()
+    arg = call.arguments
+    if arg.get("path_initial_model_for_weight_conversion") is not None:
+        raise TPLowerError("save_pretrained(path_initial_model_for_weight_conversion=...) of a model tplower "
+                           "parallelized: PEFT loads the initial adapter on the writing rank alone, which would "
+                           "leave the other ranks' collectives waiting; convert it in one process")
+    extra = arg.setdefault("kwargs", {})
+    adapters = arg.get("selected_adapters")
+    if adapters is None:
+        adapters = list(getattr(self, "peft_config", {}))
+    extra["state_dict"] = whole_adapter_state(self, extra.get("state_dict"), adapters,
+                                              arg.get("save_embedding_layers", "auto"))
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    arg["is_main_process"] = bool(arg.get("is_main_process", True)) and main
+    try:
+        return own(*call.args, **call.kwargs)
+    finally:  # every rank reaches the barrier, the writer too when its write failed
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def collective_peft_save() -> bool:
+    """Make PEFT's ``PeftModel.save_pretrained`` write whole adapters for models tplower placed (once per process).
+
+    Wraps the class's method (every ``PeftModel``, made before or after :func:`tplower.parallelize`). For a
+    ``PeftModel`` that holds no parameter tplower placed the wrapper calls PEFT's method unchanged. For one
+    that does, every rank: gathers the tensors PEFT saves whole (:func:`whole_adapter_state`: the adapters,
+    not the base model), runs PEFT's ``save_pretrained`` on that state dict with ``is_main_process`` true on
+    global rank 0 only (so every rank runs the same code on the same values, and only rank 0 writes), and
+    waits at a barrier. The folder then holds what one process's ``save_pretrained`` writes for the same
+    adapter values (``adapter_model.safetensors`` of whole ``A`` and ``B``), reloadable by
+    ``PeftModel.from_pretrained`` in one process or on a parallelized model.
+
+    A collective: call ``save_pretrained`` on every rank (an ``if rank == 0: model.save_pretrained(...)``
+    waits forever, as transformers' own tensor-parallel save does).
+
+    Returns:
+        ``True`` when PEFT is imported and its ``PeftModel.save_pretrained`` is (now) wrapped.
+
+    Raises:
+        TPLowerError: (from the wrapped method) ``path_initial_model_for_weight_conversion`` given for a model
+            tplower placed (PEFT loads the initial adapter on the writing rank only).
+    """
+    cls: Any = _peft_model_class()  # a third-party class: its method is replaced, so Any
+    if cls is None:
+        return False
+    if cls not in _PEFT_SAVE:
+        own = _PEFT_SAVE[cls] = cls.__dict__["save_pretrained"]
+
+        @functools.wraps(own)  # PEFT's name, docstring and signature
+        def save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _peft_save(own, self, *args, **kwargs)
+
+        cls.save_pretrained = save_pretrained
     return True

@@ -30,6 +30,9 @@ Both orders work:
 
 Refused (:class:`~tplower.TPLowerError`, naming the module): LoRA on an embedding or convolution, DoRA
 (``lora_magnitude_vector``), and adapters on a base whose boundary is not a plain colwise or rowwise one.
+
+Saving: :func:`tplower.nn.full_state.collective_peft_save` (wrapped when an adapter is first placed) makes
+``PeftModel.save_pretrained`` write whole adapters, on every rank's call.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.errors import TPLowerError
 from .boundary_runtime import _Boundary
+from .full_state import collective_peft_save
 from .plans import BoundaryEntry
 
 __all__ = ["is_lora_layer", "place_lora", "place_lora_layer", "redirect_to_base"]
@@ -216,6 +220,8 @@ def place_lora_layer(layer: nn.Module, qual: str | None = None) -> int:
         n += 1
     if n and "_tplower_lora_check" not in layer.__dict__:
         layer.__dict__["_tplower_lora_check"] = layer.register_forward_pre_hook(_check_placed)
+    if n:
+        collective_peft_save()  # PeftModel.save_pretrained writes whole adapters
     return n
 
 
