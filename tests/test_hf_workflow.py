@@ -3,8 +3,8 @@
 Each row is what a user does after (or before) ``tplower.parallelize(model, mesh, "auto")`` on a tiny random
 Llama: ``save_pretrained`` (reloaded by ``from_pretrained`` in one process), ``load_state_dict`` of a whole
 state dict, ``torch.save(model.state_dict())`` read back, ``clip_grad_norm_`` with a foreach AdamW, PEFT LoRA
-added before and after ``parallelize`` (3 AdamW steps; ``PeftModel.save_pretrained`` byte for byte as one
-process writes it), and a model built on meta filled from a safetensors
+added before and after ``parallelize`` (3 AdamW steps; the adapters' first draw; ``PeftModel.save_pretrained``
+byte for byte as one process writes it), and a model built on meta filled from a safetensors
 folder (one file; several with an index; tied embeddings; Qwen3-MoE's packed experts and a vocabulary of 129
 that tp=2 does not divide) or from a DCP checkpoint. The oracle is the same model in one process.
 """
@@ -104,11 +104,20 @@ def _same_adapter_file(tp: Any, one: Any, folder: Path, name: str) -> bool:
                 == (folder / f"{name}_one" / "adapter_model.safetensors").read_bytes())
 
 
+def _first_draw(values: dict[str, torch.Tensor], dims: dict[str, int], r: int) -> dict[str, Any]:
+    """For each named whole tensor sharded along ``dims[name]``: ``max |w| * sqrt(fan_in)`` (``kaiming_uniform_(a=
+    sqrt(5))`` and ``nn.Linear``'s bias stay within 1; a bias's fan-in is its B's, ``r``) and whether its two halves
+    along that dim are equal."""
+    return {n: (float(values[n].abs().max()) * (values[n].shape[1] if values[n].ndim == 2 else r) ** 0.5,
+                torch.equal(*values[n].chunk(2, d))) for n, d in dims.items()}
+
+
 def _lora(before: bool, mesh: Any, folder: Path) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(5)
     one = get_peft_model(_llama(), LoraConfig(**LORA))
+    first = {n: p.detach().clone() for n, p in one.named_parameters() if "lora_" in n}  # one process's draw
     if before:
         torch.manual_seed(5)
         tp = get_peft_model(_llama(), LoraConfig(**LORA))
@@ -119,9 +128,12 @@ def _lora(before: bool, mesh: Any, folder: Path) -> dict[str, Any]:
     kinds = {(n.split(".")[-3], type(p.data).__name__, tuple(tplower.format_placement(q) for q in p.placements))
              for n, p in tp.named_parameters() if "lora_" in n and isinstance(p, DTensor)}
     plain = [n for n, p in tp.named_parameters() if "lora_" in n and not isinstance(p, DTensor)]
+    dims = {n: p.placements[0].dim for n, p in tp.named_parameters()
+            if "lora_" in n and isinstance(p, DTensor) and p.placements[0].is_shard()}
+    draw = _first_draw({n: _full(p).detach() for n, p in tp.named_parameters() if n in dims}, dims, LORA["r"])
     saved = _same_adapter_file(tp, one, folder, "before" if before else "after")
     return {**_train(one, tp, 3), "kinds": sorted(kinds), "plain": plain, "sums": _replicated_sums(tp),
-            "saved": saved}
+            "saved": saved, "draw": draw, "draw_one": _first_draw(first, dims, LORA["r"])}
 
 
 def _lora_inner(mesh: Any, folder: Path) -> bool:
@@ -134,6 +146,36 @@ def _lora_inner(mesh: Any, folder: Path) -> bool:
         models.append(get_peft_model(_llama(), LoraConfig(**LORA)))
     tplower.parallelize(models[0].base_model.model, mesh, "auto")
     return _same_adapter_file(models[0], models[1], folder, "inner")
+
+
+def _lora_redraw(mesh: Any) -> dict[str, Any]:
+    """Adapters PEFT injected with no ``PeftModel`` keep per-shard draws (and say so) until ``place_lora``, which
+    draws them whole: compared with PEFT's own ``reset_lora_parameters`` on one process's layers, in module order
+    from the same generator state."""
+    import warnings
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from tplower.nn.lora import place_lora
+
+    config = {"r": 4, "target_modules": ["q_proj", "o_proj", "down_proj"], "lora_dropout": 0.0}
+    tp = inject_adapter_in_model(LoraConfig(**config), tplower.parallelize(_llama(), mesh, "auto"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tp(input_ids=X)
+    torch.manual_seed(11)
+    place_lora(tp)
+    one = inject_adapter_in_model(LoraConfig(**config), _llama())
+    torch.manual_seed(11)
+    for name, module in one.named_modules():
+        if name.endswith(("o_proj", "down_proj")):  # the rowwise layers: their A is the sharded adapter
+            module.reset_lora_parameters("default", True)
+    want = dict(one.named_parameters())
+    return {"warned": sum("per-shard" in str(w.message) for w in caught),
+            "diff": max(_diff(p, want[n]) for n, p in tp.named_parameters() if "lora_" in n
+                        and isinstance(p, DTensor) and p.placements[0].is_shard()),
+            "drawn": sorted(n for n, p in tp.named_parameters() if "lora_" in n and isinstance(p, DTensor)
+                            and p.placements[0].is_shard())}
 
 
 def _meta_load(mesh: Any, folder: str, build: Any, *, ids: torch.Tensor = X, **kw: Any) -> dict[str, Any]:
@@ -199,6 +241,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["lora_before"] = _lora(True, mesh, d)
     out["lora_after"] = _lora(False, mesh, d)
     out["lora_inner"] = _lora_inner(mesh, d)
+    out["lora_redraw"] = _lora_redraw(mesh)
 
     ids = torch.tensor([[0, 0, 5, 9, 11, 3], [7, 2, 8, 1, 4, 6]])  # left padding on the first row
     mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
@@ -293,6 +336,26 @@ def test_lora_trains_as_one_process(ranks: list[dict[str, Any]], when: str) -> N
         assert got["logits"] < 1e-5 and got["grad"] < 1e-6 and got["param"] < 1e-4
         assert got["saved"]  # adapter_model.safetensors byte for byte as one process writes it
     assert ranks[0][when]["sums"] == ranks[1][when]["sums"]  # replicated adapters identical across ranks
+
+
+def test_lora_added_after_parallelize_starts_from_whole_draws(ranks: list[dict[str, Any]]) -> None:
+    """PEFT draws a sharded adapter per rank at the local shape (a rowwise A within sqrt(2)/sqrt(in), the same values
+    on both ranks); tplower draws it again whole. One process's values cannot be replayed (PEFT's local draws used
+    other amounts of the generator), so: within one process's bound 1/sqrt(fan_in) (a per-shard draw, at least 128
+    distinct values, stays within it with probability at most 2**-64), halves unequal, as one process's draw seen
+    the same way; and,
+    drawn by ``place_lora`` from a known generator state, bit for bit PEFT's one-process ``reset_lora_parameters``."""
+    for r in ranks:
+        draw, one = r["lora_after"]["draw"], r["lora_after"]["draw_one"]
+        assert len(draw) == 2 * (2 + 3 * 2)  # per layer: A of o and down; B and its bias of q, v and gate
+        for name, (bound, halves_equal) in draw.items():  # 1e-6: the float bound of kaiming_uniform_
+            assert bound <= 1.0 + 1e-6 and not halves_equal, name
+            assert one[name][0] <= 1.0 + 1e-6 and not one[name][1], name
+        before = r["lora_before"]["draw"]  # added before parallelize: one process's draw itself
+        assert before == one
+        redraw = r["lora_redraw"]
+        assert redraw["warned"] == 6  # each LoRA layer's forward, before place_lora
+        assert len(redraw["drawn"]) == 6 and redraw["diff"] == 0.0
 
 
 def test_lora_save_pretrained_when_the_peft_model_was_not_parallelized(ranks: list[dict[str, Any]]) -> None:

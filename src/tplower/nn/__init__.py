@@ -13,5 +13,7 @@ Built on :mod:`tplower.core` only; the code generator (:mod:`tplower.codegen`) a
   (DTensor parameters, lowered boundaries, uneven activations, expert dispatch).
 * :mod:`~tplower.nn.coverage`: every parameter covered (a whole one used on sharded activations).
 * :mod:`~tplower.nn.full_state`, :mod:`~tplower.nn.loading`, :mod:`~tplower.nn.packed_checkpoint`,
-  :mod:`~tplower.nn.lora`: whole state dicts, safetensors loading, DCP of packed parameters, PEFT LoRA.
+  :mod:`~tplower.nn.lora`, :mod:`~tplower.nn.lora_init`: whole state dicts (``save_pretrained`` of
+  transformers and PEFT models), safetensors loading, DCP of packed parameters, PEFT LoRA (placed, and its
+  first draw whole).
 """

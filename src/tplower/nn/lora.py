@@ -28,8 +28,17 @@ Both orders work:
   later to an already placed layer (``add_adapter``) is refused at its first forward, naming
   :func:`place_lora` as the fix (call it before making the optimizer).
 
+  PEFT drew the sharded adapter per rank at the local shape (a rowwise ``A`` with the local fan-in, the
+  same values on every rank under one seed); :mod:`tplower.nn.lora_init` draws it again, whole, as one
+  process would, once the adapter's config is known (when the ``PeftModel`` is made, or in
+  :func:`place_lora`).
+
 Refused (:class:`~tplower.TPLowerError`, naming the module): LoRA on an embedding or convolution, DoRA
-(``lora_magnitude_vector``), and adapters on a base whose boundary is not a plain colwise or rowwise one.
+(``lora_magnitude_vector``), adapters on a base whose boundary is not a plain colwise or rowwise one, and,
+added after :func:`tplower.parallelize`, an ``init_lora_weights`` other than ``True``, ``False`` and
+``"gaussian"`` (PiSSA, OLoRA, LoftQ, EVA, ... compute the adapters from the base weight or from data: PEFT
+read this rank's shard, and some of them fail inside PEFT on the DTensor weight before tplower sees the
+layer; add those adapters before ``parallelize``).
 
 Saving: :func:`tplower.nn.full_state.collective_peft_save` (wrapped when an adapter is first placed) makes
 ``PeftModel.save_pretrained`` write whole adapters, on every rank's call.
@@ -38,6 +47,8 @@ Saving: :func:`tplower.nn.full_state.collective_peft_save` (wrapped when an adap
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,9 +61,10 @@ from torch.utils.hooks import RemovableHandle
 from ..core.errors import TPLowerError
 from .boundary_runtime import _Boundary
 from .full_state import collective_peft_save
+from .lora_init import LOCAL_DRAWS, draw_whole, local_draws_left
 from .plans import BoundaryEntry
 
-__all__ = ["is_lora_layer", "place_lora", "place_lora_layer", "redirect_to_base"]
+__all__ = ["draw_whole", "is_lora_layer", "place_lora", "place_lora_layer", "redirect_to_base"]
 
 #: ``install(module, qual, entry, lowerer, axis, config)``: tplower.parallelize's per-module install
 Installer = Callable[[nn.Module, str, BoundaryEntry, Any, str], Any]
@@ -193,6 +205,7 @@ def place_lora_layer(layer: nn.Module, qual: str | None = None) -> int:
     weight = base._parameters.get("weight")
     assert isinstance(weight, DTensor), "a parallelized colwise/rowwise base holds a DTensor weight"
     n = 0
+    local_draws: dict[str, str] = {}
     lora_a: Any = layer.lora_A
     lora_b: Any = layer.lora_B
     for name in list(lora_a.keys()):
@@ -206,6 +219,8 @@ def place_lora_layer(layer: nn.Module, qual: str | None = None) -> int:
         out_f, in_f = weight.shape
         r = a.weight.shape[0]
         shapes = {"lora_A": torch.Size((r, in_f)), "lora_B": torch.Size((out_f, r))}
+        if tuple((a if sname == "lora_A" else b).weight.shape) != tuple(shapes[sname]):
+            local_draws[name] = sname  # PEFT built it at the local shape: drawn per shard
         for adapter, aname in ((a, "lora_A"), (b, "lora_B")):
             with torch.no_grad():
                 full = _whole(adapter.weight, shapes[aname], weight, aname == sname)
@@ -218,38 +233,66 @@ def place_lora_layer(layer: nn.Module, qual: str | None = None) -> int:
             entry = sentry if aname == sname else wentry
             _INSTALL[0](adapter, f"{qual}.{aname}.{name}", entry, boundary.lowerer, boundary.axis)
         n += 1
+    if local_draws:
+        layer.__dict__.setdefault(LOCAL_DRAWS, {}).update(local_draws)
     if n and "_tplower_lora_check" not in layer.__dict__:
-        layer.__dict__["_tplower_lora_check"] = layer.register_forward_pre_hook(_check_placed)
+        layer.__dict__["_tplower_lora_check"] = layer.register_forward_pre_hook(functools.partial(_check_placed, qual))
     if n:
         collective_peft_save()  # PeftModel.save_pretrained writes whole adapters
     return n
 
 
-def _check_placed(layer: nn.Module, args: Any) -> None:
+def _check_placed(qual: str, layer: nn.Module, args: Any) -> None:
     lora_b: Any = layer.lora_B
     for name, b in lora_b.items():
         if not isinstance(b.weight, DTensor):
             raise TPLowerError(f"LoRA adapter {name!r} was added to a parallelized layer after its adapters were "
                                "placed; call tplower.nn.lora.place_lora(model) after adding it (before making "
                                "the optimizer)")
+    if layer.__dict__.get(LOCAL_DRAWS):
+        warnings.warn(f"tplower: module {qual!r}: LoRA adapters {sorted(layer.__dict__[LOCAL_DRAWS])} keep PEFT's "
+                      "per-shard initial draw (no PeftModel was made, which would draw them whole); call "
+                      "tplower.nn.lora.place_lora(model) on every rank before training", stacklevel=2)
 
 
 def place_lora(model: nn.Module) -> int:
     """Place every unplaced LoRA adapter of ``model`` on a base :func:`tplower.parallelize` split.
 
     Call it after adding adapters to a parallelized model by a path that does not register a new LoRA
-    layer (``add_adapter`` on a layer that already has one), before making the optimizer (the adapters'
-    parameters are replaced). A collective over each base's axis: call it on every rank.
+    layer (``add_adapter`` on a layer that already has one), or that makes no ``PeftModel``
+    (``inject_adapter_in_model``, transformers' ``add_adapter``), before making the optimizer (the adapters'
+    parameters are replaced). Then draws whole (:func:`draw_whole`) the sharded adapters PEFT drew per shard,
+    by ``model.peft_config``. A collective over each base's axis: call it on every rank.
+
+    Args:
+        model: a model holding PEFT LoRA layers (the ``PeftModel`` or the model PEFT injected into).
 
     Returns:
         The number of adapter pairs placed.
+
+    Raises:
+        TPLowerError: as :func:`place_lora_layer`; an adapter drawn per shard that ``model.peft_config``
+            does not name (pass the model that holds the config), or whose ``init_lora_weights`` tplower does
+            not draw (:func:`draw_whole`).
     """
-    return sum(place_lora_layer(m, q) for q, m in model.named_modules() if is_lora_layer(m))
+    n = sum(place_lora_layer(m, q) for q, m in model.named_modules() if is_lora_layer(m))
+    configs = getattr(model, "peft_config", None)
+    draw_whole(model, configs if isinstance(configs, Mapping) else {})
+    left = local_draws_left(model)
+    if left:
+        raise TPLowerError(f"place_lora: adapters {left} were drawn per shard and {type(model).__name__}.peft_config "
+                           "does not name them; call place_lora on the PeftModel (or the model PEFT injected into)")
+    return n
 
 
 def _on_register(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    if submodule is not None and is_lora_layer(submodule):
+    if submodule is None:
+        return
+    if is_lora_layer(submodule):
         place_lora_layer(submodule)
+    elif isinstance(submodule.__dict__.get("peft_config"), Mapping) and "model" in submodule._modules:
+        # a PEFT tuner taken by its PeftModel: the adapters' configs are known now
+        draw_whole(submodule, submodule.__dict__["peft_config"])
 
 
 def watch_registrations(install: Installer) -> None:
