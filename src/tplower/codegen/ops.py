@@ -41,7 +41,7 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
-from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move
+from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move, shared_move
 from ..nn.experts import ExpertDispatch
 from ..nn.params import ParamLayout, local_parameter
 from ..nn.uneven import exchanged_global_shape
@@ -123,7 +123,7 @@ class GeneratedOps:
     # ---- transitions ---------------------------------------------------------------------------
 
     def _move(self, name: str, t: Any, src: str, dst: str, grad: str, where: str, uneven: bool,
-              dtensor: bool) -> Any:
+              dtensor: bool, fan: str | None = None) -> Any:
         if t is None:
             return None
         if not isinstance(t, torch.Tensor):
@@ -140,45 +140,60 @@ class GeneratedOps:
             found = (_Move(-1, None, where, ps[0], ps[1], ps[2], where, uneven), _dtensor if dtensor else _lowered)
             self._moves[key] = found
         mv, run = found
-        gshape = exchanged_global_shape(t, mv.src, self.lowerer, mv.where) if mv.uneven else None
-        return run(t, self.lowerer, mv, gshape)
 
-    def all_gather(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+        def go(v: torch.Tensor) -> torch.Tensor:
+            gshape = exchanged_global_shape(v, mv.src, self.lowerer, mv.where) if mv.uneven else None
+            return run(v, self.lowerer, mv, gshape)
+
+        return shared_move(t, mv, fan, self.lowerer, go)
+
+    def all_gather(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                   fan: str | None = None) -> Any:
         """``S(d) -> R`` on one axis: ``all_gather``; ``None`` passes through. Shapes: ``[.., s, ..] -> [.., n*s, ..]``.
+
+        ``fan`` (every operator takes it): the key of a group of sibling modules that move one tensor the same
+        way (:mod:`tplower.nn.fanout`); within one call of their parent the move is made once and shared.
 
         Raises:
             TypeError: ``t`` is neither a tensor nor ``None``.
             TPLowerError: ``src -> dst`` is not an ``all_gather``, or as :func:`tplower.redistribute_local`.
         """
-        return self._move("all_gather", t, src, dst, grad, where, uneven, False)
+        return self._move("all_gather", t, src, dst, grad, where, uneven, False, fan)
 
-    def all_reduce(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def all_reduce(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                   fan: str | None = None) -> Any:
         """``P(op) -> R`` on one axis: ``all_reduce``, shape unchanged (raises as :meth:`all_gather`)."""
-        return self._move("all_reduce", t, src, dst, grad, where, uneven, False)
+        return self._move("all_reduce", t, src, dst, grad, where, uneven, False, fan)
 
-    def reduce_scatter(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def reduce_scatter(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                       fan: str | None = None) -> Any:
         """``P(op) -> S(d)`` on one axis: ``reduce_scatter``, ``[.., L, ..] -> [.., L/n, ..]`` (raises as above)."""
-        return self._move("reduce_scatter", t, src, dst, grad, where, uneven, False)
+        return self._move("reduce_scatter", t, src, dst, grad, where, uneven, False, fan)
 
-    def all_to_all(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def all_to_all(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                   fan: str | None = None) -> Any:
         """``S(i) -> S(j)`` on one axis: ``all_to_all`` (raises as :meth:`all_gather`)."""
-        return self._move("all_to_all", t, src, dst, grad, where, uneven, False)
+        return self._move("all_to_all", t, src, dst, grad, where, uneven, False, fan)
 
-    def chunk(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def chunk(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+              fan: str | None = None) -> Any:
         """``R -> S(d)`` on one axis: this rank's ``torch.chunk`` piece, no communication forward."""
-        return self._move("chunk", t, src, dst, grad, where, uneven, False)
+        return self._move("chunk", t, src, dst, grad, where, uneven, False, fan)
 
-    def identity(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def identity(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                 fan: str | None = None) -> Any:
         """Nothing moves forward; backward moves the gradient ``grad -> src`` (e.g. ``all_reduce``)."""
-        return self._move("identity", t, src, dst, grad, where, uneven, False)
+        return self._move("identity", t, src, dst, grad, where, uneven, False, fan)
 
-    def transition(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def transition(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                   fan: str | None = None) -> Any:
         """Several collectives (several axes move): the program :mod:`tplower.core.transitions` plans."""
-        return self._move("transition", t, src, dst, grad, where, uneven, False)
+        return self._move("transition", t, src, dst, grad, where, uneven, False, fan)
 
-    def dtensor(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False) -> Any:
+    def dtensor(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
+                fan: str | None = None) -> Any:
         """A generic boundary: DTensor's ``redistribute`` runs it, forward and backward."""
-        return self._move("dtensor", t, src, dst, grad, where, uneven, True)
+        return self._move("dtensor", t, src, dst, grad, where, uneven, True, fan)
 
     # ---- parameters and module calls ------------------------------------------------------------
 

@@ -112,11 +112,12 @@ def _wrap(indent: str, head: str, args: list[str]) -> list[str]:
     return [*lines, f"{inner}{line.rstrip(', ')},", f"{indent})"]
 
 
-def _call(var: str, mv: _Move, mode: str, n: Mapping[str, int], indent: str) -> list[str]:
-    """The comment lines and the operator call that move ``var`` by ``mv``."""
+def _call(var: str, mv: _Move, mode: str, n: Mapping[str, int], indent: str, fan: str | None = None) -> list[str]:
+    """The comment lines and the operator call that move ``var`` by ``mv`` (``fan``: its sibling group's key)."""
     op = "dtensor" if mode == "dtensor" else operator_name(mv.src, mv.dst)
     src, dst, grad = (quote(format_placements(p)) for p in (mv.src, mv.dst, mv.grad))
     args = [var, src, dst, f"grad={grad}", f"where={quote(mv.where)}"] + (["uneven=True"] if mv.uneven else [])
+    args += [f"fan={quote(fan)}"] if fan is not None else []
     label = mv.name if not (mv.name.isdigit() or mv.name == "out") or var.startswith("outs[") else var
     lines = [f"{indent}# {c}" for c in move_comment(dataclasses.replace(mv, name=label), n)]
     return [*lines, *_wrap(indent, f"{var} = ops.{op}", args)]
@@ -171,14 +172,15 @@ class Writer:
 
     def _inputs(self) -> list[str]:
         lines: list[str] = []
-        for mv in self.b.ins:
+        for mv, fan in zip(self.b.ins, self.b.fan, strict=True):
             if mv.slot >= 0 or mv.keyword in self.sig.names:
                 var = mv.keyword if mv.keyword in self.sig.names else self.sig.names[mv.slot]
-                lines += _call(var, mv, self.b.info.mode, self.n, "    ")
+                lines += _call(var, mv, self.b.info.mode, self.n, "    ", fan)
             else:  # arrives in **kwargs
                 kw = self.sig.names[-1]
                 key = quote(mv.keyword or mv.name)
-                lines += [f"    if {key} in {kw}:", *_call(f"{kw}[{key}]", mv, self.b.info.mode, self.n, "        ")]
+                lines += [f"    if {key} in {kw}:",
+                          *_call(f"{kw}[{key}]", mv, self.b.info.mode, self.n, "        ", fan)]
         return lines
 
     def _deferred(self) -> str | None:

@@ -26,7 +26,12 @@ from .params import ParamLayout, local_parameter
 from .plans import BoundaryEntry
 from .uneven import exchanged_global_shape
 
-__all__ = ["REPLACED", "InstalledBoundary", "installed_boundary"]
+__all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "shared_move"]
+
+#: The attribute a fan-out parent's call puts on its alias of each tensor argument
+#: (:func:`tplower.nn.fanout.open_fanout`): the input moves already made from that
+#: tensor in this call, as ``((key, version, moved, moved_version), ...)``.
+FANOUT = "_tplower_fanout"
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,35 @@ def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int
     if gshape is None:
         gshape = global_shape_from_local(t.shape, src, lowerer.shape)
     return lowerer.dtensor_redistribute(t, src=src, dst=dst, grad=grad, gshape=gshape)
+
+
+def shared_move(value: Any, mv: _Move, fan: str | None, lowerer: MeshLowerer, run: Callable[[Any], Any]) -> Any:
+    """``run(value)``, or the tensor a sibling's same move already made from ``value`` in this call.
+
+    ``fan`` is the sibling group's key (:mod:`tplower.nn.fanout`); only a
+    fan-out parent's alias of its argument carries the record
+    (:data:`FANOUT`), so sharing never outlives one call of the parent.
+    Sharing is exact: every backward program is linear, so moving the
+    summed gradient once equals summing the moved gradients. Eager checks
+    that neither tensor changed in place since; a ``torch.compile`` trace
+    shares only moves whose forward is the identity (the moved tensor is a
+    view of ``value``, so it cannot go stale). The debug path
+    (``TPLOWER_DEBUG``) never shares: each boundary checks its own move.
+    """
+    made = getattr(value, FANOUT, None) if fan is not None else None
+    if made is None or lowerer.debug:
+        return run(value)
+    tracing = torch.compiler.is_compiling()
+    if tracing and mv.src != mv.dst:
+        return run(value)
+    key = (fan, torch.is_grad_enabled())
+    version = 0 if tracing else value._version
+    for k, ver, moved, moved_ver in made:
+        if k == key and ver == version and (tracing or moved._version == moved_ver):
+            return moved
+    moved = run(value)
+    setattr(value, FANOUT, (*made, (key, version, moved, 0 if tracing else moved._version)))
+    return moved
 
 
 @dataclass(frozen=True)
@@ -115,6 +149,8 @@ class _Boundary:
         self.entry: BoundaryEntry | None = None
         self.axis = ""
         self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
+        #: per input move, the key of the sibling group that shares it (:mod:`tplower.nn.fanout`), or ``None``
+        self.fan: tuple[str | None, ...] = (None,) * len(ins)
 
     def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
         """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
@@ -141,13 +177,16 @@ class _Boundary:
         gshape = exchanged_global_shape(value, mv.src, self.lowerer, mv.where) if mv.uneven else None
         return self.move(value, self.lowerer, mv, gshape)
 
+    def _move_in(self, value: Any, mv: _Move, fan: str | None) -> Any:
+        return shared_move(value, mv, fan, self.lowerer, lambda v: self._apply(v, mv))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args_l = list(args)
-        for mv in self.ins:
+        for mv, fan in zip(self.ins, self.fan, strict=True):
             if mv.keyword is not None and mv.keyword in kwargs:
-                kwargs[mv.keyword] = self._apply(kwargs[mv.keyword], mv)
+                kwargs[mv.keyword] = self._move_in(kwargs[mv.keyword], mv, fan)
             elif 0 <= mv.slot < len(args_l):
-                args_l[mv.slot] = self._apply(args_l[mv.slot], mv)
+                args_l[mv.slot] = self._move_in(args_l[mv.slot], mv, fan)
         mine = self._mask_ids(args_l, kwargs) if self.lookup is not None else None
         params = self.owner._parameters
         saved = {name: params[name] for name, _ in self.params}

@@ -73,6 +73,7 @@ from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _
 from .coverage import COVER_MODES, install_coverage
 from .derive import derive_plan
 from .experts import ExpertDispatch
+from .fanout import link_fanouts
 from .full_state import patch_save_pretrained, register_full_load
 from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
@@ -494,6 +495,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         if isinstance(module.__dict__.get("forward"), _Boundary) or REPLACED in module.__dict__:
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         _install(module, qual, entries[qual], lowerer, axis, seen, getattr(model, "config", None))
+    link_fanouts(modules)  # siblings that read one tensor (q, k, v; gate, up) share its move
     watch_registrations(_install_adapter)
     for qual, module in modules.items():  # adapters added before parallelize: placed from their base's entry
         if is_lora_layer(module):
