@@ -237,7 +237,8 @@ def _shard_and_record(rank: int, world: int) -> dict[str, object]:
     return {"heads": attn.num_attention_heads, "all_head_size": attn.all_head_size,
             "query": tuple(attn.query.weight.to_local().shape), "query_global": tuple(attn.query.weight.shape),
             "dense": tuple(model.encoder.layer[0].output.dense.weight.to_local().shape),
-            "rows": [(r.side, r.forward, r.backward, r.fwd_bytes, r.bwd_bytes, r.shape) for r in log.rows()],
+            "rows": [(r.side, r.forward, r.backward, r.fwd_bytes, r.bwd_bytes, r.shape, r.module, r.shared_with)
+                     for r in log.rows()],
             "tokens": tuple(batch["input_ids"].shape)}
 
 
@@ -252,8 +253,12 @@ def test_tplower_path_shards_localizes_heads_and_records_bytes() -> None:
     full = b * t * 384 * 4  # one float32 activation [B, T, 384]; a ring all_reduce on 2 ranks sends all of it
     rows = out["rows"]
     assert isinstance(rows, list) and len(rows) == 36
-    assert {r[:5] for r in rows} == {("input", "identity", "all_reduce(op=sum)", 0, full),
-                                     ("output", "all_reduce(op=sum)", "identity", full, 0)}
+    # key and value take query's move of the same tensor (tplower.nn.fanout): their bytes are counted there
+    shared = [r for r in rows if r[7] is not None]
+    assert len(shared) == 12 and {r[6].rpartition(".")[2] for r in shared} == {"key", "value"}  # 6 layers
+    assert all(r[7].endswith(".query") and r[3:5] == (0, 0) for r in shared)
+    assert {r[:5] for r in rows if r[7] is None} == {("input", "identity", "all_reduce(op=sum)", 0, full),
+                                                     ("output", "all_reduce(op=sum)", "identity", full, 0)}
 
 
 def test_a_checkpoint_reload_beyond_the_tolerance_fails_the_verdict() -> None:

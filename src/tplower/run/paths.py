@@ -26,6 +26,7 @@ from ..core.placements import format_placement
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import global_shape_from_local, plan_transition
 from ..nn.boundaries import BoundaryOp, parse_spec
+from ..nn.boundary_runtime import REPLACED, _Boundary
 from ..nn.parallelize import installed_boundary, parallelize
 from ..nn.plans import PlanValue, match_plan, resolve_entry
 from .config import DTENSOR_STYLES, RunError
@@ -44,7 +45,9 @@ class BoundaryRecord:
 
     ``fwd_bytes``/``bwd_bytes`` are bytes this rank sends in that forward /
     backward call, at the local shape ``shape`` the transition met
-    (``-1`` when the tensor could not be found in the call).
+    (``-1`` when the tensor could not be found in the call). ``shared_with``:
+    the sibling whose move of the same tensor this input takes
+    (:mod:`tplower.nn.fanout`); its bytes are then 0, counted once there.
     """
 
     module: str
@@ -57,6 +60,7 @@ class BoundaryRecord:
     fwd_bytes: int
     bwd_bytes: int
     shape: tuple[int, ...]
+    shared_with: str | None = None
 
 
 @dataclass
@@ -64,6 +68,8 @@ class BoundaryLog:
     """Every boundary tplower installed, filled in on each boundary's first call."""
 
     records: dict[tuple[str, str], BoundaryRecord] = field(default_factory=dict)
+    #: each shared move's group key (:mod:`tplower.nn.fanout`) and the module that made it first
+    movers: dict[str, str] = field(default_factory=dict)
 
     def rows(self) -> list[BoundaryRecord]:
         """Records in call order."""
@@ -103,6 +109,10 @@ class _Recorder:
         info = installed_boundary(module)
         if info is None:
             return
+        boundary = module.__dict__.get("forward")
+        boundary = boundary if isinstance(boundary, _Boundary) else module.__dict__.get(REPLACED)
+        fans = dict(zip((mv.name for mv in boundary.ins), boundary.fan, strict=True)) \
+            if isinstance(boundary, _Boundary) else {}
         i = self.axis
         for side, ops in (("in", info.form.inputs), ("out", info.form.outputs)):
             for op in ops:
@@ -111,12 +121,17 @@ class _Recorder:
                 t = _tensor_of(op.name, args, kwargs, output, side)
                 where = {"in": "input", "out": "output"}[side] + ("" if op.name in ("0", "out") else f" {op.name}")
                 fb = _bytes(op, t, side, self.lowerer) if isinstance(t, torch.Tensor) else (-1, -1)
+                fan = fans.get(op.name) if side == "in" else None
+                first = self.log.movers.setdefault(fan, self.qual) if fan is not None else self.qual
+                shared = first if first != self.qual else None
+                if shared is not None:
+                    fb = (0, 0)
                 self.log.records.setdefault((self.qual, where), BoundaryRecord(
                     module=self.qual, pattern=self.pattern, form=info.form.form, side=where,
                     transition=f"{format_placement(op.src[i])}->{format_placement(op.dst[i])} "
                                f"grad {format_placement(op.grad[i])}",
                     forward=op.forward, backward=op.backward, fwd_bytes=fb[0], bwd_bytes=fb[1],
-                    shape=tuple(t.shape) if isinstance(t, torch.Tensor) else ()))
+                    shape=tuple(t.shape) if isinstance(t, torch.Tensor) else (), shared_with=shared))
         self.handle.remove()
 
 

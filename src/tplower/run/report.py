@@ -41,13 +41,20 @@ def _bytes(n: int) -> str:
 
 def boundary_table(rows: list[Mapping[str, Any]]) -> list[str]:
     """Boundary rows grouped by plan pattern: module, form, forward op, backward op, bytes per rank per call."""
-    grouped: dict[tuple[str, str], dict[str, Any]] = {}
+    grouped: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for r in rows:
-        g = grouped.setdefault((r["pattern"], r["side"]), dict(r, count=0))
+        shared = r.get("shared_with") is not None
+        g = grouped.setdefault((r["pattern"], r["side"], shared), dict(r, count=0))
         g["count"] += 1
     head = ("module (plan key)", "form", "tp transition", "forward op", "backward op", "bytes/rank fwd+bwd")
+
+    def moved(g: Mapping[str, Any]) -> str:
+        if g.get("shared_with") is not None:  # a sibling's move of the same tensor: tplower.nn.fanout
+            return f"shared with {g['shared_with'].rpartition('.')[2]}'s move"
+        return f"{_bytes(g['fwd_bytes'])} + {_bytes(g['bwd_bytes'])}"
+
     body = [(f"{g['pattern']} [{g['side']}] x{g['count']}", g["form"], g["transition"], g["forward"], g["backward"],
-             f"{_bytes(g['fwd_bytes'])} + {_bytes(g['bwd_bytes'])}") for g in grouped.values()]
+             moved(g)) for g in grouped.values()]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]
