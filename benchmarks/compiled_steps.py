@@ -10,7 +10,7 @@ same plan, each eager and ``torch.compile``'d (``fullgraph=True``). After a
 tiny compile that starts the backend, the first two compiled train steps are
 timed on their own (compile, then any recompile; inductor's on-disk caches
 are as earlier runs left them); then ``--rounds`` rounds time every copy's forward (no grad) and
-AdamW train step in turn, each after a barrier; the slower rank's median
+AdamW train step in turn (in reverse order every other round), each after a barrier; the slower rank's median
 counts. The table gives per run and the median over runs the ratio
 tplower / ``parallelize_module``.
 """
@@ -84,8 +84,8 @@ def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> 
     for name in ("tplower", "dtensor"):
         timed(step(name)), timed(forward(name))
     samples: dict[str, dict[str, list[float]]] = {k: {"step": [], "forward": []} for k in models}
-    for _ in range(rounds):
-        for name in models:
+    for r in range(rounds):
+        for name in list(models) if r % 2 == 0 else list(models)[::-1]:  # no copy always first after the barrier
             samples[name]["step"].append(timed(step(name)))
             samples[name]["forward"].append(timed(forward(name)))
     return {"first": first, "median": {k: {w: statistics.median(v) * 1e3 for w, v in d.items()}

@@ -145,7 +145,8 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     With ``compile_backend`` (e.g. ``"inductor"``), also ``tplower_compiled``
     and ``dtensor_compiled``: ``torch.compile`` of those two copies (sharing
     their parameters and optimizers), timed in the same rounds; the warm-up
-    round compiles them.
+    round compiles them. Each round runs the copies in turn, in the reverse
+    order every other round.
 
     Rows: ``model``, ``tp``, ``variant``, ``forward_ms`` and
     ``train_step_ms`` (medians) and their samples.
@@ -197,7 +198,9 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
 
     samples: dict[str, dict[str, list[float]]] = {k: {"forward": [], "step": []} for k in models}
     for r in range(warmup + rounds):
-        for key in models:
+        # the order turns round every round: what runs first after the barrier pays for it (measured: a compiled
+        # forward first of a pair took 5% longer than the same forward second), so no copy always goes first
+        for key in list(models) if r % 2 == 0 else list(models)[::-1]:
             for what, fn in (("forward", forward(key)), ("step", step(key))):
                 dist.barrier()
                 t0 = time.perf_counter()
