@@ -38,8 +38,15 @@ __all__ = ["RestParams", "place_rest"]
 
 @dataclass
 class _Slot:
-    """One parameter of one module that a swap replaces by its local view (``layout`` changes on a decision)."""
+    """One parameter of one module that a swap replaces by its local view (``layout`` changes on a decision).
 
+    ``child``: the hooked module's direct child that owns the parameter, or ``None`` for the hooked module
+    itself. The owner is looked up by that name from the hook's own ``module`` argument, the path the
+    model's code takes, so under ``torch.compile`` no guard has to prove two paths reach one object;
+    ``owner`` is used only where the child was replaced since (a wrapper around it).
+    """
+
+    child: str | None
     owner: nn.Module
     name: str
     key: int  # id of the DTensor parameter (shared by tied slots)
@@ -75,15 +82,18 @@ class _Swap:
         swapped: list[tuple[nn.Module, str, Any]] = []
         watch = self.rest.watch
         for slot in self.slots:
-            p = slot.owner._parameters.get(slot.name)
+            owner = module if slot.child is None else module._modules.get(slot.child)
+            if owner is None or slot.name not in owner._parameters:  # the child was wrapped since
+                owner = slot.owner
+            p = owner._parameters.get(slot.name)
             if isinstance(p, DTensor):  # not already local inside an outer call's swap
                 view = local_parameter(p, slot.layout)
                 if watch is not None:
                     if slot.layout.grad is None and torch.is_grad_enabled() and p.requires_grad:
                         view = _Deferred.apply(view, self.rest, slot.key)
                     watch(view, slot.key)
-                slot.owner._parameters[slot.name] = view  # type: ignore[assignment]
-                swapped.append((slot.owner, slot.name, p))
+                owner._parameters[slot.name] = view  # type: ignore[assignment]
+                swapped.append((owner, slot.name, p))
         self.stack.append(swapped)
 
     def post(self, module: nn.Module, args: Any, out: Any) -> None:
@@ -156,7 +166,7 @@ def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> Re
             rest.layouts.setdefault(id(new), layout)
             parent = modules[qual.rpartition(".")[0]] if qual else module
             for user in dict.fromkeys((module, parent)):
-                slot = _Slot(module, name, id(new), layout)
+                slot = _Slot(None if user is module else qual.rpartition(".")[2], module, name, id(new), layout)
                 swap_of(user).slots.append(slot)
                 rest.slots.append(slot)
     for module, swap in swaps.values():
