@@ -21,6 +21,7 @@ the decision before its backward runs (:class:`_Deferred`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,8 @@ class _Swap:
 
     def pre(self, module: nn.Module, args: Any) -> None:
         swapped: list[tuple[nn.Module, str, Any]] = []
-        watch = self.rest.watch
+        # the coverage probe never runs traced (it starts eagerly only), and reading it there costs guards
+        watch = None if torch.compiler.is_compiling() else self.rest.watch
         for slot in self.slots:
             owner = module if slot.child is None else module._modules.get(slot.child)
             if owner is None or slot.name not in owner._parameters:  # the child was wrapped since
@@ -166,7 +168,9 @@ def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> Re
             rest.layouts.setdefault(id(new), layout)
             parent = modules[qual.rpartition(".")[0]] if qual else module
             for user in dict.fromkeys((module, parent)):
-                slot = _Slot(None if user is module else qual.rpartition(".")[2], module, name, id(new), layout)
+                # a layout per slot: one object reached from every slot would be guarded as an alias of each
+                slot = _Slot(None if user is module else qual.rpartition(".")[2], module, name, id(new),
+                             copy.copy(layout))
                 swap_of(user).slots.append(slot)
                 rest.slots.append(slot)
     for module, swap in swaps.values():
