@@ -2,6 +2,7 @@
 
     python benchmarks/compiled_steps.py                          # llama-tiny and MiniLM, inductor, 3 runs
     python benchmarks/compiled_steps.py --models llama-tiny --runs 1 --rounds 10
+    python benchmarks/compiled_steps.py --first-compile --runs 2     # time to the first compiled step, fairly
 
 Each run spawns 2 fresh gloo ranks (a cold process: empty caches) that build
 the model four times: tplower (:func:`tplower.parallelize`, ``"auto"`` for
@@ -12,7 +13,10 @@ timed on their own (compile, then any recompile; inductor's on-disk caches
 are as earlier runs left them); then ``--rounds`` rounds time every copy's forward (no grad) and
 AdamW train step in turn (in reverse order every other round), each after a barrier; the slower rank's median
 counts. The table gives per run and the median over runs the ratio
-tplower / ``parallelize_module``.
+tplower / ``parallelize_module``. In that table the first compiled steps are
+not a fair race: the first copy compiled in a process warms what the second
+reuses. ``--first-compile`` times them fairly: each library alone in fresh
+processes with an empty inductor cache, the two taking turns to go first.
 """
 
 from __future__ import annotations
@@ -92,6 +96,63 @@ def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> 
                                        for k, d in samples.items()}}
 
 
+def _first_rank(rank: int, world: int, model_name: str, which: str, backend: str) -> list[float]:
+    """One library alone in a fresh process: seconds of the first and second compiled AdamW train steps."""
+    import tplower
+    from tplower.conformance import quiet_dtensor_logs
+    from tplower.run.models import load_model, model_spec, sentences
+    from tplower.run.paths import parallelize_dtensor
+    from tplower.run.tasks import make_batch, training_loss
+
+    quiet_dtensor_logs()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    spec = model_spec(model_name)
+    model, tok = load_model(model_name)
+    if which == "tplower":
+        tplower.parallelize(model, mesh, "auto" if model_name == "llama-tiny" else spec.plan)
+    else:
+        parallelize_dtensor(model, mesh, spec.plan)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = make_batch(model_name, tok, sentences()[:16])
+    torch.compile(lambda t: (t * 2).sum(), backend=backend)(torch.ones(3, requires_grad=True)).backward()
+    times = []
+    for _ in range(2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        training_loss(spec.task, compiled, batch).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def first_compile(models: list[str], runs: int, backend: str) -> None:
+    """Print the first two compiled steps of each library, each alone in fresh processes with an empty cache.
+
+    The libraries take turns going first, run by run; every spawn gets its own empty inductor cache
+    (``TORCHINDUCTOR_CACHE_DIR``), so neither reuses the other's (or an earlier run's) compiled kernels.
+    """
+    import tempfile
+
+    for m in models:
+        rows: dict[str, list[list[float]]] = {"tplower": [], "dtensor": []}
+        for run in range(runs):
+            for which in ("tplower", "dtensor") if run % 2 == 0 else ("dtensor", "tplower"):
+                with tempfile.TemporaryDirectory(prefix="tplower-inductor-") as cache:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+                    ranks = run_processes(2, _first_rank, m, which, backend, timeout=1800)
+                    del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+                rows[which].append([max(r[i] for r in ranks) for i in range(2)])
+        print(f"\n{m}, tp=2 gloo, {backend}, each library alone, fresh processes and cache (slower rank, s)")
+        print("| step | " + " | ".join(f"run {i + 1}" for i in range(runs)) + " |")
+        print("|---|" + "---|" * runs)
+        for i, label in enumerate(("first compiled step (compile)", "second compiled step")):
+            cells = [f"{a[i]:.2f} / {b[i]:.2f} s = {a[i] / b[i]:.2f}"
+                     for a, b in zip(rows["tplower"], rows["dtensor"], strict=True)]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     """Run, print one table per model."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,9 +160,15 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="fresh spawns per model (default 3)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds per run (default 10)")
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--first-compile", action="store_true",
+                   help="only the first two compiled steps, each library alone in fresh processes with an empty "
+                        "inductor cache, taking turns to go first")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     models = args.models.split(",")
+    if args.first_compile:
+        first_compile(models, args.runs, args.backend)
+        return
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in models}
     for _ in range(args.runs):  # interleaved: run k of every model before run k + 1
         for m in models:
