@@ -57,8 +57,18 @@ def _check(results: list[list[tuple[float, float]]], dtype: torch.dtype) -> None
             assert loss <= loss_tol and grad <= grad_tol, (opts, loss, grad)
 
 
-def test_matches_cross_entropy_on_two_gloo_ranks() -> None:
-    _check(run_processes(2, _body, 257, torch.float32), torch.float32)
+def _gloo(rank: int, world: int) -> dict[str, Any]:
+    """Both gloo checks in one spawn (starting two processes costs more than either check)."""
+    return {"body": _body(rank, world, 257, torch.float32), "llama": _llama_loss(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks() -> list[dict[str, Any]]:
+    return run_processes(2, _gloo)
+
+
+def test_matches_cross_entropy_on_two_gloo_ranks(gloo_ranks: list[dict[str, Any]]) -> None:
+    _check([r["body"] for r in gloo_ranks], torch.float32)
 
 
 @pytest.mark.parametrize("world,vocab", [(3, 257), (4, 257), (4, 5), (3, 2)])
@@ -120,7 +130,7 @@ def _llama_loss(rank: int, world: int) -> dict[str, float]:
     return {"loss": abs(float(got) - float(want)), "grad": grad, "local_vocab": float(logits.shape[-1])}
 
 
-def test_llama_loss_on_vocabulary_shards_equals_transformers_loss() -> None:
-    for rank, r in enumerate(run_processes(2, _llama_loss)):
+def test_llama_loss_on_vocabulary_shards_equals_transformers_loss(gloo_ranks: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(r["llama"] for r in gloo_ranks):
         assert r["local_vocab"] == (129, 128)[rank]  # the whole logits never exist on a rank
         assert r["loss"] <= 1e-6 and r["grad"] <= 1e-6, r
