@@ -10,7 +10,8 @@ Built on :mod:`tplower.core` only; the code generator (:mod:`tplower.codegen`) a
   boundary forms, the installed forward and the bare operators (``TPOperators``).
 * :mod:`~tplower.nn.parallelize`, :mod:`~tplower.nn.params`, :mod:`~tplower.nn.install_params`,
   :mod:`~tplower.nn.rest_params`, :mod:`~tplower.nn.uneven`, :mod:`~tplower.nn.experts`: install a plan
-  (DTensor parameters, lowered boundaries, uneven activations, expert dispatch).
+  (DTensor parameters, lowered boundaries, uneven activations, expert dispatch);
+  :mod:`~tplower.nn.fanout`: siblings that read one tensor share its move.
 * :mod:`~tplower.nn.coverage`: every parameter covered (a whole one used on sharded activations).
 * :mod:`~tplower.nn.full_state`, :mod:`~tplower.nn.loading`, :mod:`~tplower.nn.packed_checkpoint`,
   :mod:`~tplower.nn.lora`, :mod:`~tplower.nn.lora_init`: whole state dicts (``save_pretrained`` of
