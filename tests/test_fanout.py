@@ -15,8 +15,10 @@ the shared move saves collectives; counted by hand:
 
 Values and every gradient (input included) equal one process; the user's
 tensor carries nothing afterwards; a tensor changed in place between two
-siblings is moved again; under ``torch.compile`` the backward graph holds
-one all_reduce per shared input.
+siblings is moved again; under ``torch.inference_mode`` (no version
+counters) the identity moves are shared and the sequence-parallel gathers
+each made (5); under ``torch.compile`` the backward graph holds one
+all_reduce per shared input.
 """
 
 from __future__ import annotations
@@ -127,6 +129,21 @@ def _mutating(mesh: Any, rank: int, world: int) -> float:
     return (got - want).abs().max().item()
 
 
+def _inference(mesh: Any, rank: int, world: int) -> dict[str, Any]:
+    """``torch.inference_mode`` (no version counters): identity moves shared, the SP gathers each made."""
+    ref = _net()
+    out = {}
+    for name, plan in (("plain", PLAIN), ("sp", SP)):
+        model = tplower.parallelize(copy.deepcopy(ref), mesh, plan)
+        x = _x() if name == "plain" else _x().chunk(world, 1)[rank]
+        with torch.inference_mode(), CollectiveTraffic() as traffic:
+            got = model(x)
+        want = ref(_x()).detach()
+        want = want if name == "plain" else want.chunk(world, 1)[rank]
+        out[name] = ((got - want).abs().max().item(), dict(traffic.counts))
+    return out
+
+
 def _alone(mesh: Any, rank: int, world: int) -> dict[str, int]:
     """A sibling called on its own, twice on one tensor: no parent call, nothing shared."""
     model = tplower.parallelize(_net(), mesh, SP)
@@ -159,6 +176,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     return {"plain": _eager(mesh, rank, world, False), "sp": _eager(mesh, rank, world, True),
             "mutating": _mutating(mesh, rank, world), "alone": _alone(mesh, rank, world),
+            "inference": _inference(mesh, rank, world),
             "compiled": _compiled(mesh)}
 
 
@@ -172,5 +190,8 @@ def test_siblings_share_one_move_eager_and_compiled_as_one_process() -> None:
         assert sp["counts"].get("all_gather") == 4 and sp["counts"].get("reduce_scatter") == 4, sp["counts"]
         assert res["mutating"] < 1e-5
         assert res["alone"].get("all_gather") == 2, res["alone"]
+        (plain_diff, plain_counts), (sp_diff, sp_counts) = res["inference"]["plain"], res["inference"]["sp"]
+        assert plain_diff < 1e-5 and sp_diff < 1e-5, res["inference"]
+        assert plain_counts.get("all_reduce") == 2 and sp_counts.get("all_gather") == 5, res["inference"]
         assert comp["grads"] < 1e-5 and comp["input_grad"] < 1e-5, comp
         assert (comp["forward_all_reduce"], comp["backward_all_reduce"]) == (2, 2), comp

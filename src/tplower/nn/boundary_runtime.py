@@ -71,24 +71,28 @@ def shared_move(value: Any, mv: _Move, fan: str | None, lowerer: MeshLowerer, ru
     (:data:`FANOUT`), so sharing never outlives one call of the parent.
     Sharing is exact: every backward program is linear, so moving the
     summed gradient once equals summing the moved gradients. Eager checks
-    that neither tensor changed in place since; a ``torch.compile`` trace
-    shares only moves whose forward is the identity (the moved tensor is a
-    view of ``value``, so it cannot go stale). The debug path
-    (``TPLOWER_DEBUG``) never shares: each boundary checks its own move.
+    that neither tensor changed in place since (by their version counters,
+    which autograd's own checks use: a write through ``.data`` is not
+    seen). Where there is no version counter (a ``torch.compile`` trace,
+    ``torch.inference_mode``) only moves whose forward is the identity are
+    shared (the moved tensor is a view of ``value``, so it cannot go
+    stale). The debug path (``TPLOWER_DEBUG``) never shares: each boundary
+    checks its own move.
     """
     made = getattr(value, FANOUT, None) if fan is not None else None
     if made is None or lowerer.debug:
         return run(value)
-    tracing = torch.compiler.is_compiling()
-    if tracing and mv.src != mv.dst:
+    # no version counter to read: a trace, and inference tensors (torch.inference_mode)
+    untracked = torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or value.is_inference()
+    if untracked and mv.src != mv.dst:
         return run(value)
     key = (fan, torch.is_grad_enabled())
-    version = 0 if tracing else value._version
+    version = 0 if untracked else value._version
     for k, ver, moved, moved_ver in made:
-        if k == key and ver == version and (tracing or moved._version == moved_ver):
+        if k == key and ver == version and (untracked or moved._version == moved_ver):
             return moved
     moved = run(value)
-    setattr(value, FANOUT, (*made, (key, version, moved, 0 if tracing else moved._version)))
+    setattr(value, FANOUT, (*made, (key, version, moved, 0 if untracked else moved._version)))
     return moved
 
 

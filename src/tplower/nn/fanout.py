@@ -26,7 +26,8 @@ never carries it.
 Left unshared: boundaries on DTensor (``mode="dtensor"``), inputs named
 ``uneven`` (their sizes are exchanged per call), the debug path
 (``TPLOWER_DEBUG``: each boundary checks its own move), and, inside a
-``torch.compile`` trace, moves whose forward is not the identity.
+``torch.compile`` trace or under ``torch.inference_mode`` (no version
+counters), moves whose forward is not the identity.
 """
 
 from __future__ import annotations
