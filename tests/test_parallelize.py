@@ -283,6 +283,14 @@ def _edges_body(rank: int, world: int) -> list[str]:
         parallelize(MLP(), mesh, {"down": "local_rowwise"})
     uneven = parallelize(nn.Linear(D, 3), mesh, {"": "colwise"})  # 3 outputs on 2 ranks: torch.chunk's 2 + 1
     assert uneven.weight.to_local().shape[0] == (2, 1)[rank] and uneven.weight.shape[0] == 3
+    # copy.deepcopy of a parallelized model (as of parallelize_module's): its own parameters, the same groups
+    ref = _make(MLP)
+    x, g = _seeded(1, B, T, D), _seeded(2, B, T, D)
+    twin = copy.deepcopy(parallelize(copy.deepcopy(ref), mesh, PLANS["mlp"]))
+    want_out, want_grad = _run(ref, x, g)
+    got_out, got_grad = _run(twin, x, g)
+    torch.testing.assert_close(got_out, want_out, **TOL)
+    torch.testing.assert_close(got_grad, want_grad, **TOL)
     return out
 
 

@@ -149,6 +149,14 @@ class MeshLowerer:
         self.debug: bool = debug_enabled()
         teardown.track(self)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> MeshLowerer:
+        """This lowerer itself: it stands for the live process groups of one mesh, which a copied model shares.
+
+        ``copy.deepcopy`` of a parallelized model then works as for ``parallelize_module``'s (a DTensor's
+        copy shares its mesh's groups too); process groups cannot be copied.
+        """
+        return self
+
     @property
     def groups(self) -> tuple[ProcessGroup, ...]:
         """The process group of each mesh axis.
