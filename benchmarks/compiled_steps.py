@@ -35,11 +35,28 @@ from torch.distributed.device_mesh import init_device_mesh
 from tplower.testing import run_processes
 
 
-def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> dict[str, Any]:
+def build(model_name: str, mesh: Any, variant: str) -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)``: ``model_name`` parallelized by ``variant`` on ``mesh``'s ``tp`` axis.
+
+    ``tplower``: :func:`tplower.parallelize` (``"auto"`` for llama-tiny, else the model's shipped plan);
+    ``dtensor``: ``parallelize_module`` on the same plan (:func:`tplower.run.paths.parallelize_dtensor`).
+    """
     import tplower
-    from tplower.conformance import quiet_dtensor_logs
-    from tplower.run.models import load_model, model_spec, sentences
+    from tplower.run.models import load_model, model_spec
     from tplower.run.paths import parallelize_dtensor
+
+    spec = model_spec(model_name)
+    model, tok = load_model(model_name)
+    if variant == "tplower":
+        tplower.parallelize(model, mesh, "auto" if model_name == "llama-tiny" else spec.plan)
+    else:
+        parallelize_dtensor(model, mesh, spec.plan)
+    return model, tok
+
+
+def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> dict[str, Any]:
+    from tplower.conformance import quiet_dtensor_logs
+    from tplower.run.models import model_spec, sentences
     from tplower.run.tasks import make_batch, model_output, training_loss
 
     quiet_dtensor_logs()
@@ -48,11 +65,7 @@ def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> 
     models: dict[str, Any] = {}
     for key in ("tplower", "dtensor"):
         for compiled in (False, True):
-            model, tok = load_model(model_name)
-            if key == "tplower":
-                tplower.parallelize(model, mesh, "auto" if model_name == "llama-tiny" else spec.plan)
-            else:
-                parallelize_dtensor(model, mesh, spec.plan)
+            model, tok = build(model_name, mesh, key)
             name = f"{key}_compiled" if compiled else key
             models[name] = (torch.compile(model, backend=backend, fullgraph=True) if compiled else model,
                             torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -98,20 +111,14 @@ def _rank(rank: int, world: int, model_name: str, rounds: int, backend: str) -> 
 
 def _first_rank(rank: int, world: int, model_name: str, which: str, backend: str) -> list[float]:
     """One library alone in a fresh process: seconds of the first and second compiled AdamW train steps."""
-    import tplower
     from tplower.conformance import quiet_dtensor_logs
-    from tplower.run.models import load_model, model_spec, sentences
-    from tplower.run.paths import parallelize_dtensor
+    from tplower.run.models import model_spec, sentences
     from tplower.run.tasks import make_batch, training_loss
 
     quiet_dtensor_logs()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     spec = model_spec(model_name)
-    model, tok = load_model(model_name)
-    if which == "tplower":
-        tplower.parallelize(model, mesh, "auto" if model_name == "llama-tiny" else spec.plan)
-    else:
-        parallelize_dtensor(model, mesh, spec.plan)
+    model, tok = build(model_name, mesh, which)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = make_batch(model_name, tok, sentences()[:16])

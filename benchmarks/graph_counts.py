@@ -38,19 +38,15 @@ CATEGORIES = ("collective", "wait", "copy", "view", "other")
 
 def _variant_graphs(name: str, model_name: str, variant: str, inductor: bool) -> dict[str, Any]:
     """Compile and run one train step of ``variant`` (``tplower`` or ``dtensor``); its graphs' counts."""
-    import tplower
-    from tplower.run.models import load_model, model_spec, sentences
-    from tplower.run.paths import parallelize_dtensor
+    from compiled_steps import build  # the sibling script (this folder is on sys.path when run)
+
+    from tplower.run.models import model_spec, sentences
     from tplower.run.tasks import make_batch, training_loss
 
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     spec = model_spec(model_name)
-    model, tok = load_model(model_name)
-    if variant == "tplower":
-        tplower.parallelize(model, mesh, "auto" if model_name == "llama-tiny" else spec.plan)
-    else:
-        parallelize_dtensor(model, mesh, spec.plan)
+    model, tok = build(model_name, mesh, variant)
     batch = make_batch(model_name, tok, sentences()[:8])
 
     def loss_of() -> torch.Tensor:
