@@ -109,9 +109,13 @@ def _body(rank: int, world: int, ref: nn.Module, mixed: nn.Module, x: torch.Tens
     out["mixed"] = _refusal(mixed, mesh, x)
     # a first forward without gradients probes nothing; the next one with gradients does
     tp = tplower.parallelize(copy.deepcopy(ref), mesh, PLAN, cover="refuse")
+    hooks = [len(tp.up._forward_hooks) + len(tp.down._forward_hooks)]
     with torch.no_grad():
         tp(x)
+    hooks.append(len(tp.up._forward_hooks) + len(tp.down._forward_hooks))
     out["no_grad_then"] = _refusal_after(tp, x)
+    hooks.append(len(tp.up._forward_hooks) + len(tp.down._forward_hooks))
+    out["boundary_hooks"] = hooks
     return out
 
 
@@ -161,6 +165,12 @@ def test_sharded_and_whole_uses_are_refused(results: list[dict[str, Any]]) -> No
 def test_a_no_grad_forward_leaves_the_probe_armed(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["no_grad_then"] is not None and "'alpha'" in r["no_grad_then"]
+
+
+def test_boundaries_carry_no_hook_between_calls(results: list[dict[str, Any]]) -> None:
+    # the probe hooks the boundaries only while it runs, so a compiled model (never probed) traces none
+    for r in results:
+        assert r["boundary_hooks"] == [0, 0, 0], r["boundary_hooks"]
 
 
 def test_cover_mode_is_checked(results: list[dict[str, Any]]) -> None:

@@ -121,6 +121,7 @@ class Coverage:
         self.done = False
         self.mode: _Follow | None = None
         self.handles: list[Any] = []
+        self.taggers: list[Any] = []  # the boundaries' hooks, only while a forward is probed
         if rest is not None:
             self.names = dict(rest.names)
             self.trainable = {k for k, p in rest.params.items() if p.requires_grad}
@@ -135,15 +136,21 @@ class Coverage:
     # ---- probe lifetime -------------------------------------------------------------------------------
 
     def arm(self) -> None:
-        """Register the hooks: the model's (start and decide), each boundary's (tag its outputs)."""
+        """Register the model's hooks (start and decide); each boundary's tagger is added per probed forward.
+
+        Only the two root hooks stay between calls: under ``torch.compile`` (which never probes) a tagger on
+        every boundary would be traced into each call, with guards on its closure.
+        """
         self.handles.append(self.model.register_forward_pre_hook(self._start, prepend=True))  # before the swaps
         self.handles.append(self.model.register_forward_hook(self._finish, always_call=True))
+
+    def _add_taggers(self) -> None:
+        """Hook every boundary (its outputs are activations, not parameters') for the forward about to run."""
         for module in self.model.modules():
             boundary = module.__dict__.get("forward")
             boundary = boundary if isinstance(boundary, _Boundary) else module.__dict__.get(REPLACED)
-            if isinstance(boundary, _Boundary):  # every boundary: its outputs are activations, not parameters'
-                tags = self._boundary_tags(boundary)
-                self.handles.append(module.register_forward_hook(self._tagger(tags)))
+            if isinstance(boundary, _Boundary):
+                self.taggers.append(module.register_forward_hook(self._tagger(self._boundary_tags(boundary))))
 
     def _boundary_tags(self, boundary: _Boundary) -> dict[int, str | None]:
         slots = {mv.name: mv.slot for mv in boundary.outs}
@@ -180,6 +187,7 @@ class Coverage:
                 for p in module._parameters.values():
                     if p is not None and id(p) in self.names:
                         self._see(p, id(p))
+        self._add_taggers()
         self.mode = _Follow(self)
         self.mode.__enter__()
 
@@ -192,6 +200,9 @@ class Coverage:
             return
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
+        for handle in self.taggers:
+            handle.remove()
+        self.taggers.clear()
         if self.rest is not None:
             self.rest.watch = None
         self.views.clear()
