@@ -145,8 +145,15 @@ class Coverage:
         self.handles.append(self.model.register_forward_hook(self._finish, always_call=True))
 
     def _add_taggers(self) -> None:
-        """Hook every boundary (its outputs are activations, not parameters') for the forward about to run."""
+        """Hook every boundary (its outputs are activations, not parameters') for the forward about to run.
+
+        Not the model itself: its forward hooks run after :meth:`_finish` has decided, and :meth:`_finish`,
+        which removes these hooks, may run while ``nn.Module`` iterates the model's own hooks (the
+        ``always_call`` pass after an exception).
+        """
         for module in self.model.modules():
+            if module is self.model:
+                continue
             boundary = module.__dict__.get("forward")
             boundary = boundary if isinstance(boundary, _Boundary) else module.__dict__.get(REPLACED)
             if isinstance(boundary, _Boundary):
