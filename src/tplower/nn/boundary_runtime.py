@@ -10,8 +10,11 @@ reads back what was installed (:class:`InstalledBoundary`).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from types import MethodType
 from typing import Any
 
 import torch
@@ -19,7 +22,7 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
-from ..core.redistribute import MeshLowerer
+from ..core.redistribute import _TRACED, MeshLowerer, _slot
 from ..core.transitions import global_shape_from_local
 from .boundaries import BoundaryForm, Placements
 from .params import ParamLayout, local_parameter
@@ -126,6 +129,64 @@ class InstalledBoundary:
     deferred_bias: str | None
 
 
+@dataclass(frozen=True)
+class _Static:
+    """What one call of a boundary reads, besides its module and arguments: equal boundaries share one.
+
+    :class:`_Boundary` keeps it up to date (every attribute it is made from
+    rebuilds it when set). Interned by value (:func:`_intern`): boundaries of
+    the same layout (a model's every ``q_proj``, say) hold one object, so a
+    ``torch.compile`` trace reads it from one place and guards on its fields
+    once, not once per boundary; ``key`` is its stable number.
+    """
+
+    lowerer: MeshLowerer
+    move: _Mover
+    #: the boundary's moves with ``where`` (which names the module) left empty: messages take the boundary's own
+    ins: tuple[_Move, ...]
+    #: whether any input move is shared with siblings (the keys, which name the parent, stay on the boundary)
+    fanned: bool
+    outs: tuple[_Move, ...]
+    params: tuple[tuple[str, ParamLayout], ...]
+    deferred_bias: str | None
+    lookup: _Lookup | None
+    tail: int
+    tail_rep: Placements
+    tail_grad: Placements
+    share: tuple[int, ...]
+    share_n: int
+    #: the module's own forward, called with the module first; ``None``: the boundary's ``compute`` as it is
+    func: Callable[..., Any] | None
+    key: int = field(default=0, compare=False)
+
+
+_INTERNED: weakref.WeakValueDictionary[tuple[Any, ...], _Static] = weakref.WeakValueDictionary()
+_BY_KEY: weakref.WeakValueDictionary[int, _Static] = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def _intern(st: _Static) -> _Static:
+    """The one live :class:`_Static` equal to ``st`` (``st`` itself, numbered, when there is none)."""
+    fields_ = tuple(getattr(st, f.name) for f in fields(st) if f.compare)
+    found = _INTERNED.get(fields_)
+    if found is None:
+        found = replace(st, key=next(_KEYS))
+        _INTERNED[fields_] = found
+        _BY_KEY[found.key] = found
+    return found
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_static(key: int) -> str:
+    """The attribute of the trace's kept objects holding :class:`_Static` ``key`` (run at trace time, untraced)."""
+    return _slot(_BY_KEY[key])
+
+
+#: the attributes of :class:`_Boundary` a :class:`_Static` is made from
+_STATIC_FROM = frozenset({"lowerer", "move", "ins", "fan", "outs", "params", "info", "lookup", "tail", "tail_rep",
+                          "tail_grad", "share", "share_n", "compute", "owner"})
+
+
 class _Boundary:
     """The instance ``forward``: local parameters in, move inputs, run local compute, move outputs, add the bias.
 
@@ -134,7 +195,15 @@ class _Boundary:
     and put back afterwards, so the module's own code computes on local
     tensors and wrappers (FSDP2) that replace the parameter objects between
     calls are followed.
+
+    A call reads its layout from one shared :class:`_Static` (``static``);
+    under ``torch.compile`` the trace finds it by number (``static_key``), so
+    the graph guards on one integer per boundary and on each distinct layout
+    once, as DTensor's hooks guard on their shared closures.
     """
+
+    static: _Static
+    static_key: int
 
     def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
                  ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer,
@@ -155,93 +224,120 @@ class _Boundary:
         self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
         #: per input move, the key of the sibling group that shares it (:mod:`tplower.nn.fanout`), or ``None``
         self.fan: tuple[str | None, ...] = (None,) * len(ins)
+        self._restatic()
 
-    def _mask_ids(self, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
-        """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
-        lk = self.lookup
-        assert lk is not None
-        key = lk.keyword if lk.keyword is not None and lk.keyword in kwargs else None
-        ids = kwargs[key] if key is not None else args[lk.slot]
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"module {self.info.module!r}: the ids input is a {type(ids).__name__}, not a tensor")
-        local = ids - lk.offset
-        mine = (local >= 0) & (local < lk.rows)
-        local = local.masked_fill(~mine, 0)
-        if key is not None:
-            kwargs[key] = local
-        else:
-            args[lk.slot] = local
-        return mine
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _STATIC_FROM and "fan" in self.__dict__:  # "fan" is set last in __init__
+            self._restatic()
 
-    def _apply(self, value: Any, mv: _Move) -> Any:
-        if value is None:
-            return None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"module {self.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
-        gshape = exchanged_global_shape(value, mv.src, self.lowerer, mv.where) if mv.uneven else None
-        return self.move(value, self.lowerer, mv, gshape)
-
-    def _move_in(self, value: Any, mv: _Move, fan: str | None) -> Any:
-        return shared_move(value, mv, fan, self.lowerer, lambda v: self._apply(v, mv))
+    def _restatic(self) -> None:
+        compute = self.compute
+        func = compute.__func__ if isinstance(compute, MethodType) and compute.__self__ is self.owner else None
+        st = _intern(_Static(self.lowerer, self.move, tuple(replace(mv, where="") for mv in self.ins),
+                             any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
+                             self.params,
+                             self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
+                             self.share, self.share_n, func))
+        object.__setattr__(self, "static", st)
+        object.__setattr__(self, "static_key", st.key)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        st = getattr(_TRACED, _traced_static(self.static_key)) if torch.compiler.is_compiling() else self.static
+        owner = self.owner
         args_l = list(args)
-        for mv, fan in zip(self.ins, self.fan, strict=True):
+        fans = self.fan if st.fanned else (None,) * len(st.ins)
+        for i, (mv, fan) in enumerate(zip(st.ins, fans, strict=True)):
             if mv.keyword is not None and mv.keyword in kwargs:
-                kwargs[mv.keyword] = self._move_in(kwargs[mv.keyword], mv, fan)
+                kwargs[mv.keyword] = _move_in(self, st, kwargs[mv.keyword], i, fan)
             elif 0 <= mv.slot < len(args_l):
-                args_l[mv.slot] = self._move_in(args_l[mv.slot], mv, fan)
-        mine = self._mask_ids(args_l, kwargs) if self.lookup is not None else None
-        params = self.owner._parameters
-        saved = {name: params[name] for name, _ in self.params}
-        bias_name = self.info.deferred_bias
-        pad = getattr(self.owner, "padding_idx", None) if self.lookup is not None else None
+                args_l[mv.slot] = _move_in(self, st, args_l[mv.slot], i, fan)
+        lookup = st.lookup
+        mine = _mask_ids(self, lookup, args_l, kwargs) if lookup is not None else None
+        params = owner._parameters
+        saved = {name: params[name] for name, _ in st.params}
+        bias_name = st.deferred_bias
+        pad = getattr(owner, "padding_idx", None) if lookup is not None else None
         try:
-            for name, layout in self.params:
+            for name, layout in st.params:
                 p = saved[name]
                 if p is not None:
                     params[name] = local_parameter(p, layout)  # type: ignore[assignment]
             bias = None
             if bias_name is not None:
                 bias, params[bias_name] = params[bias_name], None
-            if self.lookup is not None:
-                self.owner.__dict__["padding_idx"] = self.lookup.padding_idx
-            out = self.compute(*args_l, **kwargs)
+            if lookup is not None:
+                owner.__dict__["padding_idx"] = lookup.padding_idx
+            out = st.func(owner, *args_l, **kwargs) if st.func is not None else self.compute(*args_l, **kwargs)
         finally:
             params.update(saved)
-            if self.lookup is not None:
-                self.owner.__dict__["padding_idx"] = pad
+            if lookup is not None:
+                owner.__dict__["padding_idx"] = pad
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        return self._outputs(out, bias)
+        return _outputs(self, st, out, bias)
 
-    def _reduce_tail_grad(self, out: torch.Tensor) -> torch.Tensor:
-        """The last ``tail`` features pass forward unchanged; their gradient is all-reduced in backward."""
-        head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
-        tail = self.lowerer.program(self.tail_rep, self.tail_rep, tail.shape, tail.device.type,
-                                    grad=self.tail_grad)(tail)
-        return torch.cat([head, tail], dim=-1)
 
-    def _outputs(self, out: Any, bias: torch.Tensor | None = None) -> Any:
-        is_seq = isinstance(out, tuple | list)
-        items = list(out) if is_seq else [out]
-        for mv in self.outs:
-            if mv.slot >= len(items):
-                raise TPLowerError(f"module {self.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
-                                   f"returned {len(items)} value(s)")
-            items[mv.slot] = self._apply(items[mv.slot], mv)
-        if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
-            items[0] = items[0] + bias.to(items[0].dtype)
-        if self.tail:
-            items[0] = self._reduce_tail_grad(items[0])
-        for slot in self.share:  # the division's own gradient is this rank's share: no collective either way
-            if slot >= len(items):
-                raise TPLowerError(f"module {self.info.module!r}: share names output index {slot} but forward "
-                                   f"returned {len(items)} value(s)")
-            items[slot] = items[slot] / self.share_n
-        if not is_seq:
-            return items[0]
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+def _mask_ids(b: _Boundary, lk: _Lookup, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Shift the ids input to this rank's rows; ids outside them look up row 0. Returns where ids are local."""
+    key = lk.keyword if lk.keyword is not None and lk.keyword in kwargs else None
+    ids = kwargs[key] if key is not None else args[lk.slot]
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"module {b.info.module!r}: the ids input is a {type(ids).__name__}, not a tensor")
+    local = ids - lk.offset
+    mine = (local >= 0) & (local < lk.rows)
+    local = local.masked_fill(~mine, 0)
+    if key is not None:
+        kwargs[key] = local
+    else:
+        args[lk.slot] = local
+    return mine
+
+
+def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool) -> Any:
+    """Move ``value`` by input (``out`` false) or output move ``i``; ``None`` passes through."""
+    mv = st.outs[i] if out else st.ins[i]
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"module {b.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
+    if mv.uneven or st.lowerer.debug:  # these name the module in their messages: the boundary's own move does
+        mv = b.outs[i] if out else b.ins[i]
+    gshape = exchanged_global_shape(value, mv.src, st.lowerer, mv.where) if mv.uneven else None
+    return st.move(value, st.lowerer, mv, gshape)
+
+
+def _move_in(b: _Boundary, st: _Static, value: Any, i: int, fan: str | None) -> Any:
+    return shared_move(value, st.ins[i], fan, st.lowerer, lambda v: _apply(b, st, v, i, False))
+
+
+def _reduce_tail_grad(st: _Static, out: torch.Tensor) -> torch.Tensor:
+    """The last ``tail`` features pass forward unchanged; their gradient is all-reduced in backward."""
+    head, tail = out.split([out.shape[-1] - st.tail, st.tail], dim=-1)
+    tail = st.lowerer.program(st.tail_rep, st.tail_rep, tail.shape, tail.device.type, grad=st.tail_grad)(tail)
+    return torch.cat([head, tail], dim=-1)
+
+
+def _outputs(b: _Boundary, st: _Static, out: Any, bias: torch.Tensor | None = None) -> Any:
+    is_seq = isinstance(out, tuple | list)
+    items = list(out) if is_seq else [out]
+    for i, mv in enumerate(st.outs):
+        if mv.slot >= len(items):
+            raise TPLowerError(f"module {b.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
+                               f"returned {len(items)} value(s)")
+        items[mv.slot] = _apply(b, st, items[mv.slot], i, True)
+    if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
+        items[0] = items[0] + bias.to(items[0].dtype)
+    if st.tail:
+        items[0] = _reduce_tail_grad(st, items[0])
+    for slot in st.share:  # the division's own gradient is this rank's share: no collective either way
+        if slot >= len(items):
+            raise TPLowerError(f"module {b.info.module!r}: share names output index {slot} but forward "
+                               f"returned {len(items)} value(s)")
+        items[slot] = items[slot] / st.share_n
+    if not is_seq:
+        return items[0]
+    return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
 
 
 def installed_boundary(module: nn.Module) -> InstalledBoundary | None:

@@ -18,7 +18,7 @@ destination, gradient), tags those moves with one group key and registers
 call its own alias of every tensor argument, carrying an empty record
 (:data:`tplower.nn.boundary_runtime.FANOUT`); a sibling that finds the
 record takes a move already made from that same tensor in this call
-(``_Boundary._move_in``). A tensor without the record (a child called on
+(``boundary_runtime._move_in``). A tensor without the record (a child called on
 its own, a tensor made inside the parent) moves as before, so the sharing
 never reaches past one call of the parent, and a tensor the user holds
 never carries it.
