@@ -93,3 +93,30 @@ def test_replicate_rest_false_keeps_plain_tensors() -> None:
     kinds = run_threaded(2, _body, ref, x, False)[0]["kinds"]
     assert kinds["norm.weight"][1] is None and kinds["conv.weight"][1] is None and kinds["head.weight"][1] is None
     assert kinds["up.weight"][1] is not None  # the plan's own placements are kept
+
+
+def _copy_body(rank: int, world: int, ref: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    import gc
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    tp = tplower.parallelize(copy.deepcopy(ref), mesh, PLAN)
+    twin = copy.deepcopy(tp)
+    own = {id(hook.stack) for m in (tp, twin) for m2 in m.modules() for hook in m2._forward_hooks.values()
+           if hasattr(hook, "stack")}
+    del tp
+    gc.collect()  # the original and its stack are gone: the copy swaps through a stack of its own
+    one = copy.deepcopy(ref)
+    outs = [m(x) for m in (one, twin)]
+    for out in outs:
+        out.square().mean().backward()
+    g1, g2 = _grads(one), _grads(twin)
+    return {"stacks": len(own), "out": float((outs[0] - outs[1]).abs().max()),
+            "grad": max(float((g2[n] - g1[n]).abs().max()) for n in g1),
+            "dtensors": all(isinstance(p, DTensor) for p in twin.parameters())}
+
+
+def test_a_deep_copy_swaps_on_its_own_after_the_original_is_gone() -> None:
+    ref, x = _setup()
+    for r in run_threaded(2, _copy_body, ref, x):
+        assert r["stacks"] == 2 and r["dtensors"], r  # one stack per model; every parameter put back after the call
+        assert r["out"] <= 1e-5 and r["grad"] <= 1e-5, r

@@ -10,10 +10,8 @@ reads back what was installed (:class:`InstalledBoundary`).
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from types import MethodType
 from typing import Any
 
@@ -22,9 +20,10 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
-from ..core.redistribute import _TRACED, MeshLowerer, _slot
+from ..core.redistribute import MeshLowerer
 from ..core.transitions import global_shape_from_local
 from .boundaries import BoundaryForm, Placements
+from .interned import intern, traced
 from .params import ParamLayout, local_parameter
 from .plans import BoundaryEntry
 from .uneven import exchanged_global_shape
@@ -134,10 +133,10 @@ class _Static:
     """What one call of a boundary reads, besides its module and arguments: equal boundaries share one.
 
     :class:`_Boundary` keeps it up to date (every attribute it is made from
-    rebuilds it when set). Interned by value (:func:`_intern`): boundaries of
-    the same layout (a model's every ``q_proj``, say) hold one object, so a
-    ``torch.compile`` trace reads it from one place and guards on its fields
-    once, not once per boundary; ``key`` is its stable number.
+    rebuilds it when set). Interned by value: boundaries of the same layout
+    (a model's every ``q_proj``, say) hold one object, so a ``torch.compile``
+    trace reads it from one place and guards on its fields once, not once
+    per boundary (:mod:`tplower.nn.interned`); ``key`` is its number.
     """
 
     lowerer: MeshLowerer
@@ -159,27 +158,8 @@ class _Static:
     func: Callable[..., Any] | None
     key: int = field(default=0, compare=False)
 
-
-_INTERNED: weakref.WeakValueDictionary[tuple[Any, ...], _Static] = weakref.WeakValueDictionary()
-_BY_KEY: weakref.WeakValueDictionary[int, _Static] = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
-
-
-def _intern(st: _Static) -> _Static:
-    """The one live :class:`_Static` equal to ``st`` (``st`` itself, numbered, when there is none)."""
-    fields_ = tuple(getattr(st, f.name) for f in fields(st) if f.compare)
-    found = _INTERNED.get(fields_)
-    if found is None:
-        found = replace(st, key=next(_KEYS))
-        _INTERNED[fields_] = found
-        _BY_KEY[found.key] = found
-    return found
-
-
-@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
-def _traced_static(key: int) -> str:
-    """The attribute of the trace's kept objects holding :class:`_Static` ``key`` (run at trace time, untraced)."""
-    return _slot(_BY_KEY[key])
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
+        return self  # immutable and the same for any model (a deep copy of a model shares it, and its number)
 
 
 #: the attributes of :class:`_Boundary` a :class:`_Static` is made from
@@ -234,7 +214,7 @@ class _Boundary:
     def _restatic(self) -> None:
         compute = self.compute
         func = compute.__func__ if isinstance(compute, MethodType) and compute.__self__ is self.owner else None
-        st = _intern(_Static(self.lowerer, self.move, tuple(replace(mv, where="") for mv in self.ins),
+        st = intern(_Static(self.lowerer, self.move, tuple(replace(mv, where="") for mv in self.ins),
                              any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
                              self.params,
                              self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
@@ -243,7 +223,7 @@ class _Boundary:
         object.__setattr__(self, "static_key", st.key)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        st = getattr(_TRACED, _traced_static(self.static_key)) if torch.compiler.is_compiling() else self.static
+        st: _Static = traced(self.static_key) if torch.compiler.is_compiling() else self.static
         owner = self.owner
         args_l = list(args)
         fans = self.fan if st.fanned else (None,) * len(st.ins)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..core.redistribute import mesh_lowerer
+from .interned import intern, lookup, register, traced
 from .params import ParamLayout, local_parameter, param_layout, shard_parameter
 
 __all__ = ["RestParams", "place_rest"]
@@ -71,37 +72,111 @@ class _Deferred(torch.autograd.Function):
         return grad, None, None
 
 
+class _Stack:
+    """What the swaps of one model's call put aside, innermost last: ``(module, [(owner, name, DTensor), ...])``.
+
+    Hooks find it by its number (``key``); a deep copy of the model gets a stack of its own.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[tuple[nn.Module, list[tuple[nn.Module, str, Any]]]] = []
+        self.key = register(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Stack:
+        new = _Stack()
+        memo[id(self)] = new
+        return new
+
+
+@dataclass(frozen=True)
+class _SwapStatic:
+    """What one swap reads per call: its slots as ``(child, name, layout)`` and its model's stack's number.
+
+    Interned (:mod:`tplower.nn.interned`): the swaps of a model's every
+    norm of one shape share one, so a ``torch.compile`` trace guards on it once.
+    """
+
+    stack: int
+    slots: tuple[tuple[str | None, str, ParamLayout], ...]
+    key: int = field(default=0, compare=False)
+
+
+def _stack(key: int) -> _Stack:
+    stack: _Stack = traced(key) if torch.compiler.is_compiling() else lookup(key)
+    return stack
+
+
 class _Swap:
-    """Forward pre/post hooks of one module: its slots' DTensors out, local views in, and back."""
+    """The forward pre-hook of one module: its slots' DTensors out, local views in (:func:`_restore` puts them back).
+
+    The pre-hook and the forward hook share no object but the model's stack,
+    which both find by number: under ``torch.compile`` neither is guarded as
+    an alias of the other, and the stack is one list per model (its
+    emptying is the one side effect a compiled call replays), not one per module.
+    """
 
     def __init__(self, rest: RestParams) -> None:
         self.rest = rest
         self.slots: list[_Slot] = []
-        self.stack: list[list[tuple[nn.Module, str, Any]]] = []
+        self.restatic()
+
+    def restatic(self) -> None:
+        """Rebuild what a call reads, after a slot was added or its layout changed."""
+        self._set(self.rest.stack, tuple((s.child, s.name, s.layout) for s in self.slots))
+
+    def _set(self, stack: _Stack, slots: tuple[tuple[str | None, str, ParamLayout], ...]) -> None:
+        self.static = intern(_SwapStatic(stack.key, slots))
+        self.static_key = self.static.key
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Swap:
+        new = _Swap.__new__(_Swap)
+        memo[id(self)] = new
+        new.rest = copy.deepcopy(self.rest, memo)
+        new.slots = copy.deepcopy(self.slots, memo)
+        # the copy may be midway (its slots not filled yet): the layouts are this swap's, the stack the copy's own
+        new._set(copy.deepcopy(self.rest.stack, memo), self.static.slots)
+        return new
 
     def pre(self, module: nn.Module, args: Any) -> None:
+        compiling = torch.compiler.is_compiling()
+        st: _SwapStatic = traced(self.static_key) if compiling else self.static
         swapped: list[tuple[nn.Module, str, Any]] = []
+        _stack(st.stack).items.append((module, swapped))  # first: the forward hook pops it whatever happens next
         # the coverage probe never runs traced (it starts eagerly only), and reading it there costs guards
-        watch = None if torch.compiler.is_compiling() else self.rest.watch
-        for slot in self.slots:
-            owner = module if slot.child is None else module._modules.get(slot.child)
-            if owner is None or slot.name not in owner._parameters:  # the child was wrapped since
-                owner = slot.owner
-            p = owner._parameters.get(slot.name)
+        watch = None if compiling else self.rest.watch
+        for i, (child, name, layout) in enumerate(st.slots):
+            owner = module if child is None else module._modules.get(child)
+            if owner is None or name not in owner._parameters:  # the child was wrapped since
+                owner = self.slots[i].owner
+            p = owner._parameters.get(name)
             if isinstance(p, DTensor):  # not already local inside an outer call's swap
-                view = local_parameter(p, slot.layout)
+                view = local_parameter(p, layout)
                 if watch is not None:
-                    if slot.layout.grad is None and torch.is_grad_enabled() and p.requires_grad:
-                        view = _Deferred.apply(view, self.rest, slot.key)
-                    watch(view, slot.key)
-                owner._parameters[slot.name] = view  # type: ignore[assignment]
-                swapped.append((owner, slot.name, p))
-        self.stack.append(swapped)
+                    key = self.slots[i].key
+                    if layout.grad is None and torch.is_grad_enabled() and p.requires_grad:
+                        view = _Deferred.apply(view, self.rest, key)
+                    watch(view, key)
+                owner._parameters[name] = view  # type: ignore[assignment]
+                swapped.append((owner, name, p))
 
-    def post(self, module: nn.Module, args: Any, out: Any) -> None:
-        if self.stack:
-            for owner, name, p in self.stack.pop():
+
+class _Restore:
+    """The forward hook (always called) of a swapped module: put back what its pre-hook swapped.
+
+    It keeps its model's stack but a call reads only the stack's number.
+    """
+
+    def __init__(self, stack: _Stack) -> None:
+        self.stack, self.key = stack, stack.key
+
+    def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
+        items = _stack(self.key).items
+        if items and items[-1][0] is module:
+            for owner, name, p in items.pop()[1]:
                 owner._parameters[name] = p
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Restore:
+        return _Restore(copy.deepcopy(self.stack, memo))
 
 
 class RestParams:
@@ -120,6 +195,8 @@ class RestParams:
         self.slots: list[_Slot] = []
         self.params: dict[int, nn.Parameter] = {}  # keeps each key's object alive (ids stay unique)
         self.watch: Callable[[torch.Tensor, int], None] | None = None
+        self.stack = _Stack()
+        self.swaps: list[_Swap] = []
 
     def reduce_grad(self, key: int) -> None:
         """From now on parameter ``key``'s local gradient is ``P(sum)`` on the axis: all-reduced in backward."""
@@ -131,6 +208,8 @@ class RestParams:
         for slot in self.slots:
             if slot.key == key:
                 slot.layout = layout
+        for swap in self.swaps:
+            swap.restatic()
 
 
 def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> RestParams:
@@ -168,12 +247,12 @@ def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> Re
             rest.layouts.setdefault(id(new), layout)
             parent = modules[qual.rpartition(".")[0]] if qual else module
             for user in dict.fromkeys((module, parent)):
-                # a layout per slot: one object reached from every slot would be guarded as an alias of each
-                slot = _Slot(None if user is module else qual.rpartition(".")[2], module, name, id(new),
-                             copy.copy(layout))
+                slot = _Slot(None if user is module else qual.rpartition(".")[2], module, name, id(new), layout)
                 swap_of(user).slots.append(slot)
                 rest.slots.append(slot)
     for module, swap in swaps.values():
+        swap.restatic()
+        rest.swaps.append(swap)
         module.register_forward_pre_hook(swap.pre)
-        module.register_forward_hook(swap.post, always_call=True)
+        module.register_forward_hook(_Restore(rest.stack), always_call=True)
     return rest
