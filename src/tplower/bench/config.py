@@ -35,7 +35,11 @@ class BenchConfig:
         memory_size: bytes of the tensor the memory phase uses.
         phases: subset of :data:`PHASES`.
         device: ``cpu`` or ``cuda``.
-        model_steps: timed rounds of the model phase.
+        model_steps: timed rounds of the model phase (and of the ``moe`` and ``loss`` phases).
+        compiled_steps: timed rounds of the model phase when it has compiled
+            rows (``compile_backend``): those compare two graphs that differ
+            by a few percent, which 7 rounds on a shared CPU cannot resolve
+            (single runs of the MiniLM compiled forward spread 0.89-1.10).
         compile_backend: also time ``torch.compile`` of tplower's and
             ``parallelize_module``'s model with this backend (``None``: eager only).
         multi_axis_only_at: worlds whose micro phase runs only the
@@ -57,6 +61,7 @@ class BenchConfig:
     phases: tuple[str, ...] = PHASES
     device: str = "cpu"
     model_steps: int = 10
+    compiled_steps: int = 20
     compile_backend: str | None = None
     multi_axis_only_at: tuple[int, ...] = ()
     timeout: float = 900.0

@@ -146,7 +146,8 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     and ``dtensor_compiled``: ``torch.compile`` of those two copies (sharing
     their parameters and optimizers), timed in the same rounds; the warm-up
     round compiles them. Each round runs the copies in turn, in the reverse
-    order every other round.
+    order every other round; each copy's timed forward follows an untimed one
+    of its own, so it does not pay for the copy before it.
 
     Rows: ``model``, ``tp``, ``variant``, ``forward_ms`` and
     ``train_step_ms`` (medians) and their samples.
@@ -201,6 +202,11 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
         # the order turns round every round: what runs first after the barrier pays for it (measured: a compiled
         # forward first of a pair took 5% longer than the same forward second), so no copy always goes first
         for key in list(models) if r % 2 == 0 else list(models)[::-1]:
+            # An untimed forward first: a call right after another copy's step pays for the caches and the
+            # allocator that step left (measured, MiniLM compiled forward after an eager copy's step: 1.05-1.14
+            # of parallelize_module's; after an untimed call of its own: 0.91-0.96). The step follows this
+            # copy's own forward, so it starts as warm.
+            forward(key)()
             for what, fn in (("forward", forward(key)), ("step", step(key))):
                 dist.barrier()
                 t0 = time.perf_counter()

@@ -310,7 +310,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
     if "model" in cfg.phases:
         from .model import model_phase
 
-        res.model, res.rss = model_phase(cfg.model_steps, timeout=cfg.timeout, compile_backend=cfg.compile_backend,
+        rounds = cfg.model_steps if cfg.compile_backend is None else max(cfg.model_steps, cfg.compiled_steps)
+        res.model, res.rss = model_phase(rounds, timeout=cfg.timeout, compile_backend=cfg.compile_backend,
                                          progress=progress)
     if "moe" in cfg.phases:
         from .moe import moe_phase
