@@ -195,3 +195,16 @@ def test_soak_world2_gloo(reliability_report):
 @pytest.mark.slow  # a soak
 def test_soak_world8_threaded(reliability_report):
     _soak(run_threaded, 8, (2, 4), SOAK or 240, "soak, world 8 threaded, 2x4 mesh", reliability_report)
+
+
+def _env_body(rank, world):
+    return os.environ.get("TPLOWER_TEST_MARK"), os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+def test_forked_ranks_take_the_callers_environment_at_the_call(monkeypatch):
+    # the forkserver started long before (an earlier test): its environment is not the caller's now
+    for mark in ("first", "second"):
+        monkeypatch.setenv("TPLOWER_TEST_MARK", mark)
+        assert run_processes(2, _env_body, start_method="forkserver") == [(mark, "1", 1)] * 2
+    with pytest.raises(ValueError, match="start_method='fork'"):
+        run_processes(2, _env_body, start_method="fork")

@@ -107,7 +107,7 @@ def _stack(key: int) -> _Stack:
 
 
 class _Swap:
-    """The forward pre-hook of one module: its slots' DTensors out, local views in (:func:`_restore` puts them back).
+    """The forward pre-hook of one module: its slots' DTensors out, local views in (:class:`_Restore` puts them back).
 
     The pre-hook and the forward hook share no object but the model's stack,
     which both find by number: under ``torch.compile`` neither is guarded as
