@@ -9,8 +9,8 @@ that equal layouts are one object (:func:`intern`); the module keeps only
 its number. Traced, :func:`traced` turns the number into the object at trace
 time, untraced, and reads it from an attribute of
 :data:`tplower.core.redistribute._TRACED` bound once, so the graph guards on
-one integer per module and on each distinct layout once. Eager code takes
-the object itself (:func:`lookup`, or a reference it keeps).
+one integer per module and on each distinct layout once. Eager code uses
+the object itself, through a reference it keeps.
 
 Objects are held weakly: a layout no module uses any more is dropped, until
 a trace has read it (then it is kept for the life of the process, as the
@@ -28,7 +28,7 @@ import torch
 
 from ..core.redistribute import _TRACED, _slot
 
-__all__ = ["intern", "lookup", "register", "traced"]
+__all__ = ["intern", "register", "traced"]
 
 
 class _Keyed(Protocol):
@@ -69,15 +69,6 @@ def intern(value: T) -> T:
         _INTERNED[by_value] = found
         _BY_KEY[key] = found
     return found
-
-
-def lookup(key: int) -> Any:
-    """The object numbered ``key`` (eager).
-
-    Raises:
-        KeyError: no live object has that number.
-    """
-    return _BY_KEY[key]
 
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]

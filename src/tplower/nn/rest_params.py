@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..core.redistribute import mesh_lowerer
-from .interned import intern, lookup, register, traced
+from .interned import intern, register, traced
 from .params import ParamLayout, local_parameter, param_layout, shard_parameter
 
 __all__ = ["RestParams", "place_rest"]
@@ -101,16 +101,11 @@ class _SwapStatic:
     key: int = field(default=0, compare=False)
 
 
-def _stack(key: int) -> _Stack:
-    stack: _Stack = traced(key) if torch.compiler.is_compiling() else lookup(key)
-    return stack
-
-
 class _Swap:
     """The forward pre-hook of one module: its slots' DTensors out, local views in (:class:`_Restore` puts them back).
 
     The pre-hook and the forward hook share no object but the model's stack,
-    which both find by number: under ``torch.compile`` neither is guarded as
+    which a trace finds by number: under ``torch.compile`` neither is guarded as
     an alias of the other, and the stack is one list per model (its
     emptying is the one side effect a compiled call replays), not one per module.
     """
@@ -141,7 +136,8 @@ class _Swap:
         compiling = torch.compiler.is_compiling()
         st: _SwapStatic = traced(self.static_key) if compiling else self.static
         swapped: list[tuple[nn.Module, str, Any]] = []
-        _stack(st.stack).items.append((module, swapped))  # first: the forward hook pops it whatever happens next
+        stack: _Stack = traced(st.stack) if compiling else self.rest.stack
+        stack.items.append((module, swapped))  # first: the forward hook pops it whatever happens next
         # the coverage probe never runs traced (it starts eagerly only), and reading it there costs guards
         watch = None if compiling else self.rest.watch
         for i, (child, name, layout) in enumerate(st.slots):
@@ -163,14 +159,15 @@ class _Swap:
 class _Restore:
     """The forward hook (always called) of a swapped module: put back what its pre-hook swapped.
 
-    It keeps its model's stack but a call reads only the stack's number.
+    It keeps its model's stack; a traced call reads only the stack's number.
     """
 
     def __init__(self, stack: _Stack) -> None:
         self.stack, self.key = stack, stack.key
 
     def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
-        items = _stack(self.key).items
+        stack: _Stack = traced(self.key) if torch.compiler.is_compiling() else self.stack
+        items = stack.items
         if items and items[-1][0] is module:
             for owner, name, p in items.pop()[1]:
                 owner._parameters[name] = p
