@@ -77,6 +77,32 @@ def test_matches_cross_entropy_on_threaded_ranks(world: int, vocab: int, dtype: 
     _check(run_threaded(world, _body, vocab, dtype), dtype)
 
 
+def _all_ignored(rank: int, world: int) -> list[tuple[str, bool, bool, float, float]]:
+    """Every target ``ignore_index`` (a micro-batch of prompt tokens only): value and gradient as F.cross_entropy."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    logits, _ = _data(8, torch.float32)
+    target = torch.full(logits.shape[:-1], -100)
+    out = []
+    for opts in ({}, {"reduction": "sum"}, {"reduction": "none"}, {"label_smoothing": 0.1}):
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full.transpose(1, 2), target, **opts)
+        want.sum().backward()
+        mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+        got = vocab_parallel_cross_entropy(mine, target, mesh, **opts)
+        got.sum().backward()
+        assert full.grad is not None and mine.grad is not None
+        out.append((str(opts), bool(torch.isnan(got).any()), bool(torch.isnan(want).any()),
+                    float(torch.nan_to_num(got - want, nan=0.0).abs().max()), float(mine.grad.abs().max())))
+    return out
+
+
+def test_every_target_ignored_gives_the_loss_of_cross_entropy_and_a_zero_gradient() -> None:
+    for per_rank in run_threaded(2, _all_ignored):
+        for opts, nan_got, nan_want, diff, grad in per_rank:
+            # mean: 0 / 0 is NaN in both; the gradient is zero (F.cross_entropy's), never NaN
+            assert (nan_got, diff, grad) == (nan_want, 0.0, 0.0), opts
+
+
 def _errors(rank: int, world: int) -> list[str]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     logits, target = _data(8, torch.float32)

@@ -99,7 +99,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
         vocab_size: the global ``V``; default: the sum of the local sizes
             (one ``all_reduce`` of one number).
         ignore_index, label_smoothing, reduction: as ``F.cross_entropy``
-            (``mean`` divides by the rows whose target is not ``ignore_index``).
+            (``mean`` divides by the rows whose target is not ``ignore_index``;
+            with none, the loss is NaN and the gradient zero, as there).
 
     Returns:
         The loss, replicated over the axis: a scalar, or ``[...]`` with ``reduction="none"``.
@@ -135,4 +136,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / (target != ignore_index).sum()
+    # F.cross_entropy's value (0 / 0, NaN, when no target counts) with its gradient (zero then, not NaN: a
+    # micro-batch of prompt tokens only must not poison the parameters)
+    count = (target != ignore_index).sum()
+    return loss.sum() / count.clamp(min=1) + torch.where(count == 0, float("nan"), 0.0).to(loss.dtype)
