@@ -41,7 +41,7 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
-from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move, shared_move
+from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
 from ..nn.experts import ExpertDispatch
 from ..nn.params import ParamLayout, local_parameter
 from ..nn.uneven import exchanged_global_shape
@@ -214,6 +214,17 @@ class GeneratedOps:
         for n in drop:
             params[n] = None
         return saved
+
+    def tie(self, module: nn.Module, out: Any, moved: Sequence[Any]) -> Any:
+        """``out`` joined in autograd to ``moved`` and the module's local parameters, as the installed boundary does.
+
+        Every backward collective a forward issued then runs on every rank, even
+        where the module's own compute leaves an input or a parameter out of
+        ``out`` for data alone (:func:`tplower.nn.boundary_runtime.tie_outputs`).
+        Call it while the local parameters are swapped in (:meth:`local_params`).
+        """
+        b = self._entry(module).boundary
+        return tie_outputs(out, list(moved), [module._parameters[n] for n, _ in b.params])
 
     @staticmethod
     def restore_params(module: nn.Module, saved: dict[str, Any]) -> None:

@@ -172,16 +172,27 @@ class Writer:
 
     def _inputs(self) -> list[str]:
         lines: list[str] = []
+        self.moved: list[str] = []  # the moved inputs, as expressions (for the tie)
         for mv, fan in zip(self.b.ins, self.b.fan, strict=True):
             if mv.slot >= 0 or mv.keyword in self.sig.names:
                 var = mv.keyword if mv.keyword in self.sig.names else self.sig.names[mv.slot]
                 lines += _call(var, mv, self.b.info.mode, self.n, "    ", fan)
+                self.moved.append(var)
             else:  # arrives in **kwargs
                 kw = self.sig.names[-1]
                 key = quote(mv.keyword or mv.name)
                 lines += [f"    if {key} in {kw}:",
                           *_call(f"{kw}[{key}]", mv, self.b.info.mode, self.n, "        ", fan)]
+                self.moved.append(f"{kw}.get({key})")
         return lines
+
+    def _tie(self) -> list[str]:
+        """The lines that join the moved inputs and local parameters to ``out`` (``ops.tie``), as the runtime does."""
+        if not self.b.tie:
+            return []
+        moved = "(" + ", ".join(self.moved) + ("," if len(self.moved) == 1 else "") + ")"
+        return ["# every backward collective runs on every rank, even where out leaves an input or parameter out",
+                f"out = ops.tie(self, out, {moved})"]
 
     def _deferred(self) -> str | None:
         return self.b.info.deferred_bias
@@ -229,15 +240,16 @@ class Writer:
                       f"    ones = torch.ones(rows.shape[0], 1, dtype={w}.dtype, device=rows.device)"]
             fn = "type(self).forward"
             args = ", ".join(["self", "rows", "route.local_experts[:, None]", "ones", *rest])
-            after = [f"    out = ops.combine_tokens(out, route, {w})  # all_to_all back, weighted sum over slots"]
+            after = [f"    out = ops.combine_tokens(out, route, {w}, dispatched=rows)  # all_to_all back, weighted sum"]
         else:
             fn, args = "type(self).forward", ", ".join(["self", self.sig.call] if self.sig.call else ["self"])
         if not names and bias is None:
-            return [*lines, f"    out = {fn}({args})", *after]
+            return [*lines, f"    out = {fn}({args})", *("    " + t for t in self._tie()), *after]
         names_text = "(" + ", ".join(quote(x) for x in names) + ("," if len(names) == 1 else "") + ")"
         drop = f", drop=({quote(bias)},)" if bias is not None else ""
         lines += [f"    saved = ops.local_params(self, {names_text}{drop})", "    try:",
-                  f"        out = {fn}({args})", "    finally:", "        ops.restore_params(self, saved)", *after]
+                  f"        out = {fn}({args})", *("        " + t for t in self._tie()), "    finally:",
+                  "        ops.restore_params(self, saved)", *after]
         return lines
 
     def _outputs(self) -> list[str]:

@@ -51,6 +51,7 @@ __all__ = [
     "backend_name_for",
     "check_device",
     "chunk",
+    "keep_backward",
     "partition",
     "reduce_scatter",
     "run_steps",
@@ -358,3 +359,47 @@ class LoweredTransition(torch.autograd.Function):
             raise RuntimeError("tplower transitions are differentiable once; double backward "
                                "(create_graph=True) through them is not supported")
         return run_steps(grad.contiguous(), ctx.program.backward), None
+
+
+class _KeepBackward(torch.autograd.Function):
+    """Forward: ``out`` as it is; backward: ``out``'s gradient, and no gradient (``None``) for ``inputs``."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.n = len(inputs)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (grad, *((None,) * ctx.n))
+
+
+def keep_backward(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``out``, joined in autograd to ``inputs``: their backward runs whenever ``out``'s does.
+
+    A rank's compute may leave an input out of its result for data alone: an
+    experts implementation that skips experts with no token returns
+    ``zeros_like`` on a rank that received none, while another rank's result
+    depends on its rows. Autograd then never runs that input's backward on the
+    first rank, and the backward collective that the input's forward
+    collective owes (an ``all_to_all``'s, an ``all_gather``'s) waits forever on
+    the others. Joined, the input's gradient is autograd's zero there (no
+    tensor is made unless nothing else reaches it), so every rank issues every
+    backward collective its forward issued. ``out`` also requires a gradient
+    whenever an input does.
+
+    Args:
+        out: the compute's result, any shape.
+        inputs: tensors ``out`` may or may not depend on (typically the
+            outputs of a collective); those that do not require a gradient
+            are left out.
+
+    Returns:
+        A view of ``out`` (``out`` itself when grad mode is off, no input
+        requires a gradient, or ``out`` is not floating point).
+    """
+    tied = tuple(t for t in inputs if t.requires_grad)
+    if not tied or not torch.is_grad_enabled() or not (out.is_floating_point() or out.is_complex()):
+        return out
+    result: torch.Tensor = _KeepBackward.apply(out, *tied)
+    return result

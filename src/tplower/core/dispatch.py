@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .backends import backend_caps, backend_name_for
-from .collectives import _all_gather_base
+from .collectives import _all_gather_base, keep_backward
 from .errors import TPLowerError
 from .redistribute import Program
 
@@ -243,17 +243,26 @@ def dispatch_tokens(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return got.index_select(0, plan.local_order)
 
 
-def combine_tokens(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = None) -> torch.Tensor:
+def combine_tokens(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | None = None, *,
+                   dispatched: torch.Tensor | None = None) -> torch.Tensor:
     """Bring each expert's output rows back to their tokens and sum each token's ``k`` slots.
 
-    ===========  =========================================================
-    ``y``        ``[R, H]`` expert outputs, in :func:`dispatch_tokens`'s row order
-    ``weights``  ``[T, k]`` routing weights (``None``: 1), cast to ``y``'s
-                 dtype before the product, as transformers' experts do
-    result       ``[T, H]``: ``sum_j weights[t, j] * y[row of (t, j)]``
-    ===========  =========================================================
+    ==============  ======================================================
+    ``y``           ``[R, H]`` expert outputs, in :func:`dispatch_tokens`'s row order
+    ``weights``     ``[T, k]`` routing weights (``None``: 1), cast to ``y``'s
+                    dtype before the product, as transformers' experts do
+    ``dispatched``  ``[R, H]``: what :func:`dispatch_tokens` returned for
+                    this plan (give it whenever ``y`` is computed from it)
+    result          ``[T, H]``: ``sum_j weights[t, j] * y[row of (t, j)]``
+    ==============  ======================================================
 
-    Backward: the gradients of ``y`` and of ``weights``, exactly.
+    Backward: the gradients of ``y`` and of ``weights``, exactly. With
+    ``dispatched`` given, the dispatch's backward exchange runs on this rank
+    whenever the combine's does, even where ``y`` does not depend on the
+    rows (an experts implementation that skips experts with no row returns
+    ``zeros_like`` on a rank that received none): every rank then issues the
+    backward ``all_to_all`` that the others wait for
+    (:func:`tplower.core.collectives.keep_backward`).
 
     Raises:
         TPLowerError: ``y`` or ``weights`` of the wrong size.
@@ -264,6 +273,8 @@ def combine_tokens(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | 
     if weights is not None and tuple(weights.shape) != (plan.num_tokens, plan.top_k):
         raise TPLowerError(f"combine_tokens: weights have shape {tuple(weights.shape)}, expected "
                            f"{(plan.num_tokens, plan.top_k)} (tokens, top_k)")
+    if dispatched is not None:
+        y = keep_backward(y, dispatched)
     received = y.index_select(0, _inverse(plan.local_order))
     transposed = tuple(zip(*plan.matrix, strict=True))
     back = all_to_all_splits(received, group=plan.group, matrix=transposed, rank=plan.rank, native=plan.native)

@@ -18,17 +18,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.collectives import keep_backward
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer
 from ..core.transitions import global_shape_from_local
 from .boundaries import BoundaryForm, Placements
+from .conv1d import is_conv1d
 from .interned import intern, traced
 from .params import ParamLayout, local_parameter
 from .plans import BoundaryEntry
 from .uneven import exchanged_global_shape
 
-__all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "shared_move"]
+__all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "shared_move", "tie_outputs"]
 
 #: The attribute a fan-out parent's call puts on its alias of each tensor argument
 #: (:func:`tplower.nn.fanout.open_fanout`): the input moves already made from that
@@ -156,6 +158,8 @@ class _Static:
     share_n: int
     #: the module's own forward, called with the module first; ``None``: the boundary's ``compute`` as it is
     func: Callable[..., Any] | None
+    #: join the moved inputs and local parameters to the outputs in autograd (:func:`tie_outputs`)
+    tie: bool
     key: int = field(default=0, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
@@ -164,7 +168,10 @@ class _Static:
 
 #: the attributes of :class:`_Boundary` a :class:`_Static` is made from
 _STATIC_FROM = frozenset({"lowerer", "move", "ins", "fan", "outs", "params", "info", "lookup", "tail", "tail_rep",
-                          "tail_grad", "share", "share_n", "compute", "owner"})
+                          "tail_grad", "share", "share_n", "compute", "owner", "tie"})
+
+#: module types whose output depends on every input and parameter for any data (no tie needed, see :func:`_tie`)
+_DIRECT = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
 
 class _Boundary:
@@ -202,6 +209,9 @@ class _Boundary:
         self.entry: BoundaryEntry | None = None
         self.axis = ""
         self.move: _Mover = _lowered if info.mode == "lowered" else _dtensor
+        #: join moved inputs and local parameters to the outputs (:func:`tie_outputs`): a compute that may leave
+        #: some out for data alone (anything but a plain linear layer, lookup or norm)
+        self.tie = type(owner) not in _DIRECT and not is_conv1d(owner)
         #: per input move, the key of the sibling group that shares it (:mod:`tplower.nn.fanout`), or ``None``
         self.fan: tuple[str | None, ...] = (None,) * len(ins)
         self._restatic()
@@ -218,7 +228,7 @@ class _Boundary:
                              any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
                              self.params,
                              self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
-                             self.share, self.share_n, func))
+                             self.share, self.share_n, func, self.tie))
         object.__setattr__(self, "static", st)
         object.__setattr__(self, "static_key", st.key)
 
@@ -227,11 +237,14 @@ class _Boundary:
         owner = self.owner
         args_l = list(args)
         fans = self.fan if st.fanned else (None,) * len(st.ins)
+        moved: list[Any] = []
         for i, (mv, fan) in enumerate(zip(st.ins, fans, strict=True)):
             if mv.keyword is not None and mv.keyword in kwargs:
                 kwargs[mv.keyword] = _move_in(self, st, kwargs[mv.keyword], i, fan)
+                moved.append(kwargs[mv.keyword])
             elif 0 <= mv.slot < len(args_l):
                 args_l[mv.slot] = _move_in(self, st, args_l[mv.slot], i, fan)
+                moved.append(args_l[mv.slot])
         lookup = st.lookup
         mine = _mask_ids(self, lookup, args_l, kwargs) if lookup is not None else None
         params = owner._parameters
@@ -249,6 +262,8 @@ class _Boundary:
             if lookup is not None:
                 owner.__dict__["padding_idx"] = lookup.padding_idx
             out = st.func(owner, *args_l, **kwargs) if st.func is not None else self.compute(*args_l, **kwargs)
+            if st.tie and torch.is_grad_enabled():
+                out = tie_outputs(out, moved, [params[name] for name, _ in st.params])
         finally:
             params.update(saved)
             if lookup is not None:
@@ -256,6 +271,31 @@ class _Boundary:
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
         return _outputs(self, st, out, bias)
+
+
+def tie_outputs(out: Any, moved: list[Any], local_params: list[Any]) -> Any:
+    """Each tensor ``out`` returns, joined in autograd to the moved inputs and the local parameters.
+
+    The rule: every collective a forward issued on a rank has its backward
+    issued on that rank, whatever the data. A module's own compute may leave
+    an input or a parameter out of its result for data alone (transformers'
+    eager experts loop over the experts that got a token: on a rank with no
+    token the result is ``zeros_like``, and no expert weight is touched);
+    then the input move's backward collective, or a parameter's gradient
+    reduction, would run on the other ranks and not on this one, and they
+    would wait for it. Joined (:func:`tplower.core.collectives.keep_backward`),
+    they get autograd's zero gradient here (a parameter's ``.grad`` is then
+    zero, as one process's would be) and every backward collective runs.
+    """
+    tied = [t for t in (*moved, *local_params) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tied:
+        return out
+    if isinstance(out, torch.Tensor):
+        return keep_backward(out, *tied)
+    if isinstance(out, tuple | list):
+        items = [keep_backward(v, *tied) if isinstance(v, torch.Tensor) else v for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return out
 
 
 def _mask_ids(b: _Boundary, lk: _Lookup, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -14,7 +14,10 @@ as this rank's piece of the tokens (the boundary chunks replicated inputs
    (``Shard(0)`` on the expert dim, ``num_experts`` divided at install), so
    whatever experts implementation it selects runs unchanged,
 4. :func:`tplower.core.dispatch.combine_tokens`: the rows go back and each
-   token's slots are summed with the routing weights.
+   token's slots are summed with the routing weights. It is given the
+   dispatched rows too, so the dispatch's backward exchange runs on every
+   rank, also where the module's result does not depend on its rows (an
+   implementation that skips experts with no row, on a rank that got none).
 
 Each expert's gradient collects every token routed to it, so the expert weights'
 gradients are whole on their rank (no reduction); the hidden states' and the
@@ -65,4 +68,4 @@ class ExpertDispatch:
         rows = dispatch_tokens(hidden_states, plan)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         out = self.forward(rows, plan.local_experts[:, None], ones)
-        return combine_tokens(out, plan, top_k_weights)
+        return combine_tokens(out, plan, top_k_weights, dispatched=rows)
