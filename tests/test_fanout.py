@@ -8,16 +8,18 @@ the shared move saves collectives; counted by hand:
 * plain plan: forward all-reduces ``o`` and ``down`` (2); backward
   all-reduces the attention input's gradient once and the MLP input's once
   (2, not 3 + 2 = 5). Total 4 all_reduces instead of 7.
-* sequence parallelism: forward all-gathers the two inputs once each and
-  reduce-scatters ``o`` and ``down`` (2 + 2); backward all-gathers the two
-  outputs' gradients and reduce-scatters the two inputs' (2 + 2). Without
-  sharing, 5 all-gathers forward and 5 reduce-scatters backward.
+* sequence parallelism: forward all-gathers the two inputs once each (each
+  after a small all-gather of the ranks' sequence lengths, which no plan
+  knows) and reduce-scatters ``o`` and ``down`` (2 + 2 + 2); backward
+  all-gathers the two outputs' gradients and reduce-scatters the two
+  inputs' (2 + 2). Without sharing, 5 all-gathers forward (and 5 length
+  exchanges) and 5 reduce-scatters backward.
 
 Values and every gradient (input included) equal one process; the user's
 tensor carries nothing afterwards; a tensor changed in place between two
 siblings is moved again; under ``torch.inference_mode`` (no version
 counters) the identity moves are shared and the sequence-parallel gathers
-each made (5); under ``torch.compile`` the backward graph holds one
+each made (5, and 5 length exchanges); under ``torch.compile`` the backward graph holds one
 all_reduce per shared input.
 """
 
@@ -187,11 +189,15 @@ def test_siblings_share_one_move_eager_and_compiled_as_one_process() -> None:
             assert r["out"] < 1e-5 and r["grads"] < 1e-5 and r["input_grad"] < 1e-5, r
             assert not r["user_tensor_marked"]
         assert plain["counts"].get("all_reduce") == 4, plain["counts"]  # 7 without sharing
-        assert sp["counts"].get("all_gather") == 4 and sp["counts"].get("reduce_scatter") == 4, sp["counts"]
+        # sequence parallelism: 2 forward gathers of the sequence (shared by q, k, v; mlp.up), each after one
+        # exchange of its local length (a sequence is never assumed to divide), 2 forward reduce_scatters (o, down)
+        # and each one's dual in backward
+        assert sp["counts"].get("all_gather") == 6 and sp["counts"].get("reduce_scatter") == 4, sp["counts"]
         assert res["mutating"] < 1e-5
-        assert res["alone"].get("all_gather") == 2, res["alone"]
+        assert res["alone"].get("all_gather") == 4, res["alone"]  # q's and k's own gathers, each with its exchange
         (plain_diff, plain_counts), (sp_diff, sp_counts) = res["inference"]["plain"], res["inference"]["sp"]
         assert plain_diff < 1e-5 and sp_diff < 1e-5, res["inference"]
-        assert plain_counts.get("all_reduce") == 2 and sp_counts.get("all_gather") == 5, res["inference"]
+        # inference mode: each of the 5 sequence gathers made (q, k, v, gate, up), each with its exchange
+        assert plain_counts.get("all_reduce") == 2 and sp_counts.get("all_gather") == 10, res["inference"]
         assert comp["grads"] < 1e-5 and comp["input_grad"] < 1e-5, comp
         assert (comp["forward_all_reduce"], comp["backward_all_reduce"]) == (2, 2), comp

@@ -1,18 +1,20 @@
-"""Uneven activation dims at ``parallelize`` boundaries: the ``uneven`` declaration and the debug check.
+"""Uneven activation dims at ``parallelize`` boundaries: declared ``uneven``, undeclared, debug and compiled.
 
 A sequence that does not divide over tp (3 and 5 on 2 ranks, 7 on 4) is cut
 as ``torch.chunk`` cuts it (5 on 2 = 3 + 2, 7 on 4 = 2 + 2 + 2 + 1). Two
 models, each against one process (forward output, input gradient, every
 parameter gradient): a colwise ``nn.Linear`` whose input arrives sharded on
 the sequence, and a pre-norm sequence-parallel MLP block
-(norm -> colwise -> rowwise). Without a declaration, the debug check
-(``TPLOWER_DEBUG=1``) makes every rank raise the same error naming the
-module, the input and the dim.
+(norm -> colwise -> rowwise). Declared or not, eagerly the ranks exchange the
+sizes of a sharded input dim that the plan cannot know (a sequence) and
+match one process; sizes that are not ``torch.chunk`` pieces raise the same
+error on every rank. Under ``torch.compile`` an undeclared dim is checked in
+the graph (no graph break): uneven, every rank raises the same error before
+any collective of the data, never a wrong shape or a backend abort.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -62,12 +64,12 @@ def _seeded(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def _parity(rank: int, world: int, name: str, seq: int) -> tuple[int, ...]:
-    """One model at one sequence length against one process; returns this rank's local input shape."""
+def _parity(rank: int, world: int, name: str, seq: int, declared: bool) -> tuple[int, ...]:
+    """One model at one sequence length against one process; returns this rank's local output shape."""
     make, plan, shape, out_dim = MODELS[name]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ref = _seeded(make())
-    ours = parallelize(_seeded(make()), mesh, plan(True))
+    ours = parallelize(_seeded(make()), mesh, plan(declared))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape(seq), generator=gen, requires_grad=True)
     want = ref(x)
@@ -84,69 +86,48 @@ def _parity(rank: int, world: int, name: str, seq: int) -> tuple[int, ...]:
     for n, p in ours.named_parameters():
         assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), n
         torch.testing.assert_close(p.grad.full_tensor(), grads[n], **TOL, msg=lambda m, n=n: f"{name} {n}: {m}")
-    return tuple(x_local.shape)
+    return tuple(out.shape)
 
 
 def _parity_all(rank: int, world: int, seqs: list[int]) -> list[tuple[int, ...]]:
-    return [_parity(rank, world, name, seq) for name in MODELS for seq in seqs]
+    return [_parity(rank, world, name, seq, declared) for declared in (True, False) for name in MODELS
+            for seq in seqs]
 
 
-def test_declared_uneven_matches_one_process_gloo_world2_seq3_and_5() -> None:
-    shapes = run_processes(2, _parity_all, [3, 5])
-    # torch.chunk pieces: 3 = 2 + 1, 5 = 3 + 2 (linear at 3, 5; block at 3, 5)
-    assert [s[1] for s in shapes[0]] == [2, 3, 2, 3]
-    assert [s[1] for s in shapes[1]] == [1, 2, 1, 2]
+def _gloo_world2(rank: int, world: int) -> dict[str, Any]:
+    """Everything the gloo checks need, in one spawn: parity at sequences 3 and 5, then compiled."""
+    return {"parity": _parity_all(rank, world, [3, 5]), "compiled": _compiled(rank, world)}
 
 
-def test_declared_uneven_matches_one_process_threaded_world4_seq7() -> None:
+@pytest.fixture(scope="module")
+def gloo_world2() -> list[dict[str, Any]]:
+    return run_processes(2, _gloo_world2, timeout=300)
+
+
+def test_uneven_sequence_matches_one_process_declared_or_not_gloo_world2_seq3_and_5(
+        gloo_world2: list[dict[str, Any]]) -> None:
+    # output shapes by (declared, model, seq): the linear's [1, seq_r, 8 / 2], the block's [2, seq_r, 8], where
+    # seq_r are torch.chunk's pieces: 3 = 2 + 1, 5 = 3 + 2
+    for rank, pieces in enumerate(([2, 3], [1, 2])):
+        want = [(1, seq, 4) for seq in (3, 5)] + [(2, p, 8) for p in pieces]
+        assert gloo_world2[rank]["parity"] == want + want
+
+
+def test_uneven_sequence_matches_one_process_threaded_world4_seq7() -> None:
     shapes = run_threaded(4, _parity_all, [7])
-    assert [s[0][1] for s in shapes] == [2, 2, 2, 1]  # 7 = 2 + 2 + 2 + 1
+    assert [s[1][1] for s in shapes] == [2, 2, 2, 1]  # 7 = 2 + 2 + 2 + 1 (the block's output, declared)
 
 
-def _debug(rank: int, world: int, seq: int, set_env: bool) -> dict[str, str]:
-    """Each model undeclared under the debug check: the error text per model; then declared, still checked."""
-    if set_env:
-        os.environ["TPLOWER_DEBUG"] = "1"  # read when the mesh's lowerer is made
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    out = {}
-    for name, (make, plan, shape, _) in MODELS.items():
-        model = parallelize(_seeded(make()), mesh, plan(False))
-        x = torch.randn(shape(seq), generator=torch.Generator().manual_seed(1)).chunk(world, 1)[rank]
-        try:
-            model(x)
-            out[name] = "no error"
-        except TPLowerError as exc:
-            out[name] = str(exc)
-    declared = parallelize(nn.Linear(4, 8, bias=False), mesh, _linear_plan(True))
-    assert tuple(declared(torch.ones(1, seq, 4).chunk(world, 1)[rank]).shape) == (1, seq, 8 // world)
-    return out
-
-
-@pytest.mark.slow  # its threaded twin runs in CI
-def test_debug_check_names_module_input_and_dim_on_every_rank_gloo_world2() -> None:
-    results = run_processes(2, _debug, 3, True)
-    assert results[0] == results[1]  # every rank raises the same message
-    msgs = results[0]
-    assert msgs["linear_colwise"] == (
-        "module '', input '0': ranks disagree before the collective (debug check):\n"
-        "  global_shape differs: (1, 4, 4) on ranks [0]; (1, 2, 4) on ranks [1]\n"
-        "  local size of dim 1 differs: 2 on ranks [0]; 1 on ranks [1] "
-        "(uneven shards: name '0' in the entry's 'uneven' field)")
-    assert msgs["sp_block"].startswith("module 'up', input '0': ranks disagree before the collective")
-    assert "local size of dim 1 differs: 2 on ranks [0]; 1 on ranks [1]" in msgs["sp_block"]
-
-
-def test_debug_check_threaded_world4_seq7(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uneven_sequence_under_the_debug_check_matches_one_process_threaded_world4_seq7(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TPLOWER_DEBUG", "1")
-    results = run_threaded(4, _debug, 7, False)
-    assert all(r == results[0] for r in results)
-    assert "local size of dim 1 differs: 2 on ranks [0, 1, 2]; 1 on ranks [3]" in results[0]["sp_block"]
-    assert results[0]["linear_colwise"].startswith("module '', input '0': ranks disagree")
+    shapes = run_threaded(4, _parity_all, [7])
+    assert [s[3][1] for s in shapes] == [2, 2, 2, 1]  # the block's output, undeclared
 
 
-def _wrong_pieces(rank: int, world: int) -> str:
+def _wrong_pieces(rank: int, world: int, declared: bool) -> str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model = parallelize(_seeded(nn.Linear(4, 8, bias=False)), mesh, _linear_plan(True))
+    model = parallelize(_seeded(nn.Linear(4, 8, bias=False)), mesh, _linear_plan(declared))
     try:
         model(torch.ones(1, 1 + rank, 4))  # 1 + 2: not torch.chunk's 2 + 1
     except TPLowerError as exc:
@@ -154,10 +135,34 @@ def _wrong_pieces(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_declared_sizes_that_are_not_chunk_pieces_raise_alike() -> None:
-    msgs = run_threaded(2, _wrong_pieces)
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_sizes_that_are_not_chunk_pieces_raise_alike(declared: bool) -> None:
+    msgs = run_threaded(2, _wrong_pieces, declared)
     assert msgs[0] == msgs[1] == ("module '', input '0': the local sizes of dim 1 along mesh axis 'tp' are [1, 2] "
                                   "(by mesh coordinate), not the torch.chunk pieces [2, 1] of 3")
+
+
+def _compiled(rank: int, world: int) -> dict[str, Any]:
+    """The undeclared linear compiled (aot_eager, fullgraph): even sequences as eager, an uneven one an error."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(_seeded(nn.Linear(4, 8, bias=False)), mesh, _linear_plan(False))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(1, 4, 4, generator=torch.Generator().manual_seed(2)).chunk(world, 1)[rank]
+    even = float((compiled(x) - model(x)).abs().max())
+    try:
+        compiled(torch.randn(1, 3, 4).chunk(world, 1)[rank])
+        uneven = "no error"
+    except RuntimeError as exc:
+        uneven = str(exc)
+    return {"even": even, "uneven": uneven}
+
+
+def test_compiled_uneven_sequence_raises_alike_and_an_even_one_traces_whole(
+        gloo_world2: list[dict[str, Any]]) -> None:
+    for r in gloo_world2:
+        assert r["compiled"]["even"] == 0.0
+        assert ("module '', input '0': the local sizes of dim 1 along mesh axis 'tp' differ between ranks under "
+                "torch.compile; name it in the entry's 'uneven' field") in r["compiled"]["uneven"]
 
 
 def _unknown_name(rank: int, world: int) -> None:

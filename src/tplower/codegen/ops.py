@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from ..core.dispatch import DispatchPlan, combine_tokens, dispatch_tokens, plan_dispatch
 from ..core.errors import TPLowerError
@@ -44,7 +45,7 @@ from ..core.transitions import classify_axis
 from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
 from ..nn.experts import ExpertDispatch
 from ..nn.params import ParamLayout, local_parameter
-from ..nn.uneven import exchanged_global_shape
+from ..nn.uneven import agreed_global_shape, exchanged_global_shape
 
 __all__ = ["OPERATORS", "GeneratedOps", "operator_name"]
 
@@ -123,12 +124,12 @@ class GeneratedOps:
     # ---- transitions ---------------------------------------------------------------------------
 
     def _move(self, name: str, t: Any, src: str, dst: str, grad: str, where: str, uneven: bool,
-              dtensor: bool, fan: str | None = None) -> Any:
+              dtensor: bool, fan: str | None = None, sized: bool = False) -> Any:
         if t is None:
             return None
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where} is a {type(t).__name__}, not a tensor")
-        key = (name, src, dst, grad, where, uneven, t.ndim)
+        key = (name, src, dst, grad, where, uneven, sized, t.ndim)
         found = self._moves.get(key)
         if found is None:
             low = self.lowerer
@@ -137,63 +138,72 @@ class GeneratedOps:
             if not dtensor and operator_name(ps[0], ps[1]) != name:
                 raise TPLowerError(f"{where}: {src} -> {dst} is {operator_name(ps[0], ps[1])}, not ops.{name}; "
                                    "the generated file was edited or is for another plan: emit it again")
-            found = (_Move(-1, None, where, ps[0], ps[1], ps[2], where, uneven), _dtensor if dtensor else _lowered)
+            axes = tuple(i for i, p in enumerate(ps[0]) if isinstance(p, Shard) and p != ps[1][i]) if sized else ()
+            mover = _dtensor if dtensor else _lowered
+            found = (_Move(-1, None, where, ps[0], ps[1], ps[2], where, uneven, axes), mover)
             self._moves[key] = found
         mv, run = found
 
         def go(v: torch.Tensor) -> torch.Tensor:
-            gshape = exchanged_global_shape(v, mv.src, self.lowerer, mv.where) if mv.uneven else None
+            gshape: tuple[int, ...] | None
+            if mv.uneven:
+                gshape = exchanged_global_shape(v, mv.src, self.lowerer, mv.where)
+            else:
+                gshape = agreed_global_shape(v, mv.src, mv.sized, self.lowerer, mv.where) if mv.sized else None
             return run(v, self.lowerer, mv, gshape)
 
         return shared_move(t, mv, fan, self.lowerer, go)
 
     def all_gather(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                   fan: str | None = None) -> Any:
+                   fan: str | None = None, sized: bool = False) -> Any:
         """``S(d) -> R`` on one axis: ``all_gather``; ``None`` passes through. Shapes: ``[.., s, ..] -> [.., n*s, ..]``.
 
         ``fan`` (every operator takes it): the key of a group of sibling modules that move one tensor the same
         way (:mod:`tplower.nn.fanout`); within one call of their parent the move is made once and shared.
+        ``uneven``: the ranks exchange the sharded dims' sizes each call (a declared ``uneven`` name);
+        ``sized``: a sharded source dim no parameter sizes, exchanged eagerly and checked equal under
+        ``torch.compile`` (:func:`tplower.nn.uneven.agreed_global_shape`).
 
         Raises:
             TypeError: ``t`` is neither a tensor nor ``None``.
             TPLowerError: ``src -> dst`` is not an ``all_gather``, or as :func:`tplower.redistribute_local`.
         """
-        return self._move("all_gather", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("all_gather", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def all_reduce(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                   fan: str | None = None) -> Any:
+                   fan: str | None = None, sized: bool = False) -> Any:
         """``P(op) -> R`` on one axis: ``all_reduce``, shape unchanged (raises as :meth:`all_gather`)."""
-        return self._move("all_reduce", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("all_reduce", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def reduce_scatter(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                       fan: str | None = None) -> Any:
+                       fan: str | None = None, sized: bool = False) -> Any:
         """``P(op) -> S(d)`` on one axis: ``reduce_scatter``, ``[.., L, ..] -> [.., L/n, ..]`` (raises as above)."""
-        return self._move("reduce_scatter", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("reduce_scatter", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def all_to_all(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                   fan: str | None = None) -> Any:
+                   fan: str | None = None, sized: bool = False) -> Any:
         """``S(i) -> S(j)`` on one axis: ``all_to_all`` (raises as :meth:`all_gather`)."""
-        return self._move("all_to_all", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("all_to_all", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def chunk(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-              fan: str | None = None) -> Any:
+              fan: str | None = None, sized: bool = False) -> Any:
         """``R -> S(d)`` on one axis: this rank's ``torch.chunk`` piece, no communication forward."""
-        return self._move("chunk", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("chunk", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def identity(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                 fan: str | None = None) -> Any:
+                 fan: str | None = None, sized: bool = False) -> Any:
         """Nothing moves forward; backward moves the gradient ``grad -> src`` (e.g. ``all_reduce``)."""
-        return self._move("identity", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("identity", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def transition(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                   fan: str | None = None) -> Any:
+                   fan: str | None = None, sized: bool = False) -> Any:
         """Several collectives (several axes move): the program :mod:`tplower.core.transitions` plans."""
-        return self._move("transition", t, src, dst, grad, where, uneven, False, fan)
+        return self._move("transition", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def dtensor(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
-                fan: str | None = None) -> Any:
+                fan: str | None = None, sized: bool = False) -> Any:
         """A generic boundary: DTensor's ``redistribute`` runs it, forward and backward."""
-        return self._move("dtensor", t, src, dst, grad, where, uneven, True, fan)
+        return self._move("dtensor", t, src, dst, grad, where, uneven, True, fan, sized)
 
     # ---- parameters and module calls ------------------------------------------------------------
 

@@ -117,6 +117,7 @@ def _call(var: str, mv: _Move, mode: str, n: Mapping[str, int], indent: str, fan
     op = "dtensor" if mode == "dtensor" else operator_name(mv.src, mv.dst)
     src, dst, grad = (quote(format_placements(p)) for p in (mv.src, mv.dst, mv.grad))
     args = [var, src, dst, f"grad={grad}", f"where={quote(mv.where)}"] + (["uneven=True"] if mv.uneven else [])
+    args += ["sized=True"] if mv.sized else []
     args += [f"fan={quote(fan)}"] if fan is not None else []
     label = mv.name if not (mv.name.isdigit() or mv.name == "out") or var.startswith("outs[") else var
     lines = [f"{indent}# {c}" for c in move_comment(dataclasses.replace(mv, name=label), n)]

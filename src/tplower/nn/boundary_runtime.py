@@ -28,7 +28,7 @@ from .conv1d import is_conv1d
 from .interned import intern, traced
 from .params import ParamLayout, local_parameter
 from .plans import BoundaryEntry
-from .uneven import exchanged_global_shape
+from .uneven import agreed_global_shape, exchanged_global_shape
 
 __all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "shared_move", "tie_outputs"]
 
@@ -48,6 +48,9 @@ class _Move:
     grad: Placements
     where: str  # for messages: module 'up', input '0'
     uneven: bool  # named in the entry's ``uneven``: exchange local sizes each call
+    #: not declared ``uneven``, mesh axes along which the source shards a dim the move changes and whose global size
+    #: install cannot know: sizes exchanged (eager) or checked equal (compiled) each call (:func:`agreed_global_shape`)
+    sized: tuple[int, ...] = ()
 
 
 _Mover = Callable[[torch.Tensor, MeshLowerer, _Move, tuple[int, ...] | None], torch.Tensor]
@@ -321,9 +324,13 @@ def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool) -> Any:
         return None
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"module {b.info.module!r}: {mv.name!r} is a {type(value).__name__}, not a tensor")
-    if mv.uneven or st.lowerer.debug:  # these name the module in their messages: the boundary's own move does
+    if mv.uneven or mv.sized or st.lowerer.debug:  # these name the module in messages: the boundary's own move does
         mv = b.outs[i] if out else b.ins[i]
-    gshape = exchanged_global_shape(value, mv.src, st.lowerer, mv.where) if mv.uneven else None
+    gshape: tuple[int, ...] | None = None
+    if mv.uneven:
+        gshape = exchanged_global_shape(value, mv.src, st.lowerer, mv.where)
+    elif mv.sized:
+        gshape = agreed_global_shape(value, mv.src, mv.sized, st.lowerer, mv.where)
     return st.move(value, st.lowerer, mv, gshape)
 
 

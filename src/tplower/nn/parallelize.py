@@ -129,10 +129,23 @@ def _without_absent_inputs(entry: BoundaryEntry, fwd: Callable[..., Any], qual: 
                                in_grad=keep(entry.in_grad))
 
 
+def _sized_axes(op: BoundaryOp, uneven: tuple[str, ...], known: frozenset[int] = frozenset()) -> tuple[int, ...]:
+    """The mesh axes along which ``op``'s source shards a dim it moves, when nothing says that dim's global size.
+
+    Not for a name declared ``uneven`` (exchanged anyway), nor along ``known``
+    axes (an output dim a sharded parameter of the module sizes). A sequence
+    entering ``S(1) -> R`` is the case: :func:`tplower.nn.uneven.agreed_global_shape`
+    then learns or checks its size each call instead of assuming it divides.
+    """
+    if op.name in uneven:
+        return ()
+    return tuple(i for i, p in enumerate(op.src) if isinstance(p, Shard) and p != op.dst[i] and i not in known)
+
+
 def _input_moves(ops: tuple[BoundaryOp, ...], fwd: Callable[..., Any], module: str,
                  uneven: tuple[str, ...] = ()) -> tuple[_Move, ...]:
     return tuple(_Move(*_input_slot(op.name, fwd, f"plan[{module!r}].in"), op.name, op.src, op.dst, op.grad,
-                       f"module {module!r}, input {op.name!r}", op.name in uneven)
+                       f"module {module!r}, input {op.name!r}", op.name in uneven, _sized_axes(op, uneven))
                  for op in ops if not op.identity)
 
 
@@ -155,13 +168,17 @@ def _lookup(module: nn.Module, entry: BoundaryEntry, layouts: Mapping[str, Param
     return _Lookup(*_input_slot(entry.masked_lookup, fwd, where), offset, rows, local_pad)
 
 
-def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str) -> tuple[_Move, ...]:
+def _output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str,
+                  layouts: Mapping[str, ParamLayout]) -> tuple[_Move, ...]:
+    # an output sharded along an axis that shards a parameter is sized by that parameter (colwise features)
+    known = frozenset(j for layout in layouts.values() for j, q in enumerate(layout.placements) if isinstance(q, Shard))
     moves = []
     for op in ops:
         if op.identity:
             continue
         moves.append(_Move(_output_slot(op.name, entry, module, "out"), None, op.name, op.src, op.dst, op.grad,
-                           f"module {module!r}, output {op.name!r}", op.name in entry.uneven))
+                           f"module {module!r}, output {op.name!r}", op.name in entry.uneven,
+                           _sized_axes(op, entry.uneven, known)))
     return tuple(moves)
 
 
@@ -243,7 +260,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     if num_experts is not None:
         compute = ExpertDispatch(compute, num_experts, lowerer, lowerer.names.index(axis), qual)
     ins = _input_moves(form.inputs, orig, qual, entry.uneven)
-    boundary = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual), lowerer,
+    boundary = _Boundary(info, module, compute, ins, _output_moves(form.outputs, entry, qual, layouts), lowerer,
                          tuple(layouts.items()), _lookup(module, entry, layouts, orig, qual))
     if entry.partial_tail is not None:
         boundary.tail = _tail_size(entry.partial_tail, config, qual)
