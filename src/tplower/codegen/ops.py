@@ -236,6 +236,20 @@ class GeneratedOps:
         b = self._entry(module).boundary
         return tie_outputs(out, list(moved), [module._parameters[n] for n, _ in b.params])
 
+    def dropout_region(self, module: nn.Module) -> None:
+        """Switch the model's dropout streams as the installed boundary does after its outputs (eager, training).
+
+        Its outputs open a sharded region (this rank's own stream) or close one
+        (the common stream); :mod:`tplower.nn.dropout`.
+        """
+        b = self._entry(module).boundary
+        if b.region is None or b.streams is None or torch.compiler.is_compiling() or not module.training:
+            return
+        if b.region:
+            b.streams.open()
+        else:
+            b.streams.close()
+
     @staticmethod
     def restore_params(module: nn.Module, saved: dict[str, Any]) -> None:
         """Put back what :meth:`local_params` swapped."""

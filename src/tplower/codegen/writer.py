@@ -253,11 +253,18 @@ class Writer:
                   "        ops.restore_params(self, saved)", *after]
         return lines
 
+    def _region(self) -> list[str]:
+        """The line that switches dropout streams where the outputs open or close a sharded region, as the runtime."""
+        if self.b.region is None or self.b.streams is None:
+            return []
+        what = "sharded: this rank's own dropout stream" if self.b.region else "whole: the common dropout stream"
+        return [f"    ops.dropout_region(self)  # the outputs are {what}"]
+
     def _outputs(self) -> list[str]:
         b = self.b
         bias = self._deferred()
         if not b.outs and bias is None and not b.tail and not b.share:
-            return ["    return out"]
+            return [*self._region(), "    return out"]
         lines: list[str] = []
         if self.direct:
             var = "out"
@@ -281,5 +288,6 @@ class Writer:
             var = "out" if self.direct else f"outs[{slot}]"
             lines.append(f"    {var} = {var} / {b.share_n}  # share: this rank's 1/{b.share_n} of a sum, "
                          "its gradient divided alike")
+        lines += self._region()
         lines.append("    return out" if self.direct else "    return ops.pack(out, outs)")
         return lines

@@ -25,6 +25,7 @@ from ..core.redistribute import MeshLowerer
 from ..core.transitions import global_shape_from_local
 from .boundaries import BoundaryForm, Placements
 from .conv1d import is_conv1d
+from .dropout import DropoutStreams
 from .interned import intern, traced
 from .params import ParamLayout, local_parameter
 from .plans import BoundaryEntry
@@ -163,6 +164,9 @@ class _Static:
     func: Callable[..., Any] | None
     #: join the moved inputs and local parameters to the outputs in autograd (:func:`tie_outputs`)
     tie: bool
+    #: the outputs leave a sharded region open (``True``: sharded along the axis), closed (``False``: replicated
+    #: or partial) or as it was (``None``): where dropout switches streams (:mod:`tplower.nn.dropout`)
+    region: bool | None = None
     key: int = field(default=0, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
@@ -171,7 +175,7 @@ class _Static:
 
 #: the attributes of :class:`_Boundary` a :class:`_Static` is made from
 _STATIC_FROM = frozenset({"lowerer", "move", "ins", "fan", "outs", "params", "info", "lookup", "tail", "tail_rep",
-                          "tail_grad", "share", "share_n", "compute", "owner", "tie"})
+                          "tail_grad", "share", "share_n", "compute", "owner", "tie", "region"})
 
 #: module types whose output depends on every input and parameter for any data (no tie needed, see :func:`_tie`)
 _DIRECT = (nn.Linear, nn.Embedding, nn.LayerNorm)
@@ -215,6 +219,10 @@ class _Boundary:
         #: join moved inputs and local parameters to the outputs (:func:`tie_outputs`): a compute that may leave
         #: some out for data alone (anything but a plain linear layer, lookup or norm)
         self.tie = type(owner) not in _DIRECT and not is_conv1d(owner)
+        #: whether the outputs open or close a sharded region (see :class:`_Static`), and the model's dropout
+        #: streams (:func:`tplower.nn.dropout.install_dropout_streams`; ``None``: nothing to switch)
+        self.region: bool | None = None
+        self.streams: DropoutStreams | None = None
         #: per input move, the key of the sibling group that shares it (:mod:`tplower.nn.fanout`), or ``None``
         self.fan: tuple[str | None, ...] = (None,) * len(ins)
         self._restatic()
@@ -231,7 +239,7 @@ class _Boundary:
                              any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
                              self.params,
                              self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
-                             self.share, self.share_n, func, self.tie))
+                             self.share, self.share_n, func, self.tie, self.region))
         object.__setattr__(self, "static", st)
         object.__setattr__(self, "static_key", st.key)
 
@@ -273,7 +281,15 @@ class _Boundary:
                 owner.__dict__["padding_idx"] = pad
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        return _outputs(self, st, out, bias)
+        result = _outputs(self, st, out, bias)
+        if st.region is not None and not torch.compiler.is_compiling():
+            streams = self.streams
+            if streams is not None and owner.training:
+                if st.region:
+                    streams.open()
+                else:
+                    streams.close()
+        return result
 
 
 def tie_outputs(out: Any, moved: list[Any], local_params: list[Any]) -> Any:

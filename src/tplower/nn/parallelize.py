@@ -72,6 +72,7 @@ from .boundaries import (
 from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move, installed_boundary
 from .coverage import COVER_MODES, install_coverage
 from .derive import derive_plan
+from .dropout import install_dropout_streams
 from .experts import ExpertDispatch
 from .fanout import link_fanouts
 from .full_state import patch_save_pretrained, register_full_load
@@ -127,6 +128,15 @@ def _without_absent_inputs(entry: BoundaryEntry, fwd: Callable[..., Any], qual: 
 
     return dataclasses.replace(entry, in_src=keep(entry.in_src), in_dst=keep(entry.in_dst),
                                in_grad=keep(entry.in_grad))
+
+
+def _opens_region(form: BoundaryForm, lowerer: MeshLowerer, axis: str) -> bool | None:
+    """Whether the boundary's outputs stay sharded along ``axis`` (``True``), end whole or partial (``False``), or
+    are not declared (``None``): where dropout enters or leaves a sharded region (:mod:`tplower.nn.dropout`)."""
+    if not form.outputs or axis not in lowerer.names:
+        return None
+    i = lowerer.names.index(axis)
+    return any(i < len(op.dst) and isinstance(op.dst[i], Shard) for op in form.outputs)
 
 
 def _sized_axes(op: BoundaryOp, uneven: tuple[str, ...], known: frozenset[int] = frozenset()) -> tuple[int, ...]:
@@ -270,6 +280,7 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
         boundary.share = tuple(_output_slot(n, entry, qual, "share") for n in entry.share)
         boundary.share_n = lowerer.shape[lowerer.names.index(axis)] if axis in lowerer.names else 1
     boundary.entry, boundary.axis = entry, axis
+    boundary.region = _opens_region(form, lowerer, axis)
     module.forward = boundary
     return info if form.form != "identity" or bias is not None or entry.share else None
 
@@ -522,6 +533,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             if p is not None and id(p) in seen:
                 module._parameters[name] = seen[id(p)][1]
     if axis in lowerer.names:
+        boundaries = [b for m in modules.values() if isinstance(b := m.__dict__.get("forward"), _Boundary)]
+        install_dropout_streams(model, boundaries, mesh.device_type, lowerer.coord[lowerer.names.index(axis)])
         install_coverage(model, mesh, axis, place_rest(modules, mesh, axis) if replicate_rest else None, cover)
     register_full_load(model)  # load_state_dict of whole tensors: each rank takes its boxes
     patch_save_pretrained(model)  # save_pretrained writes whole weights from rank 0
