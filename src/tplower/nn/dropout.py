@@ -29,8 +29,7 @@ Only models that can drop anything get streams (a ``Dropout`` module with
 or its config), and only modules in training mode switch. Under
 ``torch.compile`` no switch is traced (reading and setting a generator's
 state is a graph break): the sharded regions then draw from the common
-stream, as they did before; :func:`install_dropout_streams` says so once when
-the model can drop.
+stream, as they did before (the README says so).
 """
 
 from __future__ import annotations
