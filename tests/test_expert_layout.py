@@ -167,6 +167,37 @@ def test_expert_parameter_dims(arch: str, qual: str, pname: str, style: str, pla
     assert expert_param_placement(module, pname, "grouped_gemm", "tp", qual) is None  # by expert: plain rule
 
 
+def _weights(shapes: dict[str, tuple[int, ...]], **attrs: Any) -> nn.Module:
+    module = nn.Module()
+    for name, shape in shapes.items():
+        module.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    return module
+
+
+GU, DOWN = "gate_up_proj", "down_proj"
+BY_SHAPES = [  # (weights, declared attributes, parameter, style, placement): the one layout the shapes fit
+    ({GU: (2, 8, 4), DOWN: (2, 4, 4)}, {}, DOWN, "rowwise", "S(2)"),  # no hidden size: [E, out, in] only
+    ({GU: (2, 4, 8), DOWN: (2, 4, 4)}, {}, DOWN, "rowwise", "S(1)"),  # [E, in, out] only
+    ({GU: (2, 4, 8), DOWN: (2, 4, 4)}, {}, GU, "colwise", "S(2)"),
+    ({GU: (2, 8, 8), DOWN: (2, 8, 4)}, {"hidden_size": 8}, GU, "colwise", "S(1)"),  # H == 2I: down tells
+    ({"up_proj": (2, 4, 4), DOWN: (2, 4, 4)}, {"is_transposed": True}, "up_proj", "rowwise", "S(2)"),  # declared
+]
+
+
+@pytest.mark.parametrize("shapes,attrs,pname,style,place", BY_SHAPES)
+def test_undeclared_layout_read_from_the_shapes(shapes: dict[str, tuple[int, ...]], attrs: dict[str, Any],
+                                                 pname: str, style: str, place: str) -> None:
+    module = _weights(shapes, **attrs)
+    assert expert_param_placement(module, pname, style, "tp", "experts") == ({"tp": place}, None, 1)
+
+
+def test_shapes_that_fit_no_layout_are_refused() -> None:
+    with pytest.raises(TPLowerError, match=r"'experts.gate_up_proj'.*\(2, 6, 4\).*fit neither"):
+        expert_param_placement(_weights({GU: (2, 6, 4), DOWN: (2, 5, 3)}), GU, "colwise", "tp", "experts")
+
+
 # ---- a layout that cannot be known ---------------------------------------------------------------------------------
 
 class _Experts(nn.Module):

@@ -37,10 +37,10 @@ partial one; its gradient arrives whole), so the reduction counts it once. A gat
 split as its weight is (:func:`expert_biases`).
 
 A module without ``is_transposed`` (Llama 4, LongCat-Flash, Inkling's shared experts) has its layout read from
-the shapes and its hidden size (``hidden_size`` or ``hidden_dim``, else its config's or the model's
-``hidden_size``): a weight with exactly one dim of that size tells the layout for every weight of the module.
-Where none tells (``H == I`` with no gate, or no hidden size), the parameter is refused naming its shape and the
-fix.
+its weights' shapes: of ``[E, out, in]`` and ``[E, in, out]``, the one under which every weight has the same
+hidden size (the module's ``hidden_size`` or ``hidden_dim``, else its config's or the model's, where known) and
+the same intermediate size (gate/up's output holds two). Where both fit (``H == I`` with no gate, say) or none
+does, the parameter is refused naming its shape and the fix.
 """
 
 from __future__ import annotations
@@ -93,27 +93,36 @@ def _hidden_size(module: nn.Module, config: Any) -> int | None:
     return None
 
 
+def _fits(module: nn.Module, transposed: bool, h: int | None) -> bool:
+    """Whether ``module``'s expert weights read as ``[E, in, out]`` (``transposed``) or ``[E, out, in]`` agree:
+    one hidden size (``h`` where known) and one intermediate size (gate/up's output counts gate and up)."""
+    hidden, inner = set(), set()
+    for name, role in _ROLES.items():
+        w = module._parameters.get(name)
+        if w is None or w.ndim != 3:
+            continue
+        d = (1 if transposed else 2) if role == _UP else (2 if transposed else 1)  # the hidden side
+        parts = 2 if name == "gate_up_proj" else 1
+        hidden.add(w.shape[d])
+        inner.add(w.shape[3 - d] / parts)
+    return len(hidden) == 1 and len(inner) == 1 and (h is None or hidden == {h})
+
+
 def _transposed(module: nn.Module, pname: str, qual: str, axis: str, config: Any) -> bool:
-    """Whether ``module``'s expert weights are ``[E, in, out]``: its ``is_transposed``, else read from shapes."""
+    """Whether ``module``'s expert weights are ``[E, in, out]``: its ``is_transposed``, else the one layout its
+    shapes fit."""
     flag = getattr(module, "is_transposed", None)
     if isinstance(flag, bool):
         return flag
     h = _hidden_size(module, config)
-    votes = set()
-    for name, role in _ROLES.items():
-        w = module._parameters.get(name)
-        if h is None or w is None or w.ndim != 3:
-            continue
-        at = [d for d in (1, 2) if w.shape[d] == h]
-        if len(at) == 1:  # [E, out, in]: gate/up's hidden side is in (2), down's is out (1)
-            votes.add(at[0] != (2 if role == _UP else 1))
-    if len(votes) == 1:
-        return votes.pop()
+    fits = [t for t in (False, True) if _fits(module, t, h)]
+    if len(fits) == 1:
+        return fits[0]
     p = module._parameters[pname]
     assert p is not None
-    why = ("its weights disagree" if votes else
-           "neither it nor the model's config gives a hidden size" if h is None else
-           f"every weight has its hidden size {h} on both dims")
+    known = "" if h is None else f" with hidden size {h}"
+    why = (f"its weights' shapes fit both [E, out, in] and [E, in, out]{known}" if fits else
+           f"its weights' shapes fit neither [E, out, in] nor [E, in, out]{known}")
     raise TPLowerError(
         f"plan[{qual + '.' + pname!r}]: cannot tell which dim of {pname!r} {tuple(p.shape)} holds each expert's "
         f"intermediate features: {type(module).__name__} declares no is_transposed and {why}; declare the layout "
