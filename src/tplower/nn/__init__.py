@@ -5,7 +5,8 @@ Built on :mod:`tplower.core` only; the code generator (:mod:`tplower.codegen`) a
 
 * :mod:`~tplower.nn.plans`, :mod:`~tplower.nn.styles`, :mod:`~tplower.nn.hf_plans`: plan entries and
   Hugging Face ``tp_plan`` styles (:mod:`~tplower.nn.conv1d`, :mod:`~tplower.nn.alibi`: two styles' local
-  computes); :mod:`~tplower.nn.derive`: a plan derived from the module tree.
+  computes; :mod:`~tplower.nn.expert_layout`: the dim a style splits in an experts module's parameters, read
+  from its layout); :mod:`~tplower.nn.derive`: a plan derived from the module tree.
 * :mod:`~tplower.nn.boundaries`, :mod:`~tplower.nn.boundary_runtime`, :mod:`~tplower.nn.operators`:
   boundary forms, the installed forward and the bare operators (``TPOperators``).
 * :mod:`~tplower.nn.parallelize`, :mod:`~tplower.nn.params`, :mod:`~tplower.nn.install_params`,

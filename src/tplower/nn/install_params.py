@@ -40,12 +40,18 @@ def _param_specs(module: nn.Module, specs: Mapping[str, Any], field: str, qual: 
 
 
 def _param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, Any], lowerer: MeshLowerer,
-                   axis: str, qual: str) -> dict[str, ParamLayout]:
-    """Each placed parameter's layout; a parameter named only in ``grads`` is replicated."""
+                   axis: str, qual: str, uses: Mapping[str, Any] | None = None) -> dict[str, ParamLayout]:
+    """Each placed parameter's layout; a parameter named only in ``grads`` or ``uses`` is replicated.
+
+    ``uses``: ``{parameter: placement}`` the forward uses a replicated parameter's local value at (``P(sum)``: a
+    hidden-side expert bias inside a block whose output is a partial sum,
+    :func:`tplower.nn.expert_layout.expert_biases`).
+    """
     places = _param_specs(module, entry.params, "params", qual)
     grad_specs = _param_specs(module, grads, "param_grads", qual)
+    use_specs = dict(uses or {})
     out: dict[str, ParamLayout] = {}
-    for name in dict.fromkeys([*places, *grad_specs]):
+    for name in dict.fromkeys([*places, *grad_specs, *use_specs]):
         p = module._parameters[name]
         assert p is not None
         where = f"plan[{qual!r}].params[{name!r}]"
@@ -60,7 +66,11 @@ def _param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, 
         packed = entry.packed.get(name, 1)
         if packed > 1 and not any(isinstance(q, Shard) for q in ps):
             raise TPLowerError(f"plan[{qual!r}].packed[{name!r}]: a packed parameter must be sharded (S(d))")
-        out[name] = param_layout(lowerer.mesh, ps, g, axis, packed)
+        use = None
+        if name in use_specs:
+            use = parse_spec(use_specs[name], lowerer.names, (axis,), f"plan[{qual!r}].params[{name!r}] use",
+                             tensor_ndim=p.ndim)
+        out[name] = param_layout(lowerer.mesh, ps, g, axis, packed, use)
     return out
 
 

@@ -73,10 +73,11 @@ from .boundary_runtime import REPLACED, InstalledBoundary, _Boundary, _Lookup, _
 from .coverage import COVER_MODES, install_coverage
 from .derive import derive_plan
 from .dropout import install_dropout_streams
+from .expert_layout import expert_biases, expert_param_placement
 from .experts import ExpertDispatch
 from .fanout import link_fanouts
 from .full_state import patch_save_pretrained, register_full_load
-from .hf_plans import COLWISE_STYLES, PACKED_PARTS, param_key_placement, resolve_model_plan
+from .hf_plans import param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
 from .lora import is_lora_layer, place_lora_layer, redirect_to_base, watch_registrations
 from .params import ParamLayout, check_plain_parameter
@@ -247,11 +248,12 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
                            f"declares {declared}")
     for name, p in module.named_parameters(recurse=False):
         check_plain_parameter(p, f"module {qual!r}: parameter {name!r}")
+    entry, uses = expert_biases(module, entry, form, axis)  # biases follow their expert weights
     bias = _deferred_bias(module, entry, form, qual)
     grads: dict[str, Any] = dict(entry.param_grads)
     if bias is not None and bias not in grads:
         grads[bias] = deferred_bias_grad(form)
-    layouts = _param_layouts(module, entry, grads, lowerer, axis, qual)
+    layouts = _param_layouts(module, entry, grads, lowerer, axis, qual, uses)
     if entry.masked_lookup is None and not isinstance(module, nn.Embedding):  # those inputs are integer ids
         _check_partial_input_grads(entry, form, layouts, qual,
                                    {n: p.dim() for n, p in module.named_parameters(recurse=False)})
@@ -350,13 +352,6 @@ def _global_experts(module: nn.Module, entry: BoundaryEntry, lowerer: MeshLowere
     return value
 
 
-def _packs_gate_and_up(module: nn.Module, pname: str, ndim: int, style: str) -> bool:
-    """Whether a colwise ``style`` on ``pname`` shards transformers' concatenated ``[experts, gate; up, hidden]``."""
-    return (style in COLWISE_STYLES and ndim == 3 and pname == "gate_up_proj"
-            and getattr(module, "is_concatenated", False) is True and getattr(module, "has_gate", False) is True
-            and getattr(module, "is_transposed", True) is False)
-
-
 def _check_partial_input_grads(entry: BoundaryEntry, form: BoundaryForm, layouts: Mapping[str, ParamLayout],
                                qual: str, module_param_ndim: Mapping[str, int]) -> None:
     """Refuse the silent partial sums of a module whose own parameters the plan shards by parameter keys.
@@ -387,20 +382,14 @@ def _check_partial_input_grads(entry: BoundaryEntry, form: BoundaryForm, layouts
 
 
 def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.Module, axis: str,
-                where: str) -> BoundaryEntry:
+                where: str, config: Any) -> BoundaryEntry:
     if not isinstance(value, str):
         raise TPLowerError(f"plan[{where!r}]: a key naming a parameter takes an HF style string, not {value!r}")
     p = module._parameters[pname]
     assert p is not None
-    place, grad, packed = param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
-    if packed == 1 and _packs_gate_and_up(module, pname, p.ndim, value):
-        # transformers' experts (use_experts_implementation) concatenate [gate; up] on dim 1 and split the
-        # product in halves: a plain shard of dim 1 would give one rank the gates and the other the ups (logits
-        # 4e-2 off one process for Inkling 2's plan). Each half is sharded on its own instead.
-        warnings.warn(f"tplower: plan[{where!r}] shards the experts' concatenated [gate; up] weight with "
-                      f"{value!r}; sharding each half on its own (as 'packed_colwise'), which the experts' forward "
-                      "needs", stacklevel=4)
-        packed = PACKED_PARTS
+    # an expert weight or bias: split on the intermediate dim its module's layout declares (tplower.nn.expert_layout)
+    expert = expert_param_placement(module, pname, value, axis, where.rpartition(".")[0], config)
+    place, grad, packed = expert or param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
     return dataclasses.replace(entry, params={**entry.params, pname: place},
                                param_grads={**entry.param_grads, **({pname: grad} if grad else {})},
                                packed={**entry.packed, **({pname: packed} if packed > 1 else {})})
@@ -477,7 +466,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             would add per rank, an ``uneven`` name that is no declared
             input or output, a parameter-key shard that would leave a silent
             partial sum (expert weights split with no ``moe_tp_experts``, a
-            reduced module with undeclared inputs), or, with ``experts="ep"``,
+            reduced module with undeclared inputs), an expert weight whose
+            intermediate dim neither its module's layout nor its shapes tell
+            (:mod:`tplower.nn.expert_layout`), or, with ``experts="ep"``,
             a model without an ``ep_plan`` or an expert count that does not
             divide over ``axis``. At call time (raised by the model's forward):
             under the debug check, on every rank alike when the ranks'
@@ -515,7 +506,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         if name not in modules:
             owner, _, pname = name.rpartition(".")
             entries[owner] = _with_param(entries.get(owner, BoundaryEntry()), pname, plan[key], modules[owner],
-                                         axis, name)
+                                         axis, name, getattr(model, "config", None))
     _check_heads(model, entries, lowerer, axis)
     seen: dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]] = {}
     for qual in (q for q in modules if q in entries):

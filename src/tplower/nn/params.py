@@ -61,12 +61,18 @@ class ParamLayout:
             is partial), else ``None``.
         packed: the parameter packs this many equal parts along its shard
             dim, each sharded on its own (``1``: not packed).
+        use: placements at which the forward uses the local value, when
+            they differ from ``placements`` (``P(sum)`` where a replicated
+            parameter is added into a partial sum: each rank uses its ``1/n``
+            share, DTensor's ``R -> P`` partition, and the gradient arrives
+            whole), else ``None``.
     """
 
     mesh: DeviceMesh
     placements: Placements
     grad: Placements | None
     packed: int = 1
+    use: Placements | None = None
 
     def dtensor_placements(self) -> Placements:
         """The DTensor's placements: ``Shard(d)`` of a packed parameter is ``_StridedShard(d, split_factor=k)``."""
@@ -77,7 +83,7 @@ class ParamLayout:
 
 
 def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | None, axis: str,
-                 packed: int = 1) -> ParamLayout:
+                 packed: int = 1, use: Placements | None = None) -> ParamLayout:
     """The :class:`ParamLayout` of a parameter placed by ``placements`` (one per axis of ``mesh``).
 
     Args:
@@ -86,16 +92,19 @@ def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | No
         grad: its local gradient's placements on ``mesh`` (``None``: as ``placements``).
         axis: the tensor-parallel axis name.
         packed: parts packed along the shard dim (see :class:`ParamLayout`).
+        use: the placements the forward uses its local value at (``None``: as ``placements``).
     """
     names = tuple(mesh.mesh_dim_names or ())
     grad = None if grad is None or tuple(grad) == tuple(placements) else tuple(grad)
+    use = None if use is None or tuple(use) == tuple(placements) else tuple(use)
     if mesh.ndim > 1 and axis in names:
         i = names.index(axis)
         others = [j for j in range(mesh.ndim) if j != i]
-        if all(isinstance(placements[j], Replicate) and (grad is None or isinstance(grad[j], Replicate))
-               for j in others):
-            return ParamLayout(mesh[axis], (placements[i],), None if grad is None else (grad[i],), packed)
-    return ParamLayout(mesh, tuple(placements), grad, packed)
+        if all(isinstance(placements[j], Replicate) and all(o is None or isinstance(o[j], Replicate)
+                                                            for o in (grad, use)) for j in others):
+            return ParamLayout(mesh[axis], (placements[i],), None if grad is None else (grad[i],), packed,
+                               None if use is None else (use[i],))
+    return ParamLayout(mesh, tuple(placements), grad, packed, use)
 
 
 def check_plain_parameter(p: torch.Tensor, where: str) -> None:
@@ -194,7 +203,9 @@ def _shard_dim(layout: ParamLayout) -> int:
 def local_parameter(p: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     """The local tensor of parameter ``p`` for one forward, differentiable into a DTensor ``.grad``.
 
-    Forward: a view of ``p``'s local tensor (no copy). Backward: the local
+    Forward: a view of ``p``'s local tensor (no copy), or, with
+    ``layout.use``, its transition there (``R -> P(sum)``: divided by the
+    axis size, an identity backward). Backward: the local
     gradient moves from ``layout.grad`` to ``layout.placements`` through
     tplower's lowered collectives (``R -> R`` with gradient ``P(sum)``: an
     ``all_reduce``), then becomes a DTensor of ``p``'s own spec, as
@@ -205,10 +216,17 @@ def local_parameter(p: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     """
     if not isinstance(p, DTensor):
         return p
+    local: torch.Tensor
     if torch.compiler.is_compiling():
         local = p.to_local()
-        return local if layout.grad is None else _reduce_program(layout, local)(local)
-    if p.requires_grad and torch.is_grad_enabled():
-        out: torch.Tensor = _LocalView.apply(p, layout)
-        return out
-    return p._local_tensor
+        local = local if layout.grad is None else _reduce_program(layout, local)(local)
+    elif p.requires_grad and torch.is_grad_enabled():
+        local = _LocalView.apply(p, layout)
+    else:
+        local = p._local_tensor
+    if layout.use is None:
+        return local
+    # R -> P(sum): this rank's 1/n share; its backward is the gradient's own transition (R -> R, identity)
+    share = mesh_lowerer(layout.mesh).program(layout.placements, layout.use, local.shape, local.device.type)
+    out: torch.Tensor = share(local)
+    return out

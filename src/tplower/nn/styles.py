@@ -6,7 +6,8 @@
 with no faithful translation (expert-parallel styles, a style on a kind
 of module it is not defined for). Mixture-of-experts blocks under tensor
 parallelism: ``moe_tp_experts`` on the experts module, the packed 3-D expert
-weights named by their own keys (:func:`tplower.nn.hf_plans.param_key_placement`).
+weights named by their own keys, each split on the intermediate dim its module's
+layout declares (:mod:`tplower.nn.expert_layout`).
 """
 
 from __future__ import annotations
