@@ -1,0 +1,99 @@
+"""Which tokens of a sequence each rank of a context-parallel axis holds: pure arithmetic, no process group.
+
+A sequence of ``S`` tokens is cut over the ``n`` ranks of the axis in
+``torch.chunk`` pieces, as every shard in tplower is (uneven lengths work,
+down to a rank with no token):
+
+* ``balance=False``: ``n`` pieces, rank ``r`` holds piece ``r``;
+* ``balance=True`` (head-tail, as PyTorch's ``context_parallel`` and Megatron
+  balance causal attention): ``2n`` pieces, rank ``r`` holds pieces ``r`` and
+  ``2n - 1 - r`` in that order, so every rank's queries see about the same
+  number of earlier keys.
+
+:class:`SequenceLayout` answers the questions the batch split, the gather and
+the attention exchange ask: a rank's local length, the global index of each
+of its tokens, and the order of the ranks' tokens laid end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..core.errors import TPLowerError
+from ..core.transitions import chunk_size_and_offset
+
+__all__ = ["SequenceLayout"]
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """The cut of a ``length``-token sequence over ``size`` ranks.
+
+    Attributes:
+        length: ``S``, the tokens of the whole sequence.
+        size: ``n``, the ranks of the context-parallel axis.
+        balance: head-tail pieces (``2n``, rank ``r`` holds ``r`` and ``2n-1-r``) or
+            one piece per rank.
+
+    Raises:
+        TPLowerError: ``length`` below 0 or ``size`` below 1.
+    """
+
+    length: int
+    size: int
+    balance: bool = True
+
+    def __post_init__(self) -> None:
+        if self.length < 0 or self.size < 1:
+            raise TPLowerError(f"SequenceLayout: length={self.length} and size={self.size} must be >= 0 and >= 1")
+
+    def pieces(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` of each piece rank ``rank`` holds, in its local order."""
+        firsts: tuple[int, ...]
+        if self.balance:
+            m = 2 * self.size
+            firsts = (rank, m - 1 - rank)
+        else:
+            m, firsts = self.size, (rank,)
+        out = []
+        for i in firsts:
+            n, start = chunk_size_and_offset(self.length, m, i)
+            out.append((start, n))
+        return tuple(out)
+
+    def local_length(self, rank: int) -> int:
+        """How many tokens rank ``rank`` holds."""
+        return sum(n for _, n in self.pieces(rank))
+
+    def global_index(self, rank: int) -> torch.Tensor:
+        """``[local_length(rank)]`` int64: the global position of each of rank ``rank``'s tokens, in local order."""
+        parts = [torch.arange(start, start + n) for start, n in self.pieces(rank)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    @cached_property
+    def lengths(self) -> tuple[int, ...]:
+        """Every rank's local length, by rank."""
+        return tuple(self.local_length(r) for r in range(self.size))
+
+    @cached_property
+    def order(self) -> torch.Tensor:
+        """``[S]`` int64: the global index of each token when the ranks' tokens are laid end to end, rank by rank."""
+        return torch.cat([self.global_index(r) for r in range(self.size)])
+
+    @cached_property
+    def padded_order(self) -> torch.Tensor:
+        """``[S]`` int64: where each global token sits when every rank's tokens are padded to the longest, end to end.
+
+        Entry ``g`` is ``r * max(lengths) + i`` for the ``i``-th token of rank
+        ``r`` holding global token ``g``: gathering padded pieces and then
+        ``index_select`` with this gives the sequence in its own order.
+        """
+        width = max(self.lengths) if self.lengths else 0
+        where = torch.empty(self.length, dtype=torch.int64)
+        for r in range(self.size):
+            idx = self.global_index(r)
+            where[idx] = r * width + torch.arange(idx.numel())
+        return where
