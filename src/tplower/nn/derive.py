@@ -10,11 +10,16 @@ rules, each explained as it matches (:meth:`DerivedPlan.explain`,
 rule               matches, and what it plans
 =================  ==========================================================================================
 ``attention``      a module with ``nn.Linear`` children named as query/key/value projections (``q_proj``,
-                   ``query``, ``q``, ``q_lin``, ...): those ``colwise`` (each rank owns whole heads), the
+                   ``query``, ``q``, ``q_lin``, ...): those ``colwise`` (each rank owns whole heads: the
+                   query heads and, under grouped-query attention, the key/value heads they share), the
                    output projection (``o_proj``, ``out_proj``, ``o``, ``out_lin``, ``dense``, or a sibling
-                   ``output.dense``) ``rowwise`` (one ``all_reduce``); the module's integer attributes that
-                   count heads (``num_heads``, ``n_heads``, ``num_attention_heads``, ...) or hold the
-                   projections' width (``all_head_size``, ``inner_dim``) are divided (``local_attrs``)
+                   ``output.dense``) ``rowwise`` (one ``all_reduce``), when the widths are whole heads
+                   (``o.in * k.out == q.out * v.out``, ``k.out`` dividing ``q.out``); the module's integer
+                   attributes that count heads (``num_heads``, ``num_key_value_heads``, ...) or hold the
+                   projections' width (``all_head_size``, ``inner_dim``) are divided (``local_attrs``).
+                   With ``tp`` known, attention whose config head counts (``num_attention_heads``,
+                   ``num_key_value_heads``) do not divide over it is left whole: the rule ``parallelize``
+                   holds every plan to (``"auto"`` included) is that each rank owns whole heads
 ``fused_qkv``      one ``query_key_value`` projection laid out head by head (GPT-NeoX, BLOOM, Falcon):
                    ``colwise`` (whole heads per rank), ``dense`` ``rowwise``, head counts divided; a
                    ``forward`` taking ``alibi`` (BLOOM: built for all heads, ``[batch * heads, 1, seq]``)
@@ -35,6 +40,8 @@ rule               matches, and what it plans
                    ``c_proj`` ``conv1d_rowwise``; ``num_heads`` and ``split_size`` divided
 ``not_linear``     a projection of those names that is neither an ``nn.Linear`` nor a ``Conv1D``: left whole,
                    since no style shards it
+``whole``          every other module with parameters of its own (norms, position embeddings, convolutions,
+                   projections of other names, expert weights): left whole, one line per key with the reason
 =================  ==========================================================================================
 
 Everything else stays replicated: embeddings and the output head (sharding
@@ -50,8 +57,7 @@ sharded activation is found at the first forward by
 from __future__ import annotations
 
 import inspect
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +65,7 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from .conv1d import is_conv1d
+from .heads import config_head_counts, config_heads, head_attrs
 
 __all__ = ["DerivedPlan", "Rule", "derive_plan"]
 
@@ -67,8 +74,6 @@ _OUT = ("o_proj", "out_proj", "o", "out_lin", "dense")
 _MLP = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
         (("lin1",), "lin2"), (("dense_h_to_4h",), "dense_4h_to_h"), (("wi_0", "wi_1"), "wo"), (("wi",), "wo"),
         (("c_fc",), "c_proj"), (("gate_up_proj",), "down_proj"))
-_WIDTH_ATTRS = ("all_head_size", "inner_dim", "split_size")
-_HEAD_WORDS = re.compile(r"(^|_)(heads?|n_head|num_heads)($|_)")
 
 
 @dataclass(frozen=True)
@@ -130,36 +135,27 @@ def _takes(module: nn.Module, name: str) -> bool:
         return False
 
 
-def _head_attrs(module: nn.Module, heads: Iterable[int], width: int) -> dict[str, str]:
-    """The integer attributes of an attention module that count heads or hold the projections' width."""
-    counts = set(heads)
-    out = {}
-    for name, value in vars(module).items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            continue
-        if (_HEAD_WORDS.search(name) and value in counts and "dim" not in name and "size" not in name) or (
-                name in _WIDTH_ATTRS and value == width):
-            out[name] = "divide"
-    return out
-
-
-def _config_heads(model: nn.Module) -> set[int]:
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    found = set()
-    for attr in ("num_attention_heads", "num_key_value_heads", "num_heads", "n_head", "n_heads",
-                 "encoder_attention_heads", "decoder_attention_heads"):
-        value = getattr(text, attr, None)
-        if isinstance(value, int) and value > 0:
-            found.add(value)
-    return found
+def _whole_reason(module: nn.Module) -> str:
+    """Why the final pass leaves a module with parameters of its own whole (no rule placed it)."""
+    name = type(module).__name__
+    if "norm" in name.lower():
+        return f"{name}: a norm, on whole activations (every rank normalizes the same values)"
+    if isinstance(module, nn.Embedding):
+        return f"{name}: an embedding (positions, types) added to whole activations"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return f"{name}: a convolution, which no rule splits"
+    if _projection(module):
+        return (f"{name}: a projection no rule names (not a query/key/value, output, up/gate or down projection of "
+                "a known name)")
+    own = sorted(n for n, _ in module.named_parameters(recurse=False))
+    return f"{name}: parameters {own} that no rule places"
 
 
 class _Deriver:
-    def __init__(self, model: nn.Module, embeddings: bool, axis: str) -> None:
-        self.model, self.embeddings, self.axis = model, embeddings, axis
+    def __init__(self, model: nn.Module, embeddings: bool, axis: str, tp: int | None = None) -> None:
+        self.model, self.embeddings, self.axis, self.tp = model, embeddings, axis, tp
         self.modules = dict(model.named_modules())
-        self.heads = _config_heads(model)
+        self.heads = config_heads(model)
         self.out = DerivedPlan()
         self.taken: set[str] = set()
 
@@ -186,6 +182,21 @@ class _Deriver:
         self.taken.add(name)
         return True
 
+    def whole(self, qual: str, rule: str, why: str, members: Iterable[str] = ()) -> None:
+        """Say once per key that ``qual`` (and ``members``, which no later rule then takes) is left whole."""
+        if _glob(qual) not in {r.key for r in self.out.rules}:
+            self.out.rules.append(Rule(_glob(qual), rule, f"{why}; left whole"))
+        self.taken.update((qual, *members))
+
+    def heads_divide(self, qual: str, rule: str, members: Iterable[str]) -> bool:
+        """Whether each rank can own whole query and key/value heads at the known tp (else left whole, said)."""
+        bad = {k: v for k, v in config_head_counts(self.model).items() if self.tp and v % self.tp}
+        if bad:
+            what = ", ".join(f"{k}={v}" for k, v in bad.items())
+            self.whole(qual, rule, f"{what} does not divide over tp={self.tp} (each rank must own whole query and "
+                       "key/value heads, as parallelize requires of every plan)", members)
+        return not bad
+
     def attention(self, qual: str, module: nn.Module) -> None:
         names = dict(module.named_children())
         for q, k, v in _QKV:
@@ -197,19 +208,27 @@ class _Deriver:
             parent = qual.rpartition(".")[0]
             if out is None and _linear(self.modules.get(_join(parent, "output.dense"))):
                 out = _join(parent, "output.dense")  # BERT and ViT: attention.self + attention.output.dense
-            width = sum(_width(names[n], "out") for n in (q, k, v))
-            if out is None or _width(self.modules[out], "in") != _width(names[v], "out"):
+            qkv = [_join(qual, n) for n in (q, k, v)]
+            if out is None:
+                self.whole(qual, "attention", f"{q}/{k}/{v} but no output projection ({', '.join(_OUT)} or a "
+                           "sibling output.dense)", qkv)
                 return
-            self.split_attention(qual, module, [_join(qual, n) for n in (q, k, v)], out,
-                                 _width(names[q], "out"), width)
+            (wq, wk, wv), wo = (_width(names[n], "out") for n in (q, k, v)), _width(self.modules[out], "in")
+            if wq % wk or wo * wk != wq * wv:  # heads: q and k share a head dim, v and o another, kv heads divide q
+                self.whole(qual, "attention", f"widths {q} {wq}, {k} {wk}, {v} {wv}, {out.rpartition('.')[2]} "
+                           f"in {wo} are not whole heads of (grouped-query) attention", [*qkv, out])
+                return
+            if self.heads_divide(qual, "attention", [*qkv, out]):
+                self.split_attention(qual, module, qkv, out, wq, wk)
             return
         if is_conv1d(names.get("c_attn")) and is_conv1d(names.get("c_proj")):
             self.fused_conv1d(qual, module, names)
             return
         fused = names.get("query_key_value")
         if (fused is not None and not self.not_linear(_join(qual, "query_key_value")) and _linear(fused)
-                and _linear(names.get("dense"))):
-            attrs = _head_attrs(module, self.heads, int(fused.out_features) // 3)  # type: ignore[arg-type]
+                and _linear(names.get("dense")) and self.heads_divide(qual, "fused_qkv", (
+                    _join(qual, "query_key_value"), _join(qual, "dense")))):
+            attrs = head_attrs(module, self.heads, int(fused.out_features) // 3)  # type: ignore[arg-type]
             entry: dict[str, Any] = {"local_attrs": attrs} if attrs else {}
             if _takes(module, "alibi") and "num_heads" in attrs:  # BLOOM: alibi is built for all heads outside
                 entry["local_compute"] = "tplower.nn.alibi:alibi_heads_forward"
@@ -226,12 +245,14 @@ class _Deriver:
         """GPT-2's attention: ``c_attn`` packs query, key and value along its ``Conv1D`` output, ``c_proj`` out."""
         attn, proj = names["c_attn"], names["c_proj"]
         width = _width(proj, "in")
+        members = [_join(qual, n) for n in ("c_attn", "c_proj")]
         if "q_attn" in names or _width(attn, "out") != 3 * width:  # cross-attention: c_attn packs key, value only
-            self.out.rules.append(Rule(_glob(qual), "fused_conv1d", f"c_attn's {_width(attn, 'out')} outputs are "
-                                       f"not query, key and value of {width} each (cross-attention); left whole"))
-            self.taken.update(_join(qual, n) for n in ("c_attn", "c_proj"))
+            self.whole(qual, "fused_conv1d", f"c_attn's {_width(attn, 'out')} outputs are not query, key and value "
+                       f"of {width} each (cross-attention)", members)
             return
-        attrs = _head_attrs(module, self.heads, width)
+        if not self.heads_divide(qual, "fused_conv1d", members):
+            return
+        attrs = head_attrs(module, self.heads, width)
         if attrs:
             self.put(qual, {"local_attrs": attrs}, "fused_conv1d", f"head counts and widths {sorted(attrs)} divided "
                      "by tp (each rank splits and reshapes its own heads)")
@@ -242,14 +263,15 @@ class _Deriver:
                  "rowwise (one all_reduce)")
 
     def split_attention(self, qual: str, module: nn.Module, qkv: list[str], out: str, q_width: int,
-                        width: int) -> None:
-        attrs = _head_attrs(module, self.heads, q_width)
+                        k_width: int) -> None:
+        attrs = head_attrs(module, self.heads, q_width)
         if attrs:
             self.put(qual, {"local_attrs": attrs}, "attention", f"head counts and widths {sorted(attrs)} divided "
                      "by tp (each rank reshapes its own heads)")
+        grouped = f" ({q_width // k_width} query heads share a key/value head)" if q_width != k_width else ""
         for name in qkv:
             self.put(name, _style(self.modules[name], "colwise"), "attention",
-                     "query/key/value projection: colwise, each rank owns whole heads")
+                     "query/key/value projection: colwise, each rank owns whole heads" + grouped)
         self.put(out, _style(self.modules[out], "rowwise"), "attention",
                  "attention output projection: rowwise (one all_reduce)")
         for name, child in module.named_children():  # T5's relative position bias: one column per head
@@ -274,11 +296,11 @@ class _Deriver:
         d = self.modules[down]
         widths = [_width(self.modules[u], "out") // (2 if packed else 1) for u in ups]
         if any(w != _width(d, "in") for w in widths):
-            self.out.rules.append(Rule(_glob(qual), "mlp", f"widths {widths} of {ups} do not feed {down} "
-                                       f"({_width(d, 'in')} inputs); left whole"))
+            self.whole(qual, "mlp", f"widths {widths} of {ups} do not feed {down} ({_width(d, 'in')} inputs)",
+                       [*ups, down])
             return
         if packed and any(is_conv1d(self.modules[u]) for u in ups):
-            self.out.rules.append(Rule(_glob(qual), "mlp", "gate and up packed in a Conv1D; left whole"))
+            self.whole(qual, "mlp", "gate and up packed in a Conv1D", [*ups, down])
             return
         for name in ups:
             style = "packed_colwise" if packed else _style(self.modules[name], "colwise")
@@ -303,16 +325,28 @@ class _Deriver:
                 else:
                     self.out.rules.append(Rule(_glob(qual), "output_head", "output head left whole"))
 
+    def rest(self) -> None:
+        """One line per key for every module with parameters of its own that no rule placed or explained."""
+        said = {r.key for r in self.out.rules} | set(self.out.plan)
+        for qual, module in self.modules.items():
+            key = _glob(qual) or f"({type(module).__name__})"
+            if qual in self.taken or key in said or next(module.parameters(recurse=False), None) is None:
+                continue
+            said.add(key)
+            self.out.rules.append(Rule(key, "whole", f"{_whole_reason(module)}; left whole"))
+
     def run(self) -> DerivedPlan:
         for qual, module in self.modules.items():
             self.attention(qual, module)
         for qual, module in self.modules.items():
             self.mlp(qual, module)
         self.head_and_embeddings()
+        self.rest()
         return self.out
 
 
-def derive_plan(model: nn.Module, *, embeddings: bool = False, axis: str = "tp") -> DerivedPlan:
+def derive_plan(model: nn.Module, *, embeddings: bool = False, axis: str = "tp", tp: int | None = None
+                ) -> DerivedPlan:
     """A plan for ``model`` derived from its module structure (rules in the module docstring).
 
     Works on a model on any device, the meta device included (only names, types, sizes and integer attributes
@@ -323,6 +357,9 @@ def derive_plan(model: nn.Module, *, embeddings: bool = False, axis: str = "tp")
         embeddings: also shard word embeddings (vocabulary-parallel) and an output head of the vocabulary
             (``colwise_rep``).
         axis: the tensor-parallel mesh axis named by entries that place a parameter themselves.
+        tp: the size of that axis, where known (``parallelize(..., "derive")`` passes it): attention whose
+            config head counts (:data:`HEAD_COUNTS`) do not divide over it is left whole, and said so, rather
+            than split into pieces ``parallelize`` refuses. ``None``: split wherever the rules match.
 
     Returns:
         A :class:`DerivedPlan`: ``plan`` is ready for :func:`tplower.parallelize` or a YAML file, ``rules``
@@ -331,16 +368,16 @@ def derive_plan(model: nn.Module, *, embeddings: bool = False, axis: str = "tp")
     Raises:
         TPLowerError: no rule matched any module (the model has no attention or MLP projections of known
             names); write a plan by hand (``tplower plan`` output is a starting point).
+        TypeError, ValueError: ``model`` is not an ``nn.Module``; ``tp`` is not a positive integer or ``None``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"derive_plan: model must be a torch.nn.Module, got {type(model).__name__}")
-    derived = _Deriver(model, embeddings, axis).run()
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int)):
+        raise TypeError(f"derive_plan: tp must be an int or None, got {type(tp).__name__}")
+    if tp is not None and tp < 1:
+        raise ValueError(f"derive_plan: tp={tp}; allowed: a positive integer (the axis size) or None")
+    derived = _Deriver(model, embeddings, axis, tp).run()
     if not derived.plan:
         raise TPLowerError(f"derive: no rule matched a module of {type(model).__name__} (no attention or MLP "
                            "projections of known names); write the plan by hand")
     return derived
-
-
-def plan_text(derived: DerivedPlan) -> dict[str, Any]:
-    """The plan as plain data (for YAML/JSON), keys in derivation order."""
-    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in derived.plan.items()}
