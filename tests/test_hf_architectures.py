@@ -92,6 +92,22 @@ def test_markdown_and_gaps_on_known_rows() -> None:
     assert gaps(rows, allow_by_design=False) == rows[1:]
 
 
+def test_markdown_derive_column_compares_bytes_with_the_shipped_plan() -> None:
+    arch = Arch("x", "XConfig", "XForCausalLM")
+    rows = [Row(arch, Outcome("pass", 1e-7, sent=400), Outcome("pass", 1e-7),
+                derive=Outcome("pass", 2e-7, grad_diff=1e-7, sent=100)),
+            Row(arch, Outcome("pass", 1e-7, sent=300), Outcome("pass", 1e-7), derive=Outcome("pass", 1e-7, sent=300)),
+            Row(arch, Outcome("pass", 1e-7, sent=300), Outcome("pass", 1e-7),
+                derive=Outcome("refused", detail="plan['m']: no"))]
+    table = markdown(rows)
+    assert "| tplower derive | note |" in table.splitlines()[0]
+    assert "| pass (2.0e-07, grads 1.0e-07); 0.25x bytes |  |" in table
+    assert "| refused | derive: plan['m']: no |" in table
+    assert "tplower derive: 2 pass, 1 refused" in table
+    assert "1 fewer, 1 the same, 0 more; 400 against 700 bytes in all (0.57x)" in table
+    assert "tplower derive" not in markdown(rows[:0] + [Row(arch, Outcome("pass", 1e-7), Outcome("pass", 1e-7))])
+
+
 @pytest.mark.skipif(not FULL, reason="the full architecture table runs with TPLOWER_HF_TABLE=1")
 def test_full_table_tplower_passes_what_transformers_passes() -> None:
     pytest.importorskip("accelerate")  # transformers' own TP needs it
