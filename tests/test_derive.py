@@ -39,7 +39,7 @@ def test_minilm_derived_plan_is_the_hand_written_one() -> None:
 
 
 def test_a_model_without_known_projections_is_refused() -> None:
-    with pytest.raises(TPLowerError, match="no rule matched a module of Sequential"):
+    with pytest.raises(TPLowerError, match="no rule shards a module of Sequential.*no rule matched a module"):
         derive_plan(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
 
 
@@ -221,3 +221,26 @@ def test_derive_leaves_whole_the_attention_auto_refuses_to_split() -> None:
     for message, replicated, diff in run_threaded(4, _auto_and_derive_at, ref):
         assert "num_key_value_heads=2 does not divide over 4" in message
         assert replicated and diff <= TOL
+
+
+class _SinkAttention(nn.Module):
+    """Attention with a per-head parameter of its own (as gpt-oss's sinks): its use cannot be told from a shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8) for _ in range(4))
+        self.sinks = nn.Parameter(torch.zeros(4))
+
+
+def test_attention_holding_other_weights_is_left_whole_and_said() -> None:
+    """A sink, an output gate or a norm over the whole width may need every head: such attention is left whole
+    (gpt-oss, OLMo-2, Laguna and others erred at the forward, split), and a layer that differs from the others
+    under one glob gets an exact key."""
+    with pytest.raises(TPLowerError, match=r"every match is left whole: self_attn: it holds weights besides its "
+                                           r"projections \(sinks\)"):
+        derive_plan(nn.ModuleDict({"self_attn": _SinkAttention()}))
+    plain = _SinkAttention()
+    del plain.sinks
+    layers = nn.ModuleDict({"layers": nn.ModuleList([plain, _SinkAttention()])})
+    plan = derive_plan(layers).plan
+    assert plan["layers.*.q_proj"] == "colwise" and plan["layers.1.q_proj"] == {} and plan["layers.1.o_proj"] == {}
