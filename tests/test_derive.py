@@ -39,7 +39,7 @@ def test_minilm_derived_plan_is_the_hand_written_one() -> None:
 
 
 def test_a_model_without_known_projections_is_refused() -> None:
-    with pytest.raises(TPLowerError, match="no rule shards a module of Sequential.*no rule matched a module"):
+    with pytest.raises(TPLowerError, match=r"no rule shards a module of Sequential.*no rule matched a module"):
         derive_plan(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
 
 

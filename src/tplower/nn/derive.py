@@ -219,7 +219,7 @@ class _Deriver:
         if (fused is not None and not self.not_linear(join(qual, "query_key_value")) and is_linear(fused)
                 and is_linear(names.get("dense")) and self.can_split(qual, module, "fused_qkv", [
                     join(qual, "query_key_value"), join(qual, "dense")], features(fused, "out") // 3)):
-            attrs = head_attrs(module, self.heads, int(fused.out_features) // 3)  # type: ignore[arg-type]
+            attrs = head_attrs(module, self.heads, features(fused, "out") // 3)
             entry: dict[str, Any] = {"local_attrs": attrs} if attrs else {}
             if takes(module, "alibi") and "num_heads" in attrs:  # BLOOM: alibi is built for all heads outside
                 entry["local_compute"] = "tplower.nn.alibi:alibi_heads_forward"
