@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
 from tplower.bench.graphs import GraphCapture
-from tplower.bench.traffic import CollectiveTraffic
+from tplower.core.traffic import CollectiveTraffic
 from tplower.nn.boundary_runtime import FANOUT
 from tplower.testing import run_processes
 

@@ -6,7 +6,7 @@ configs from :mod:`tplower.run.hf_table`) and checks that an MoE form tplower do
 not lower yet is refused naming its style (MoE models that it lowers are checked,
 gradients included, in ``test_moe_tp.py``). The full table, every causal-LM architecture whose
 config defines ``base_model_tp_plan`` next to transformers' own TP on the
-same weights, runs with ``TPLOWER_HF_TABLE=1`` (a few minutes on 2 CPUs).
+same weights and the derived plan (``"derive"``), runs with ``TPLOWER_HF_TABLE=1`` (a few minutes on 2 CPUs).
 """
 
 from __future__ import annotations
@@ -92,10 +92,29 @@ def test_markdown_and_gaps_on_known_rows() -> None:
     assert gaps(rows, allow_by_design=False) == rows[1:]
 
 
+def test_markdown_derive_column_compares_bytes_with_the_shipped_plan() -> None:
+    arch = Arch("x", "XConfig", "XForCausalLM")
+    rows = [Row(arch, Outcome("pass", 1e-7, sent=400), Outcome("pass", 1e-7),
+                derive=Outcome("pass", 2e-7, grad_diff=1e-7, sent=100)),
+            Row(arch, Outcome("pass", 1e-7, sent=300), Outcome("pass", 1e-7), derive=Outcome("pass", 1e-7, sent=300)),
+            Row(arch, Outcome("pass", 1e-7, sent=300), Outcome("pass", 1e-7),
+                derive=Outcome("refused", detail="plan['m']: no"))]
+    table = markdown(rows)
+    assert "| tplower derive | note |" in table.splitlines()[0]
+    assert "| pass (2.0e-07, grads 1.0e-07); 0.25x bytes |  |" in table
+    assert "| refused | derive: plan['m']: no |" in table
+    assert "tplower derive: 2 pass, 1 refused" in table
+    assert "1 fewer, 1 the same, 0 more; 400 against 700 bytes in all (0.57x)" in table
+    assert "tplower derive" not in markdown(rows[:0] + [Row(arch, Outcome("pass", 1e-7), Outcome("pass", 1e-7))])
+
+
 @pytest.mark.skipif(not FULL, reason="the full architecture table runs with TPLOWER_HF_TABLE=1")
 def test_full_table_tplower_passes_what_transformers_passes() -> None:
     pytest.importorskip("accelerate")  # transformers' own TP needs it
-    rows = run_table()
+    rows = run_table(with_derive=True)
     assert rows, "no architecture found"
     missing = gaps(rows, allow_by_design=False)  # every architecture transformers passes, MoE included
     assert not missing, "\n".join(f"{r.arch.model_type}: {r.note()}" for r in missing)
+    # the derived plan passes or refuses (naming why): never a wrong answer, never an error at the forward
+    wrong = [r for r in rows if r.derive.status not in ("pass", "refused")]
+    assert not wrong, "\n".join(f"{r.arch.model_type}: {r.derive}" for r in wrong)

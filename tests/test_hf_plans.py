@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tplower import TPLowerError
 from tplower.nn.hf_plans import model_tp_plan, resolve_model_plan
 from tplower.nn.parallelize import parallelize
+from tplower.nn.plans import match_plan
 from tplower.testing import RankFailure, run_threaded
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
@@ -80,6 +82,53 @@ def test_base_model_plan_dict_is_put_under_the_prefix() -> None:
     ids = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))}
     diffs = run_threaded(2, _compare, ref, base, ids, lambda o: o.logits)[0]
     assert max(diffs.values()) < 1e-5
+
+
+def _table_model(model_type: str) -> nn.Module:
+    from tplower.run.hf_table import architectures, tiny_model
+    from tplower.run.quiet import quiet_transformers
+
+    with quiet_transformers():
+        return tiny_model(architectures([model_type])[0])
+
+
+def _auto_install(rank: int, world: int, ref: nn.Module) -> int:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(copy.deepcopy(ref), mesh, "auto")
+    return sum(isinstance(p, DTensor) and not p.placements[0].is_replicate() for p in model.parameters())
+
+
+def test_auto_never_warns_about_its_own_shipped_keys() -> None:
+    """Qwen3-MoE ships dense-MLP keys (``mlp.gate_proj``) for configs with dense layers; this one has none."""
+    ref = _table_model("qwen3_moe")
+    assert "model.layers.*.mlp.gate_proj" in model_tp_plan(ref)  # shipped, naming no module of this config
+    with warnings.catch_warnings(record=True) as caught:  # the ranks are threads: their warnings come here
+        warnings.simplefilter("always")
+        sharded = run_threaded(2, _auto_install, ref)[0]
+    assert not [str(w.message) for w in caught if "matches no module" in str(w.message)]
+    assert sharded > 0
+
+
+def _governed(plan: Any, model: nn.Module) -> dict[str, Any]:
+    """``{module or parameter name: plan value}`` as ``parallelize`` would apply ``plan`` to ``model``."""
+    resolved = resolve_model_plan(plan, model)
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the respelled dense-MLP keys of Qwen3-MoE: user keys naming nothing
+        return {name: resolved[key] for name, key in match_plan(resolved, names).items()}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_prefix_is_one_rule_per_key_for_every_model(model_type: str) -> None:
+    """The shipped plan respelled without ``model.`` governs the same modules, though ``lm_head`` (top level)
+    matches as written: each key is put under the prefix on its own, for Llama and Qwen3-MoE alike."""
+    ref = _table_model(model_type)
+    shipped = model_tp_plan(ref)
+    respelled = {k.removeprefix("model."): v for k, v in shipped.items()}
+    assert "lm_head" in respelled and "layers.*.self_attn.q_proj" in respelled
+    want = _governed(shipped, ref)
+    assert any(".self_attn.q_proj" in name for name in want)
+    assert _governed(respelled, ref) == want
 
 
 def test_auto_on_a_model_without_a_plan_names_the_model() -> None:

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.traffic import CollectiveTraffic
 from ..run.quiet import quiet_transformers
 from ..testing import run_processes
 from .timing import barrier_rounds
-from .traffic import CollectiveTraffic
 
 __all__ = ["MOE_BATCH", "MOE_SEQ", "VARIANTS", "moe_config", "moe_phase", "moe_rank"]
 

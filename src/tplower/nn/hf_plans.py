@@ -9,22 +9,23 @@ rather than a module (``layers.*.self_attn.sinks``): that parameter is
 placed, and its module's entry (``local_params``) runs on local tensors.
 
 :func:`resolve_model_plan` turns ``"auto"`` or a dict taken from either
-place into keys of the model's own module names; :func:`param_key_placement`
+place into keys of the model's own module names, by one rule per key for
+every model (as written, else under ``base_model_prefix``, else inside a
+wrapper's model); :func:`param_key_placement`
 gives the placement a style means for a single parameter, following
 transformers' ``shard_param`` rules.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from ..core.errors import TPLowerError
-from .plans import PlanValue, load_plan, match_plan
+from .plans import PlanValue, load_plan, matching_keys
 
 __all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_ep_plan", "model_tp_plan", "param_key_placement",
            "resolve_model_plan"]
@@ -46,7 +47,7 @@ def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
     if not plan:
         base = getattr(getattr(model, "config", None), f"base_model_{kind}_plan", None)
         if base:
-            plan = _under_prefix(dict(base), model) or dict(base)
+            plan = _resolve_keys(dict(base), model)
     return {str(k): str(v) for k, v in plan.items()} if plan else None
 
 
@@ -97,20 +98,35 @@ def _names(model: nn.Module) -> list[str]:
     return list(dict.fromkeys([*modules, *params]))
 
 
-def _under_prefix(plan: Mapping[str, PlanValue], model: nn.Module) -> dict[str, PlanValue] | None:
+def _spellings(key: str, model: nn.Module) -> list[str]:
+    """Where ``key`` may name something of ``model``, in order: as written, under the model's
+    ``base_model_prefix`` (a ``config.base_model_tp_plan`` key on a ``*ForCausalLM``), then each spelling of
+    it inside a wrapper's model (a PEFT ``PeftModel``'s ``get_base_model()``) under the wrapper's name for it."""
+    out = [key]
     prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
-        return None
-    return {f"{prefix}.{k}" if k else prefix: v for k, v in plan.items()}
+    if isinstance(prefix, str) and prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        out.append(f"{prefix}.{key}" if key else prefix)
+    inner, qual = _wrapped_model(model)
+    if qual:
+        out += [f"{qual}{s}" for s in _spellings(key, inner)]
+    return out
 
 
-def _matches_any(plan: Mapping[str, PlanValue], names: Iterable[str]) -> bool:
-    with warnings.catch_warnings():  # only a probe: no warnings for keys that match nothing
-        warnings.simplefilter("ignore")
-        try:
-            return bool(match_plan(plan, names))
-        except TPLowerError:
-            return False
+def _resolve_keys(plan: Mapping[str, PlanValue], model: nn.Module) -> dict[str, PlanValue]:
+    """``plan`` with each key in its first spelling (:func:`_spellings`) that names a module or parameter of
+    ``model``; a key that names nothing in any spelling, or whose spelling another key already has, stays as
+    written. One rule for every key and every model: whether a key is prefixed never depends on the others."""
+    names = _names(model)
+    keys = list(plan)
+    spelled = {k: _spellings(k, model) for k in keys}
+    found = matching_keys({s for options in spelled.values() for s in options}, names)
+    out: dict[str, PlanValue] = {}
+    for key in keys:
+        name = next((s for s in spelled[key] if s in found), key)
+        if name != key and (name in plan or name in out):  # two keys for one name: the written one wins
+            name = key
+        out[name] = plan[key]
+    return out
 
 
 def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *,
@@ -127,34 +143,30 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
             dispatched).
 
     Returns:
-        The checked plan; when no key matches the model but every key
-        matches under the model's ``base_model_prefix`` (a
-        ``config.base_model_tp_plan`` applied to a ``*ForCausalLM``), the
-        keys prefixed; likewise under a wrapper's model (a PEFT
-        ``PeftModel``'s ``get_base_model()``), for ``"auto"`` too.
+        The checked plan, each key resolved on its own by one rule for every
+        model: as written where it names a module or parameter, else under
+        the model's ``base_model_prefix`` (a ``config.base_model_tp_plan``
+        key on a ``*ForCausalLM``), else under a wrapper's model (a PEFT
+        ``PeftModel``'s ``get_base_model()``); a key naming nothing stays as
+        written (``parallelize`` warns about it). For ``"auto"`` the shipped
+        keys that name nothing of this model are left out (a plan ships keys
+        for dense and MoE layers alike; a config may have only one kind), so
+        they never warn.
 
     Raises:
         TPLowerError: as :func:`tplower.nn.plans.load_plan`, or ``"auto"`` on a
             model without a plan.
     """
     if isinstance(plan, str) and plan == AUTO:
-        inner, prefix = _wrapped_model(model)
+        inner, _ = _wrapped_model(model)
         if experts == "ep":  # the expert-parallel keys replace the tensor-parallel ones they name
             shipped = {**model_tp_plan(inner), **model_ep_plan(inner)}
         else:
             shipped = model_tp_plan(inner)
-        return load_plan({f"{prefix}{k}": v for k, v in shipped.items()})
-    loaded = load_plan(plan)
-    names = _names(model)
-    if loaded and not _matches_any(loaded, names):
-        prefixed = _under_prefix(loaded, model)
-        if prefixed is not None and _matches_any(prefixed, names):
-            return prefixed
-        inner, qual = _wrapped_model(model)
-        if qual:  # keys named inside a wrapper's model (a PeftModel's base model)
-            within = resolve_model_plan(loaded, inner)
-            return {f"{qual}{k}": v for k, v in within.items()}
-    return loaded
+        resolved = _resolve_keys(load_plan(shipped), model)
+        used = matching_keys(resolved, _names(model))
+        return {k: v for k, v in resolved.items() if k in used} if used else resolved
+    return _resolve_keys(load_plan(plan), model)
 
 
 # transformers' shard_param rules, per style, for a key that names one parameter

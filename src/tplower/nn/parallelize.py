@@ -77,6 +77,7 @@ from .expert_layout import expert_biases, expert_param_placement
 from .experts import ExpertDispatch
 from .fanout import link_fanouts
 from .full_state import patch_save_pretrained, register_full_load
+from .heads import config_head_counts
 from .hf_plans import param_key_placement, resolve_model_plan
 from .install_params import _deferred_bias, _localize_attrs, _param_layouts, _shard_params
 from .lora import is_lora_layer, place_lora_layer, redirect_to_base, watch_registrations
@@ -287,17 +288,12 @@ def _install(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLo
     return info if form.form != "identity" or bias is not None or entry.share else None
 
 
-_HEADS = ("num_attention_heads", "num_key_value_heads")
-
-
 def _check_heads(model: nn.Module, entries: Mapping[str, BoundaryEntry], lowerer: MeshLowerer, axis: str) -> None:
     """Refuse, before anything is sharded, a plan that splits attention projections over a tp that does not
     divide the model config's head counts (each rank must own whole query and key/value heads)."""
-    config = getattr(model, "config", None)
-    if config is None or axis not in lowerer.names:
+    counts = config_head_counts(model)
+    if not counts or axis not in lowerer.names:
         return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    counts = {k: v for k in _HEADS if isinstance(v := getattr(text, k, None), int) and v > 0}
     n = lowerer.shape[lowerer.names.index(axis)]
     bad = {k: v for k, v in counts.items() if v % n}
     if not bad:
@@ -491,8 +487,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
                          "or 'ep' (expert parallelism)")
     if cover not in COVER_MODES:
         raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
-    if isinstance(plan, str) and plan == "derive":
-        plan = derive_plan(model, axis=axis).plan
+    if isinstance(plan, str) and plan == "derive":  # at this axis' size: attention it cannot split stays whole
+        names = mesh.mesh_dim_names or ()
+        plan = derive_plan(model, axis=axis, tp=mesh.size(names.index(axis)) if axis in names else None).plan
     plan = resolve_model_plan(plan, model, experts=experts)
     lowerer = mesh_lowerer(mesh)
     if axis not in lowerer.names:

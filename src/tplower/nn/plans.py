@@ -102,6 +102,7 @@ __all__ = [
     "entry_from_style",
     "load_plan",
     "match_plan",
+    "matching_keys",
     "resolve_entry",
     "style_kind",
 ]
@@ -318,6 +319,17 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
     parts = [r"[^.]+(?:\.[^.]+)*" if p == "**" else re.escape(p).replace(r"\*", r"[^.]*")
              for p in pattern.split(".")]
     return re.compile(r"\.".join(parts))
+
+
+def matching_keys(keys: Iterable[str], names: Iterable[str]) -> set[str]:
+    """The ``keys`` (exact names or globs, as plan keys) that name at least one of ``names``; no warning."""
+    names = list(names)
+    present = set(names)
+    out = set()
+    for key in keys:
+        if key in present or ("*" in key and any(_glob_regex(key).fullmatch(n) for n in names)):
+            out.add(key)
+    return out
 
 
 def match_plan(plan: Mapping[str, PlanValue], names: Iterable[str]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf_table import Outcome, _guarded, _merge, compare_training
+from .compare import Outcome, compare_training, guarded, merge
 from .quiet import quiet_transformers
 
 __all__ = ["FAMILIES", "DerivedRow", "main", "run_derived", "tiny_family"]
@@ -120,7 +120,7 @@ def _rank_body(rank: int, world: int, families: list[str]) -> list[tuple[Outcome
                 outcome, counted[0] = _one(family, mesh)
                 return outcome
 
-            out.append((_guarded(run), counted[0]))
+            out.append((guarded(run), counted[0]))
     return out
 
 
@@ -139,7 +139,7 @@ def run_derived(families: Sequence[str] | None = None, *, world: int = 2, timeou
         if name not in FAMILIES:
             raise KeyError(f"family {name!r} is not one of {', '.join(FAMILIES)}")
     results = run_processes(world, _rank_body, names, timeout=timeout, pg_timeout=min(timeout, 120.0))
-    return [DerivedRow(name, _merge([r[i][0] for r in results]), results[0][i][1]) for i, name in enumerate(names)]
+    return [DerivedRow(name, merge([r[i][0] for r in results]), results[0][i][1]) for i, name in enumerate(names)]
 
 
 def main(argv: Sequence[str] | None = None, print_: Callable[[str], None] = print) -> int:

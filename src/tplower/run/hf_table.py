@@ -24,6 +24,10 @@ architecture's errors so that one cannot end the others:
   expert parallelism: tplower's ``parallelize(..., experts="ep")`` and
   transformers' ``ep_size=world`` (the experts sharded by index over the tp
   ranks).
+* derive (the command's default, ``with_derive`` in :func:`run_table`):
+  ``parallelize(..., "derive")``, checked as the tplower column, with the
+  bytes each rank sends in the step against the shipped plan's
+  (:mod:`tplower.run.hf_derive`).
 
 ``python -m tplower.run.hf_table --markdown`` prints the README's table.
 """
@@ -40,64 +44,38 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch import nn
 
-from ..core.errors import TPLowerError
+from .compare import TOL, Outcome, compare_logits, compare_training, describe, eval_logits, guarded, merge
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
+from .hf_derive import byte_counts, derive_cell, derive_side
 from .quiet import quiet_transformers
 
 __all__ = ["TOL", "Arch", "Outcome", "Row", "architectures", "by_design", "compare_training", "counts", "gaps",
            "has_ep_plan", "input_ids", "main", "markdown", "run_table", "tiny_config", "tiny_model"]
 
-#: largest absolute logit difference from the one-process model that counts as equal (float32)
-TOL = 1e-5
 #: the fixed input is ``(BATCH, SEQ)`` token ids drawn from ``INPUT_SEED``; weights come from ``WEIGHT_SEED``
 BATCH, SEQ, INPUT_SEED = 2, 8, 3
 
-Status = Literal["pass", "fail", "refused", "error", "n/a"]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One side's result on one architecture.
-
-    ``pass``/``fail``: logits (and, where checked, every gradient and the cross-rank agreement of the
-    replicated ones: ``grad_diff``, the worst parameter in ``detail``) within / beyond :data:`TOL`
-    (``max_diff``: the logits');
-    ``refused``: a :class:`~tplower.TPLowerError` (``detail`` its message);
-    ``error``: any other exception (``detail``: type and first line);
-    ``n/a``: not run (``detail`` says why).
-    """
-
-    status: Status
-    max_diff: float | None = None
-    detail: str = ""
-    grad_diff: float | None = None
-
-    def cell(self) -> str:
-        """The table cell: the status, with the max diff for pass/fail (logits, then gradients where checked)."""
-        if self.max_diff is None:
-            return self.status
-        grads = f", grads {self.grad_diff:.1e}" if self.grad_diff is not None else ""
-        return f"{self.status} ({self.max_diff:.1e}{grads})"
+_NOT_RUN = Outcome("n/a")
 
 
 @dataclass(frozen=True)
 class Row:
     """One architecture's line of the table: tensor parallelism, then expert parallelism (MoE models with an
-    ``ep_plan``; ``n/a`` elsewhere)."""
+    ``ep_plan``; ``n/a`` elsewhere), then tplower's derived plan (``n/a`` unless run)."""
 
     arch: Arch
     tplower: Outcome
     hf: Outcome
-    tplower_ep: Outcome = Outcome("n/a")
-    hf_ep: Outcome = Outcome("n/a")
+    tplower_ep: Outcome = _NOT_RUN
+    hf_ep: Outcome = _NOT_RUN
+    derive: Outcome = _NOT_RUN
 
     def note(self) -> str:
         """Why a side did not pass (tplower's reason, then transformers', then under EP), and any remark."""
@@ -109,6 +87,8 @@ class Row:
             parts.append(f"tplower EP: {_short(self.tplower_ep)}")
         if self.hf_ep.status not in ("pass", "n/a"):
             parts.append(f"transformers EP: {_short(self.hf_ep)}")
+        if self.derive.status not in ("pass", "n/a"):
+            parts.append(f"derive: {_short(self.derive)}")
         parts.append(_REMARKS.get(mt, ""))
         return "; ".join(p for p in parts if p)
 
@@ -148,103 +128,6 @@ def input_ids() -> torch.Tensor:
     return torch.randint(0, high, (BATCH, SEQ), generator=torch.Generator().manual_seed(INPUT_SEED))
 
 
-def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=False).logits
-    return out.full_tensor() if isinstance(out, DTensor) else out
-
-
-def _compare(got: torch.Tensor, want: torch.Tensor) -> Outcome:
-    if got.shape != want.shape:
-        return Outcome("fail", detail=f"logits shape {tuple(got.shape)}, one process {tuple(want.shape)}")
-    diff = float((got - want).abs().max())
-    return Outcome("pass" if diff <= TOL else "fail", diff, "" if diff <= TOL else f"max diff {diff:.1e} > {TOL:.0e}")
-
-
-def _train_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The logits (whole), after one backward of the next-token cross-entropy on ``ids``."""
-    from torch.distributed.tensor import DTensor
-
-    out = model(input_ids=ids, use_cache=False).logits
-    full = out.full_tensor() if isinstance(out, DTensor) else out
-    logits = full[:, :-1].float()
-    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
-    return full.detach()
-
-
-def _replica_spread(grad: torch.Tensor) -> float:
-    """How far a replicated DTensor gradient's local values differ across its mesh's ranks (max - min)."""
-    import torch.distributed as dist
-
-    local = grad.to_local().detach().float()  # type: ignore[attr-defined]
-    hi, lo = local.clone(), local.clone()
-    group = grad.device_mesh.get_group()  # type: ignore[attr-defined]
-    dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
-    return float((hi - lo).abs().max()) if local.numel() else 0.0
-
-
-def compare_training(tp: nn.Module, ref: nn.Module, ids: torch.Tensor | None,
-                     step: Callable[[nn.Module], torch.Tensor] | None = None) -> Outcome:
-    """Logits, every parameter gradient and the replicated gradients' cross-rank agreement of ``tp`` vs ``ref``.
-
-    Runs one forward and backward of each (next-token cross-entropy on ``ids``, or ``step(model)``, which
-    runs a forward and a backward and returns the whole output, detached); call on every rank alike (the
-    agreement check is a collective per replicated DTensor gradient). ``grad_diff`` is the largest of the
-    gradient differences and spreads; ``detail`` names the worst parameter when it is beyond :data:`TOL`.
-    """
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if step is None:
-        assert ids is not None, "compare_training: ids or step"
-        step = functools.partial(_train_logits, ids=ids)
-    want, got = step(ref), step(tp)
-    logits = _compare(got, want)
-    if logits.max_diff is None:
-        return logits
-    mine = dict(tp.named_parameters())
-    worst, what = 0.0, ""
-    for name, p in ref.named_parameters():
-        q = mine.get(name)
-        g = None if q is None else q.grad
-        if (p.grad is None) != (g is None):
-            return Outcome("fail", logits.max_diff, f"gradient of {name}: one process "
-                           f"{'none' if p.grad is None else 'set'}, parallel {'none' if g is None else 'set'}", 0.0)
-        if p.grad is None or g is None:
-            continue
-        if isinstance(g, DTensor) and all(isinstance(x, Replicate) for x in g.placements):
-            spread = _replica_spread(g)
-            if spread > worst:
-                worst, what = spread, f"replicated gradient of {name} differs across ranks by {spread:.1e}"
-        full = g.full_tensor() if isinstance(g, DTensor) else g
-        if full.shape != p.grad.shape:
-            return Outcome("fail", logits.max_diff, f"gradient of {name}: shape {tuple(full.shape)}, one process "
-                           f"{tuple(p.grad.shape)}", 0.0)
-        diff = float((full - p.grad).abs().max()) if full.numel() else 0.0
-        if diff > worst:
-            worst, what = diff, f"gradient of {name} off by {diff:.1e}"
-    ok = logits.status == "pass" and worst <= TOL
-    detail = logits.detail or (what if worst > TOL else "")
-    return Outcome("pass" if ok else "fail", logits.max_diff, detail, worst)
-
-
-def _describe(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
-
-
-def _guarded(run: Callable[[], Outcome]) -> Outcome:
-    """``run()``, with a :class:`TPLowerError` as ``refused`` and any other exception as ``error``."""
-    try:
-        return run()
-    except TPLowerError as exc:
-        return Outcome("refused", detail=str(exc).strip().splitlines()[0])
-    except Exception as exc:  # one architecture's failure is that architecture's row, never the run's end
-        return Outcome("error", detail=_describe(exc))
-
-
 def has_ep_plan(arch: Arch) -> bool:
     """Whether the architecture's config ships a ``base_model_ep_plan`` (its experts can be sharded by index)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -253,12 +136,12 @@ def has_ep_plan(arch: Arch) -> bool:
 
 
 def _tplower_side(arch: Arch, mesh: Any, ids: torch.Tensor, experts: str = "tp",
-                  vocab_size: int | None = None) -> Outcome:
+                  vocab_size: int | None = None, count: bool = False) -> Outcome:
     from ..nn.parallelize import parallelize
 
     ref = tiny_model(arch, vocab_size)
     tp = parallelize(copy.deepcopy(ref), mesh, "auto", experts=experts)
-    return compare_training(tp, ref, ids)
+    return compare_training(tp, ref, ids, count=count)
 
 
 def _hf_side(folder: str, ids: torch.Tensor, world: int, experts: str = "tp") -> Outcome:
@@ -266,23 +149,23 @@ def _hf_side(folder: str, ids: torch.Tensor, world: int, experts: str = "tp") ->
     from transformers.distributed.configuration_utils import DistributedConfig
 
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    want = _logits(ref, ids)
+    want = eval_logits(ref, ids)
     config = (DistributedConfig(tp_size=world, tp_plan="auto", ep_size=world) if experts == "ep"
               else DistributedConfig(tp_size=world, tp_plan="auto"))
     tp = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=config)
-    return _compare(_logits(tp.eval(), ids), want)
+    return compare_logits(eval_logits(tp.eval(), ids), want)
 
 
-def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str],
-               with_hf: bool, vocab_size: int | None = None) -> list[tuple[Outcome, Outcome, Outcome, Outcome]]:
-    """On every rank: each architecture's tplower and transformers outcomes, in order."""
+def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str], with_hf: bool,
+               vocab_size: int | None = None, with_derive: bool = False) -> list[tuple[Outcome, ...]]:
+    """On every rank: each architecture's tplower and transformers outcomes (TP, EP), then derive's, in order."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # transformers' DistributedConfig reads the launcher's variables; the process group is already up
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ids = input_ids()
-    out: list[tuple[Outcome, Outcome, Outcome, Outcome]] = []
+    out: list[tuple[Outcome, ...]] = []
     with quiet_transformers():
         for arch in archs:
             row = []
@@ -290,26 +173,19 @@ def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str]
                 if experts == "ep" and not has_ep_plan(arch):
                     row += [Outcome("n/a", detail="no ep_plan")] * 2
                     continue
-                row.append(_guarded(functools.partial(_tplower_side, arch, mesh, ids, experts, vocab_size)))
+                count = with_derive and experts == "tp"  # the shipped plan's bytes, for the derive column
+                row.append(guarded(functools.partial(_tplower_side, arch, mesh, ids, experts, vocab_size, count)))
                 folder = folders.get(arch.model_type)
-                row.append(_guarded(functools.partial(_hf_side, folder, ids, world, experts))
+                row.append(guarded(functools.partial(_hf_side, folder, ids, world, experts))
                            if with_hf and folder else Outcome("n/a", detail="transformers' side not run"))
-            out.append((row[0], row[1], row[2], row[3]))
+            row.append(guarded(functools.partial(derive_side, arch, mesh, ids, vocab_size)) if with_derive
+                       else Outcome("n/a", detail="derive not run"))
+            out.append(tuple(row))
     return out
 
 
-def _merge(per_rank: Sequence[Outcome]) -> Outcome:
-    """One outcome from every rank's: the first that did not pass, else rank 0's with the largest diff."""
-    for outcome in per_rank:
-        if outcome.status != "pass":
-            return outcome
-    grads = [o.grad_diff for o in per_rank if o.grad_diff is not None]
-    return dataclasses.replace(per_rank[0], max_diff=max(o.max_diff or 0.0 for o in per_rank),
-                               grad_diff=max(grads) if grads else None)
-
-
 def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True, world: int = 2,
-              timeout: float = 1800.0, vocab_size: int | None = None) -> list[Row]:
+              timeout: float = 1800.0, vocab_size: int | None = None, with_derive: bool = False) -> list[Row]:
     """Run every architecture (or ``model_types``) on ``world`` spawned gloo ranks, one spawn for all.
 
     Args:
@@ -321,6 +197,8 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
         vocab_size: every tiny model's vocabulary (default ``_SIZES``' 128,
             which divides by 2; e.g. 129, which no tp divides: vocabulary-
             parallel embeddings and heads then shard unevenly).
+        with_derive: also run ``"derive"`` (:mod:`tplower.run.hf_derive`)
+            and count the bytes of it and of the shipped plan's TP step.
 
     Returns:
         One :class:`Row` per architecture, in :func:`architectures` order;
@@ -342,11 +220,11 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
                 model.save_pretrained(folder)
                 folders[arch.model_type] = folder
             except Exception as exc:  # a config the generic builder cannot make: its row says why
-                broken[arch.model_type] = Outcome("error", detail=f"tiny model: {_describe(exc)}")
+                broken[arch.model_type] = Outcome("error", detail=f"tiny model: {describe(exc)}")
         runnable = [a for a in archs if a.model_type not in broken]
-        results = run_processes(world, _rank_body, runnable, folders, with_hf, vocab_size, timeout=timeout,
-                                pg_timeout=min(timeout, 120.0))
-    outcomes = {a.model_type: tuple(_merge([r[i][side] for r in results]) for side in range(4))
+        results = run_processes(world, _rank_body, runnable, folders, with_hf, vocab_size, with_derive,
+                                timeout=timeout, pg_timeout=min(timeout, 120.0))
+    outcomes = {a.model_type: tuple(merge([r[i][side] for r in results]) for side in range(5))
                 for i, a in enumerate(runnable)}
     return [Row(a, *outcomes[a.model_type]) if a.model_type in outcomes
             else Row(a, broken[a.model_type], broken[a.model_type]) for a in archs]
@@ -355,13 +233,15 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
 # ---------------------------------------------------------------------------------------------- report
 
 def counts(rows: Sequence[Row]) -> dict[str, dict[str, int]]:
-    """How many architectures each side passes, fails, refuses or errors on (EP sides: MoE models only)."""
+    """How many architectures each side passes, fails, refuses or errors on (EP sides: MoE models only; derive:
+    where it ran)."""
     out: dict[str, dict[str, int]] = {"tplower": {}, "transformers": {}, "tplower EP": {}, "transformers EP": {}}
     for row in rows:
         for side, outcome in (("tplower", row.tplower), ("transformers", row.hf), ("tplower EP", row.tplower_ep),
-                              ("transformers EP", row.hf_ep)):
-            if outcome.status != "n/a" or not side.endswith("EP"):
-                out[side][outcome.status] = out[side].get(outcome.status, 0) + 1
+                              ("transformers EP", row.hf_ep), ("tplower derive", row.derive)):
+            if outcome.status != "n/a" or side in ("tplower", "transformers"):
+                per = out.setdefault(side, {})
+                per[outcome.status] = per.get(outcome.status, 0) + 1
     return out
 
 
@@ -379,39 +259,51 @@ def _cell(text: str) -> str:
 
 
 def markdown(rows: Sequence[Row]) -> str:
-    """The README table: architecture | tplower | transformers TP | note, then the counts."""
-    lines = ["| architecture | tplower | transformers TP | tplower EP | transformers EP | note |",
-             "|---|---|---|---|---|---|"]
+    """The README table: architecture | tplower | transformers TP | EP both | (derive) | note, then the counts
+    (and, with the derive column, its bytes against the shipped plan's)."""
+    derived = any(r.derive.status != "n/a" for r in rows)
+    lines = ["| architecture | tplower | transformers TP | tplower EP | transformers EP | "
+             + ("tplower derive | " if derived else "") + "note |", "|---|---|---|---|---|---|" + "---|" * derived]
     for row in rows:
         arch = f"`{row.arch.model_type}` ({row.arch.causal_lm})"
+        mine = f"{derive_cell(row.derive, row.tplower)} | " if derived else ""
         lines.append(f"| {arch} | {row.tplower.cell()} | {row.hf.cell()} | {row.tplower_ep.cell()} | "
-                     f"{row.hf_ep.cell()} | {_cell(row.note())} |")
+                     f"{row.hf_ep.cell()} | {mine}{_cell(row.note())} |")
     lines.append("")
     for side, per_status in counts(rows).items():
         lines.append(f"{side}: " + ", ".join(f"{n} {status}" for status, n in sorted(per_status.items())) + "  ")
+    if derived:
+        b = byte_counts((r.derive, r.tplower) for r in rows)
+        ratio = f"{b['derived_bytes'] / b['shipped_bytes']:.2f}" if b["shipped_bytes"] else "n/a"
+        lines.append(f"derive bytes per step against the shipped plan, where both pass: {b['fewer']} fewer, "
+                     f"{b['same']} the same, {b['more']} more; {b['derived_bytes']:,} against "
+                     f"{b['shipped_bytes']:,} bytes in all ({ratio}x)  ")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tplower.run.hf_table [--only a,b] [--no-hf] [--markdown] [--json FILE]``; 1 if :func:`gaps`."""
+    """``python -m tplower.run.hf_table [--only a,b] [--no-hf] [--no-derive] [--markdown] [--json FILE]``; 1 if
+    :func:`gaps`."""
     parser = argparse.ArgumentParser(prog="python -m tplower.run.hf_table",
                                      description="tplower's and transformers' TP on every HF decoder, tiny, at tp=2")
     parser.add_argument("--only", default="", help="comma list of model_types (default: every architecture)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own TP")
+    parser.add_argument("--no-derive", action="store_true", help="skip the derived plan's column (and byte counts)")
     parser.add_argument("--markdown", action="store_true", help="print the README table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
     parser.add_argument("--vocab", type=int, default=None,
                         help="every tiny model's vocabulary size (default 128; e.g. 129, which no tp divides)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    rows = run_table([m for m in args.only.split(",") if m] or None, with_hf=not args.no_hf, vocab_size=args.vocab)
+    rows = run_table([m for m in args.only.split(",") if m] or None, with_hf=not args.no_hf, vocab_size=args.vocab,
+                     with_derive=not args.no_derive)
     seconds = time.perf_counter() - start
     if args.markdown:
         print(markdown(rows))
     else:
         for row in rows:
             print(f"{row.arch.model_type:24} {row.tplower.cell():18} {row.hf.cell():18} {row.tplower_ep.cell():18} "
-                  f"{row.hf_ep.cell():18} {row.note()}")
+                  f"{row.hf_ep.cell():18} {derive_cell(row.derive, row.tplower):18} {row.note()}")
     print(f"\n{len(rows)} architectures in {seconds:.0f} s", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
