@@ -3,7 +3,7 @@
 A stack of pre-norm MLP blocks under sequence parallelism (each block's input ``S(1)`` on the sequence, gathered
 before the column-parallel ``up``, reduce-scattered after the row-parallel ``down``) at tp=2 on 2 gloo ranks.
 By default the gather's input is a move whose sequence length no parameter says, so each call the ranks exchange
-its local size (one ``all_gather`` of one integer per block: :func:`tplower.nn.uneven.agreed_global_shape`).
+its local size (one ``all_gather`` of one integer per block: :func:`tplower.runtime.uneven.agreed_global_shape`).
 The same model with that exchange taken out (the even assumption tplower made before) runs interleaved with it;
 the ratio of median train-step times (forward, backward, SGD step) is the price.
 

@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tplower import TPLowerError, create_tp_collective_lowerer
-from tplower.nn.boundaries import TPOperators, classify_boundary_form, explain_plan_lines
-from tplower.nn.plans import load_plan, match_plan, resolve_entry
+from tplower.plans.entries import load_plan, match_plan, resolve_entry
+from tplower.plans.forms import classify_boundary_form, explain_plan_lines
+from tplower.runtime.operators import TPOperators
 from tplower.testing import run_threaded
 
 TP, DP_TP, DP_EP = ("tp",), ("dp", "tp"), ("dp", "ep")

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tplower.core.errors import TPLowerError
-from tplower.nn.boundaries import BoundaryForm, classify_boundary_form
+from tplower.plans.forms import BoundaryForm, classify_boundary_form
 
 AXES = ("dp", "tp", "ep", "sp")
 TEXT = st.one_of(st.sampled_from(["R", "S(0)", "S(1)", "S(-1)", "P(sum)", "P(avg)", "P(max)", "S(9)"]),

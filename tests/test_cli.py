@@ -107,3 +107,14 @@ def _needs_an_argument(size):  # a --module factory that cannot be called with n
 def test_codegen_errors_exit_2_naming_the_option(argv, message, capsys):
     assert main(["codegen", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_explain_plan_on_a_model_prints_the_resolved_modules(capsys: pytest.CaptureFixture[str]) -> None:
+    # llama-tiny's shipped plan, resolved on its skeleton at tp=2: q_proj colwise, o_proj rowwise (hand table)
+    assert main(["explain", "--plan", "auto", "--model", "llama-tiny", "--mesh", "tp=2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    q = out.index("model.layers.0.self_attn.q_proj: tp_collective, lowered")
+    assert out[q + 1:q + 3] == ["  0: tp R -> R (grad P(sum)) ==> identity; backward all_reduce(op=sum)",
+                                "  param weight: tp S(0)"]
+    o = out.index("model.layers.0.self_attn.o_proj: tp_collective, lowered")
+    assert out[o + 1:o + 3] == ["  out: tp P(sum) -> R ==> all_reduce(op=sum)", "  param weight: tp S(1)"]

@@ -74,7 +74,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     # what each boundary's forward and each hook object exposes to the trace, by attribute name
     forward_attrs = {m.group(1) for s in sources if (m := re.search(r"\.forward\.(\w+)$", s))}
     hook_attrs = {m.group(1) for s in sources if (m := re.search(r"_hooks\)\)\[\d+\]\](?:\.__self__)?\.(\w+)$", s))}
-    layout_type = r"type=<class 'tplower\.nn\.\w+\.(?:_Static|_SwapStatic)'>"
+    layout_type = r"type=<class 'tplower\.runtime\.\w+\.(?:_Static|_SwapStatic)'>"
     layouts = set(re.findall(r"source=(\S+?), accessed_by=\S+, " + layout_type, buf.getvalue()))
     return {"shared": shared, "forward_attrs": sorted(forward_attrs), "hook_attrs": sorted(hook_attrs),
             "layouts": len(layouts), "err": float((out - want).abs().max())}

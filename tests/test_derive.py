@@ -20,9 +20,9 @@ from torch import nn
 
 from tplower import TPLowerError
 from tplower.cli.main import main as cli_main
-from tplower.nn.alibi import local_alibi
-from tplower.nn.conv1d import conv1d_forward, is_conv1d
-from tplower.nn.derive import derive_plan
+from tplower.families.alibi import local_alibi
+from tplower.families.conv1d import conv1d_forward, is_conv1d
+from tplower.plans.derive import derive_plan
 from tplower.run.derive_table import run_derived, tiny_family
 from tplower.run.hf_table import TOL
 from tplower.run.models import LLAMA_TINY, MINILM, MINILM_TP_PLAN, skeleton
@@ -79,7 +79,7 @@ def test_gpt2_conv1d_projections_are_derived_with_qkv_packed() -> None:
 def test_bloom_attention_slices_alibi() -> None:
     plan = derive_plan(tiny_family("bloom")[0]).plan
     assert plan["h.*.self_attention"] == {"local_attrs": {"num_heads": "divide", "split_size": "divide"},
-                                          "local_compute": "tplower.nn.alibi:alibi_heads_forward"}
+                                          "local_compute": "tplower.families.alibi:alibi_heads_forward"}
     assert plan["h.*.self_attention.query_key_value"] == "colwise"
 
 
@@ -111,14 +111,15 @@ def test_local_alibi_is_each_ranks_heads() -> None:
 def test_explain_reads_conv1d_styles_as_conv1d(capsys) -> None:  # type: ignore[no-untyped-def]
     assert cli_main(["explain", "--plan", "derive", "--model", "gpt2"]) == 0
     out = capsys.readouterr().out
-    fc = out[out.index("h.*.mlp.c_fc: region"):]
+    # resolved on the model, module by module
+    fc = out[out.index("h.0.mlp.c_fc: region, lowered"):]
     assert fc.splitlines()[2:4] == ["  param weight: tp S(1)", "  param bias: tp S(0)"]  # weight [in, out]
-    proj = out[out.index("h.*.mlp.c_proj: region"):]
+    proj = out[out.index("h.0.mlp.c_proj: region, lowered"):]
     assert "  param weight: tp S(0)" in proj.splitlines()[1:4]
 
 
 def test_a_linear_style_on_a_conv1d_names_the_conv1d_style() -> None:
-    from tplower.nn.plans import resolve_entry
+    from tplower.plans.entries import resolve_entry
 
     with pytest.raises(TPLowerError, match=r"plan\['h.0.mlp.c_fc'\]: style 'colwise'.*takes conv1d_colwise"):
         resolve_entry("colwise", "h.0.mlp.c_fc", kind="other")
@@ -127,7 +128,7 @@ def test_a_linear_style_on_a_conv1d_names_the_conv1d_style() -> None:
     entry = resolve_entry({"style": "conv1d_colwise", "packed": {"weight": 3, "bias": 3}}, "c_attn", kind="other")
     assert entry.params == {"weight": {"tp": "S(1)"}, "bias": {"tp": "S(0)"}} and entry.packed == {"weight": 3,
                                                                                                    "bias": 3}
-    assert entry.local_compute == "tplower.nn.conv1d:conv1d_forward"
+    assert entry.local_compute == "tplower.families.conv1d:conv1d_forward"
     row = resolve_entry("conv1d_rowwise", "c_proj", kind="other")
     assert row.params == {"weight": {"tp": "S(0)"}, "bias": {"tp": "R"}} and row.deferred_bias == "bias"
 

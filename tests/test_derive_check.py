@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor
 
 from tplower import TPLowerError
 from tplower.cli.main import main as cli_main
-from tplower.nn.derive import DerivedPlan, derive_plan
+from tplower.plans.derive import DerivedPlan, derive_plan
 from tplower.run.derive_table import tiny_family
 from tplower.run.quiet import quiet_transformers
 from tplower.testing import run_threaded
-from tplower.verify.derived import DerivedPlanRefused, parallelize_verified, tiny_inputs, verify_derived
+from tplower.verification.derived import DerivedPlanRefused, parallelize_verified, tiny_inputs, verify_derived
 
 
 @pytest.fixture(scope="module")

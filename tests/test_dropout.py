@@ -1,4 +1,4 @@
-"""Dropout across ranks (tplower.nn.dropout): replicated activations get one mask, sharded ones each rank's own.
+"""Dropout across ranks (tplower.runtime.dropout): replicated activations get one mask, sharded ones each rank's own.
 
 A stack of two blocks ``x + drop_rep(o(drop_sharded(gelu(q(norm(x))))))`` with ``q`` column-parallel and ``o``
 row-parallel at tp=2 on 2 gloo ranks, every rank seeded alike, dropout 0.1. Forward hooks record each dropout's

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tplower.cli import main
-from tplower.nn.plans import load_plan
+from tplower.plans.entries import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -1,4 +1,4 @@
-"""Expert weights split on the dim their module's layout declares (:mod:`tplower.nn.expert_layout`).
+"""Expert weights split on the dim their module's layout declares (:mod:`tplower.plans.expert_layout`).
 
 gpt-oss holds its experts transposed and interleaved (``gate_up_proj [E, H, 2I]``, gates at even features,
 ``down_proj [E, I, H]``) with biases (``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``). A plan written
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import tplower
 from tplower import TPLowerError
-from tplower.nn.expert_layout import expert_param_placement
+from tplower.plans.expert_layout import expert_param_placement
 from tplower.run.hf_table import architectures, input_ids, tiny_model
 from tplower.testing import run_processes, run_threaded
 

@@ -1,4 +1,4 @@
-"""Siblings that read one tensor share its move (tplower.nn.fanout), against one process, eager and compiled.
+"""Siblings that read one tensor share its move (tplower.runtime.fanout), against one process, eager and compiled.
 
 A pre-norm block whose attention feeds one tensor to ``q``, ``k``, ``v``
 and whose MLP feeds one to ``gate`` and ``up``, column-parallel, with ``o``
@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import tplower
 from tplower.bench.graphs import GraphCapture
 from tplower.core.traffic import CollectiveTraffic
-from tplower.nn.boundary_runtime import FANOUT
+from tplower.runtime.boundary import FANOUT
 from tplower.testing import run_processes
 
 D, H = 8, 16

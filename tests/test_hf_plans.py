@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tplower import TPLowerError
-from tplower.nn.hf_plans import model_tp_plan, resolve_model_plan
 from tplower.nn.parallelize import parallelize
-from tplower.nn.plans import match_plan
+from tplower.plans.entries import match_plan
+from tplower.plans.hf import model_tp_plan, resolve_model_plan
 from tplower.testing import RankFailure, run_threaded
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import tplower
 from tplower.core.errors import TPLowerError
-from tplower.nn.loading import materialize
+from tplower.state.loading import materialize
 from tplower.testing import run_processes
 
 pytest.importorskip("transformers")
@@ -156,7 +156,7 @@ def _lora_redraw(mesh: Any) -> dict[str, Any]:
 
     from peft import LoraConfig, inject_adapter_in_model
 
-    from tplower.nn.lora import place_lora
+    from tplower.adapters.lora import place_lora
 
     config = {"r": 4, "target_modules": ["q_proj", "o_proj", "down_proj"], "lora_dropout": 0.0}
     tp = inject_adapter_in_model(LoraConfig(**config), tplower.parallelize(_llama(), mesh, "auto"))

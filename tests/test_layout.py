@@ -1,10 +1,14 @@
-"""The package layout: the layer contract holds and can fail, no two modules import each other, public names stay.
+"""The package layout: the layer contract holds and can fail, no two modules import each other, public names stay,
+no file is longer than the project keeps to.
 
 Layers, top to bottom (``[tool.importlinter]`` in ``pyproject.toml``): the
 command line; the benchmarks; the main job; the code generator and the
-verifier (independent of each other); the module layer, the test harness and
-the conformance checks; the core. ``lint-imports`` checks that no import
-points up.
+verifier (independent of each other); installation (``tplower.nn``), the test
+harness and the conformance checks; adapters and context parallelism
+(independent of each other); state in and out; the runtime of installed
+boundaries; the plan language; model-family helpers; the core.
+``lint-imports`` checks that no import points up, and every planted upward
+import below must break it.
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ def test_an_import_pointing_up_breaks_the_contract(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "src" / "tplower", tmp_path / "src" / "tplower",
                     ignore=shutil.ignore_patterns("__pycache__"))
     placements = tmp_path / "src" / "tplower" / "core" / "placements.py"
-    placements.write_text(placements.read_text() + "\nfrom ..nn import plans  # noqa: E402\n")
+    placements.write_text(placements.read_text() + "\nfrom ..plans import entries  # noqa: E402\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     done = _lint(tmp_path / "pyproject.toml", tmp_path / "src")
     assert done.returncode == 1 and "0 kept, 1 broken" in done.stdout, done.stdout + done.stderr
-    assert "tplower.core.placements -> tplower.nn.plans" in done.stdout
+    assert "tplower.core.placements -> tplower.plans.entries" in done.stdout
 
 
 def test_public_names_unchanged() -> None:
@@ -67,10 +71,17 @@ def test_public_names_unchanged() -> None:
 @pytest.mark.skipif(LINT is None, reason="import-linter is not installed (pip install -e '.[dev]')")
 @pytest.mark.parametrize(("where", "line", "shown"), [
     ("nn/parallelize.py", "from ..codegen import emit", "tplower.nn.parallelize -> tplower.codegen"),
-    ("codegen/writer.py", "from ..verify import report", "tplower.codegen.writer -> tplower.verify"),
-], ids=["nn->codegen", "codegen->verify"])
-def test_the_module_layer_cannot_use_the_generator_or_the_verifier(tmp_path: Path, where: str, line: str,
-                                                                   shown: str) -> None:
+    ("codegen/writer.py", "from ..verification import report", "tplower.codegen.writer -> tplower.verification"),
+    ("state/full_state.py", "from ..adapters import lora", "tplower.state.full_state -> tplower.adapters"),
+    ("adapters/lora.py", "from ..context import layout", "tplower.adapters.lora -> tplower.context"),
+    ("runtime/boundary.py", "from ..nn import coverage", "tplower.runtime.boundary -> tplower.nn"),
+    ("runtime/params.py", "from ..state import full_state", "tplower.runtime.params -> tplower.state"),
+    ("plans/forms.py", "from ..runtime import operators", "tplower.plans.forms -> tplower.runtime"),
+    ("families/conv1d.py", "from ..plans import styles", "tplower.families.conv1d -> tplower.plans"),
+    ("core/errors.py", "from ..cli import main", "tplower.core.errors -> tplower.cli"),
+], ids=["nn->codegen", "codegen->verification", "state->adapters", "adapters->context", "runtime->nn",
+        "runtime->state", "plans->runtime", "families->plans", "core->cli"])
+def test_every_planted_upward_import_breaks_the_contract(tmp_path: Path, where: str, line: str, shown: str) -> None:
     shutil.copytree(ROOT / "src" / "tplower", tmp_path / "src" / "tplower",
                     ignore=shutil.ignore_patterns("__pycache__"))
     planted = tmp_path / "src" / "tplower" / where
@@ -79,6 +90,22 @@ def test_the_module_layer_cannot_use_the_generator_or_the_verifier(tmp_path: Pat
     done = _lint(tmp_path / "pyproject.toml", tmp_path / "src")
     assert done.returncode == 1 and "0 kept, 1 broken" in done.stdout, done.stdout + done.stderr
     assert shown in done.stdout, done.stdout
+
+
+#: the longest a source file of the package may be (one idea a file)
+MAX_LINES = 420
+
+
+def test_no_file_is_longer_than_the_project_keeps_to() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "src" / "tplower").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_every_room_says_its_one_idea() -> None:
+    for init in sorted((ROOT / "src" / "tplower").glob("*/__init__.py")):
+        doc = init.read_text().split('"""')
+        assert len(doc) >= 3 and len(doc[1].strip()) > 80, f"{init.relative_to(ROOT)} has no docstring of its room"
 
 
 _PAIRS = """

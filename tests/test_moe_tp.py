@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import tplower
 from tplower import TPLowerError
-from tplower.nn.hf_plans import param_key_placement
-from tplower.nn.plans import load_plan, resolve_entry
+from tplower.plans.entries import load_plan, resolve_entry
+from tplower.plans.hf import param_key_placement
 from tplower.run.hf_table import architectures, input_ids, tiny_config, tiny_model
 from tplower.testing import run_processes, run_threaded
 
@@ -370,7 +370,7 @@ def test_codegen_writes_the_dispatch_and_the_identity_share_out(ranks: list[dict
 
 
 def test_identity_share_in_explain() -> None:
-    from tplower.nn.boundaries import explain_plan_lines
+    from tplower.plans.forms import explain_plan_lines
 
     lines = explain_plan_lines({"experts.identity_expert": "moe_identity_expert"}, ["tp"])
     assert lines == ["experts.identity_expert: identity", "  out: tp 1/n share of a sum ==> divide, forward and "

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import tplower
-from tplower.nn.packed_checkpoint import PackedLocal
 from tplower.run.hf_table import architectures, input_ids, tiny_model
+from tplower.state.packed_checkpoint import PackedLocal
 from tplower.testing import run_processes, run_threaded
 
 PLAN = {"experts": "moe_tp_experts", "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}

@@ -252,7 +252,7 @@ def _live_mesh_body(rank: int, world: int) -> tuple[str | None, list[str]]:
     # A backend tplower does not know: that boundary runs on DTensor, with a warning.
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with warnings.catch_warnings(record=True) as caught, \
-            mock.patch("tplower.nn.parallelize.dist.get_backend", return_value="mystery"):
+            mock.patch("tplower.nn.moves.dist.get_backend", return_value="mystery"):
         warnings.simplefilter("always")
         model = parallelize(copy.deepcopy(ref), mesh, PLANS["mlp"])
     torch.testing.assert_close(_run(model, x, g)[0], want, **TOL)

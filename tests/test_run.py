@@ -253,7 +253,7 @@ def test_tplower_path_shards_localizes_heads_and_records_bytes() -> None:
     full = b * t * 384 * 4  # one float32 activation [B, T, 384]; a ring all_reduce on 2 ranks sends all of it
     rows = out["rows"]
     assert isinstance(rows, list) and len(rows) == 36
-    # key and value take query's move of the same tensor (tplower.nn.fanout): their bytes are counted there
+    # key and value take query's move of the same tensor (tplower.runtime.fanout): their bytes are counted there
     shared = [r for r in rows if r[7] is not None]
     assert len(shared) == 12 and {r[6].rpartition(".")[2] for r in shared} == {"key", "value"}  # 6 layers
     assert all(r[7].endswith(".query") and r[3:5] == (0, 0) for r in shared)

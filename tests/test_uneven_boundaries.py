@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from tplower import TPLowerError
 from tplower.nn.parallelize import parallelize
-from tplower.nn.plans import resolve_entry
+from tplower.plans.entries import resolve_entry
 from tplower.testing import RankFailure, run_processes, run_threaded
 
 from blocks import Block, D

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tplower.testing import run_processes, run_threaded
-from tplower.verify.report import VerifyReport
-from tplower.verify.verifier import verify
+from tplower.verification.report import VerifyReport
+from tplower.verification.verifier import verify
 
 from test_parallelize import MLP, Block
 from test_parallelize import D as BD
@@ -230,7 +230,7 @@ def test_tiny_llama_auto_plan_is_clean_threaded_world2() -> None:
 # ---- the report and the arguments ------------------------------------------------------------------------------
 
 def test_report_table_names_the_first_divergence() -> None:
-    from tplower.verify.report import BoundaryVerdict, Check
+    from tplower.verification.report import BoundaryVerdict, Check
 
     bad = Check("backward", "gather", "grad of input '0' (after the move)", "R", 0.5, False, "cause", "fix", 3)
     report = VerifyReport((BoundaryVerdict("gather", "tp_collective", 0.0, 0.5, False),),
@@ -303,8 +303,8 @@ def test_cli_json_of_the_fixed_plan_exits_0(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--module", "nodots"], "--module 'nodots': write it as PKG:ATTR"),
     (["--module", "tplower:no_such_factory", "--plan", "auto"], "has no attribute 'no_such_factory'"),
-    (["--module", "tplower.verify:verify"], "--module needs --plan FILE or --plan auto"),
-    (["--module", "tplower.verify:verify", "--plan", "missing.yaml"], "--plan 'missing.yaml': no such file"),
+    (["--module", "tplower.verification:verify"], "--module needs --plan FILE or --plan auto"),
+    (["--module", "tplower.verification:verify", "--plan", "missing.yaml"], "--plan 'missing.yaml': no such file"),
 ])
 def test_cli_errors_name_the_option(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from tplower.cli import main

@@ -132,7 +132,7 @@ def _llama_loss(rank: int, world: int) -> dict[str, float]:
     import transformers
 
     import tplower
-    from tplower.nn.hf_plans import model_tp_plan
+    from tplower.plans.hf import model_tp_plan
 
     config = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,

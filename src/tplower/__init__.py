@@ -27,13 +27,14 @@ from .core.redistribute import MeshLowerer, mesh_lowerer, redistribute_local
 from .core.teardown import shutdown
 from .core.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
 from .core.vocab_loss import vocab_parallel_cross_entropy
-from .nn.boundaries import BoundaryForm, TPOperators, classify_boundary_form, explain_plan_lines
-from .nn.full_state import full_state_dict
-from .nn.loading import load_safetensors
 from .nn.parallelize import parallelize
-from .nn.plans import BoundaryEntry, load_plan
-from .verify.report import VerifyReport
-from .verify.verifier import verify
+from .plans.entries import BoundaryEntry, load_plan
+from .plans.forms import BoundaryForm, classify_boundary_form, explain_plan_lines
+from .runtime.operators import TPOperators
+from .state.full_state import full_state_dict
+from .state.loading import load_safetensors
+from .verification.report import VerifyReport
+from .verification.verifier import verify
 
 __all__ = [
     "BoundaryEntry",

@@ -73,8 +73,8 @@ def loss_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict[
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..core.vocab_loss import vocab_parallel_cross_entropy
-    from ..nn.hf_plans import model_tp_plan
     from ..nn.parallelize import parallelize
+    from ..plans.hf import model_tp_plan
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.random.fork_rng(devices=[]):

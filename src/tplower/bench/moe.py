@@ -17,7 +17,7 @@ On ``tp`` spawned gloo ranks, interleaved in rounds after a warm-up:
 
 Each row has the median train step (milliseconds, the slower rank's view
 through a barrier per call), the loss's difference from one process, and,
-from one extra untimed step under :class:`tplower.bench.traffic.CollectiveTraffic`,
+from one extra untimed step under :class:`tplower.core.traffic.CollectiveTraffic`,
 the collectives issued and the bytes each rank sent (forward and backward).
 """
 

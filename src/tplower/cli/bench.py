@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ..bench.cases import CASES, IMPLS
 from ..bench.phases import PHASES, BenchConfig, run_bench, write_json
-from ..bench.report import format_markdown, write_plots
+from ..bench.plots import write_plots
+from ..bench.report import format_markdown
 from ..core.errors import TPLowerError
 from ..testing import RankFailure
 

@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with the largest pieces)")
     parser.add_argument("--plan", default=None, help="a module plan file (YAML/JSON): explain its boundary forms; "
                         "'derive' (with --model): the derived plan, each rule that matched, then its forms")
-    parser.add_argument("--model", default=None, help="with --plan derive: a model of tplower run or a family of "
+    parser.add_argument("--model", default=None, help="with --plan: resolve it on this model, module by module "
+                        "(with --plan derive: the plan derived from it); a model of tplower run or a family of "
                         "tplower.run.derive_table")
     parser.add_argument("--moe", default=None, metavar="tokens=T,hidden=H,top_k=K,experts=E",
                         help="explain one mixture-of-experts block instead: the collectives and bytes per rank per "
@@ -133,6 +134,33 @@ def _explain_moe(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[
     return 0
 
 
+def resolved_lines(model_name: str, plan: Any, names: tuple[str, ...], sizes: tuple[int, ...]) -> list[str]:
+    """``plan`` resolved on ``model_name``'s skeleton, one block of lines per planned module
+    (:meth:`tplower.nn.resolve.ResolvedPlan.lines`), on a ``fake`` process group of the mesh's size, rank 0.
+
+    Raises:
+        TPLowerError: an unknown model, or any refusal ``parallelize`` would make (named the same way).
+    """
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..nn.resolve import resolve_plan
+    from .plan import skeleton_for
+
+    model = skeleton_for(model_name)
+    if dist.is_initialized():
+        raise TPLowerError("tplower explain runs without a process group of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(sizes))
+    try:
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        return resolve_plan(model, mesh, plan, axis="tp" if "tp" in names else names[-1]).lines()
+    finally:
+        dist.destroy_process_group()
+
+
 def main(args: argparse.Namespace) -> int:
     """Print the explanation; exit 2 with the error on bad input."""
     try:
@@ -140,7 +168,7 @@ def main(args: argparse.Namespace) -> int:
         if args.moe:
             return _explain_moe(args, names, sizes)
         if args.plan:
-            from ..nn.boundaries import explain_plan_lines
+            from ..plans.forms import explain_plan_lines
 
             plan: Any = args.plan
             if args.plan == "derive":
@@ -151,7 +179,10 @@ def main(args: argparse.Namespace) -> int:
                 derived = derive_for(args.model)
                 print(derived.explain() + "\n")
                 plan = derived.plan
-            print("\n".join(explain_plan_lines(plan, names)))
+            if args.model:  # the plan resolved on the model, module by module (what parallelize installs)
+                print("\n".join(resolved_lines(args.model, plan, names, sizes)))
+            else:
+                print("\n".join(explain_plan_lines(plan, names)))
             return 0
         if not args.src or not args.dst:
             raise TPLowerError("explain needs SRC and DST placements (or --plan FILE)")

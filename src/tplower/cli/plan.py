@@ -6,9 +6,9 @@
 
 The plan (YAML, or JSON for a ``.json`` file) is what ``parallelize(model,
 mesh, "derive")`` and ``tplower run --plan derive`` apply; each rule that
-matched is printed to stderr (``tplower.nn.derive``). ``--verify`` first
+matched is printed to stderr (``tplower.plans.derive``). ``--verify`` first
 runs the derived plan against one process on ``--nproc`` local gloo ranks
-(:func:`tplower.verify.derived.verify_derived`: a tiny random input of the
+(:func:`tplower.verification.derived.verify_derived`: a tiny random input of the
 model's own kind, output, every boundary and every gradient) and writes
 nothing when it does not match (exit 1, the first divergence printed).
 """
@@ -43,26 +43,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="with --verify: seconds for the whole run")
 
 
-def derive_for(name: str, *, embeddings: bool = False, axis: str = "tp") -> Any:
-    """The :class:`tplower.nn.derive.DerivedPlan` of a ``tplower run`` model (its meta skeleton) or a tiny family.
+def skeleton_for(name: str) -> Any:
+    """A ``tplower run`` model's meta skeleton, or a tiny family's random model.
 
     Raises:
-        TPLowerError: an unknown name (the message lists the known ones), or no rule matched.
+        TPLowerError: an unknown name (the message lists the known ones).
     """
-    from ..nn.derive import derive_plan
     from ..run.derive_table import FAMILIES, tiny_family
     from ..run.models import MODELS, skeleton
     from ..run.quiet import quiet_transformers
 
     with quiet_transformers():
         if name in MODELS:
-            model = skeleton(name)
-        elif name in FAMILIES:
-            model = tiny_family(name)[0]
-        else:
-            raise TPLowerError(f"--model {name!r} is neither a model of tplower run ({', '.join(sorted(MODELS))}) "
-                               f"nor a family ({', '.join(FAMILIES)})")
-    return derive_plan(model, embeddings=embeddings, axis=axis)
+            return skeleton(name)
+        if name in FAMILIES:
+            return tiny_family(name)[0]
+    raise TPLowerError(f"--model {name!r} is neither a model of tplower run ({', '.join(sorted(MODELS))}) "
+                       f"nor a family ({', '.join(FAMILIES)})")
+
+
+def derive_for(name: str, *, embeddings: bool = False, axis: str = "tp") -> Any:
+    """The :class:`tplower.plans.derive.DerivedPlan` of a ``tplower run`` model (its meta skeleton) or a tiny family.
+
+    Raises:
+        TPLowerError: an unknown name (the message lists the known ones), or no rule matched.
+    """
+    from ..plans.derive import derive_plan
+
+    return derive_plan(skeleton_for(name), embeddings=embeddings, axis=axis)
 
 
 def _full_model(name: str) -> Any:
@@ -84,7 +92,7 @@ def _verify_rank(rank: int, world: int, name: str, embeddings: bool, axis: str) 
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..run.quiet import quiet_transformers
-    from ..verify.derived import DerivedPlanRefused, verify_derived
+    from ..verification.derived import DerivedPlanRefused, verify_derived
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
     model = _full_model(name)
@@ -98,7 +106,7 @@ def _verify_rank(rank: int, world: int, name: str, embeddings: bool, axis: str) 
 
 def verify_in_processes(name: str, nproc: int, *, embeddings: bool = False, axis: str = "tp",
                         timeout: float = 600.0) -> tuple[bool, str]:
-    """Run :func:`tplower.verify.derived.verify_derived` for ``name`` on ``nproc`` spawned gloo ranks.
+    """Run :func:`tplower.verification.derived.verify_derived` for ``name`` on ``nproc`` spawned gloo ranks.
 
     Returns:
         ``(ok, text)``: the report's summary, or the refusal with its first divergence.

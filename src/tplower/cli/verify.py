@@ -134,7 +134,7 @@ def _bar(done: int, total: int) -> None:
 
 
 def _rank_body(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any] | None:
-    from ..verify.verifier import verify
+    from ..verification.verifier import verify
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     build, inputs = _builder(spec)

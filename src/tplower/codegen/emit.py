@@ -56,11 +56,11 @@ from ..core.argcheck import check_mesh
 from ..core.errors import TPLowerError
 from ..core.placements import format_placements
 from ..core.redistribute import mesh_lowerer
-from ..nn.boundary_runtime import REPLACED, _Boundary
-from ..nn.hf_plans import resolve_model_plan
 from ..nn.parallelize import parallelize
-from ..nn.params import check_plain_parameter
-from ..nn.plans import PlanValue
+from ..plans.entries import PlanValue
+from ..plans.hf import resolve_model_plan
+from ..runtime.boundary import REPLACED, _Boundary
+from ..runtime.params import check_plain_parameter
 from .ops import GeneratedOps
 from .writer import Writer, fn_name, quote
 

@@ -16,7 +16,7 @@ or the live process group goes through one :class:`GeneratedOps` object,
   time a call site runs, so an edited file cannot call a collective under
   another's name. ``ops.dtensor`` runs a generic boundary on DTensor.
 * ``ops.param(self, "weight")`` is a parameter's local tensor
-  (:func:`tplower.nn.params.local_parameter`: a view forward, the gradient's
+  (:func:`tplower.runtime.params.local_parameter`: a view forward, the gradient's
   reduction and DTensor ``.grad`` in backward).
 * ``ops.local_params`` / ``ops.restore_params`` swap a module's parameters
   for their local tensors around a call of the module's own ``forward``.
@@ -42,10 +42,10 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
-from ..nn.boundary_runtime import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
-from ..nn.experts import ExpertDispatch
-from ..nn.params import ParamLayout, local_parameter
-from ..nn.uneven import agreed_global_shape, exchanged_global_shape
+from ..runtime.boundary import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
+from ..runtime.experts import ExpertDispatch
+from ..runtime.params import ParamLayout, local_parameter
+from ..runtime.uneven import agreed_global_shape, exchanged_global_shape
 
 __all__ = ["OPERATORS", "GeneratedOps", "operator_name"]
 
@@ -159,10 +159,10 @@ class GeneratedOps:
         """``S(d) -> R`` on one axis: ``all_gather``; ``None`` passes through. Shapes: ``[.., s, ..] -> [.., n*s, ..]``.
 
         ``fan`` (every operator takes it): the key of a group of sibling modules that move one tensor the same
-        way (:mod:`tplower.nn.fanout`); within one call of their parent the move is made once and shared.
+        way (:mod:`tplower.runtime.fanout`); within one call of their parent the move is made once and shared.
         ``uneven``: the ranks exchange the sharded dims' sizes each call (a declared ``uneven`` name);
         ``sized``: a sharded source dim no parameter sizes, exchanged eagerly and checked equal under
-        ``torch.compile`` (:func:`tplower.nn.uneven.agreed_global_shape`).
+        ``torch.compile`` (:func:`tplower.runtime.uneven.agreed_global_shape`).
 
         Raises:
             TypeError: ``t`` is neither a tensor nor ``None``.
@@ -230,7 +230,7 @@ class GeneratedOps:
 
         Every backward collective a forward issued then runs on every rank, even
         where the module's own compute leaves an input or a parameter out of
-        ``out`` for data alone (:func:`tplower.nn.boundary_runtime.tie_outputs`).
+        ``out`` for data alone (:func:`tplower.runtime.boundary.tie_outputs`).
         Call it while the local parameters are swapped in (:meth:`local_params`).
         """
         b = self._entry(module).boundary
@@ -240,7 +240,7 @@ class GeneratedOps:
         """Switch the model's dropout streams as the installed boundary does after its outputs (eager, training).
 
         Its outputs open a sharded region (this rank's own stream) or close one
-        (the common stream); :mod:`tplower.nn.dropout`.
+        (the common stream); :mod:`tplower.runtime.dropout`.
         """
         b = self._entry(module).boundary
         if b.region is None or b.streams is None or torch.compiler.is_compiling() or not module.training:

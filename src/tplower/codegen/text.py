@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.placements import format_placement, replicate_partials
 from ..core.transitions import classify_axis
-from ..nn.boundaries import op_text
+from ..plans.forms import op_text
 
 __all__ = ["move_comment", "step_text"]
 

@@ -1,7 +1,7 @@
 """The text of one generated forward (:mod:`tplower.codegen.emit`): signature, moves, compute, outputs.
 
 :class:`Writer` turns what :func:`tplower.parallelize` installed on one
-module (its :class:`~tplower.nn.boundary_runtime._Boundary`) into the lines
+module (its :class:`~tplower.runtime.boundary._Boundary`) into the lines
 of a ``forward``; a module it cannot write out (a signature default that is
 not a literal, an input in ``*args``, a name the code needs, an instance
 ``forward``) gets a forward that calls the installed boundary, with the
@@ -23,8 +23,8 @@ from typing import Any
 from torch import nn
 
 from ..core.placements import format_placements
-from ..nn.boundary_runtime import _Boundary, _Move
-from ..nn.experts import ExpertDispatch
+from ..runtime.boundary import _Boundary, _Move
+from ..runtime.experts import ExpertDispatch
 from .ops import operator_name
 from .text import move_comment
 

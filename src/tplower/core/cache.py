@@ -3,7 +3,7 @@
 tplower caches one bound :class:`~tplower.core.redistribute.Program` per transition
 and local shape, in each mesh's :class:`~tplower.core.redistribute.MeshLowerer` and
 in each seed-compatible :class:`~tplower.core.lowering.TPExecutionOp` (and the ops
-of :class:`~tplower.nn.boundaries.TPOperators`). Serving and training with
+of :class:`~tplower.plans.forms.TPOperators`). Serving and training with
 variable sequence lengths make a new key for every new length, so a cache
 without a bound grows for as long as the process lives (about 5 KiB of
 resident memory per program). Each :class:`LRUCache` keeps at most its bound and drops

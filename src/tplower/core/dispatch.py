@@ -43,7 +43,7 @@ from torch.distributed import ProcessGroup
 from .backends import backend_caps, backend_name_for
 from .collectives import _all_gather_base, keep_backward
 from .errors import TPLowerError
-from .redistribute import Program
+from .program import Program
 
 __all__ = ["DispatchPlan", "all_to_all_splits", "combine_tokens", "dispatch_tokens", "plan_dispatch"]
 

@@ -30,10 +30,11 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives as C
 from .argcheck import check_int, check_local_tensor, check_mesh, check_names, describe
+from .binding import bind_step
 from .cache import CacheInfo, LRUCache
 from .errors import TPLowerError
 from .placements import REDUCE_OPS, PlacementsLike, parse_placements
-from .redistribute import Program, bind_step
+from .program import Program
 from .transitions import classify_axis, global_shape_from_local, plan_transition
 
 __all__ = [

@@ -14,7 +14,6 @@ import functools
 import logging
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,63 +40,13 @@ from .placements import (
     parse_placements,
     replicate_partials,
 )
-from .transitions import TransitionPlan, global_shape_from_local, plan_transition
+from .program import Program
+from .traced import _TRACED, _slot
+from .transitions import global_shape_from_local, plan_transition
 
-__all__ = ["MeshLowerer", "Program", "bind_step", "mesh_lowerer", "redistribute_local"]
+__all__ = ["MeshLowerer", "bind_step", "mesh_lowerer", "redistribute_local"]
 
 log = logging.getLogger("tplower")
-
-
-def _released_step(x: torch.Tensor) -> torch.Tensor:
-    raise TPLowerError("this tplower program's process groups were destroyed (dist.destroy_process_group() or "
-                       "tplower.shutdown()); after a new init_process_group, make a new DeviceMesh and parallelize "
-                       "again")
-
-
-@dataclass(eq=False)
-class Program:
-    """A transition ready to run on one rank: bound forward and backward steps, or a fallback.
-
-    Set once when built; only :meth:`release` changes it. Compared and
-    hashed by identity (it is tracked in a weak set, :mod:`tplower.core.teardown`).
-
-    Attributes:
-        plan: the pure plan (``None`` when falling back, and for the
-            expert dispatch's variable-split exchange, which is no placement
-            transition: :func:`tplower.core.dispatch.all_to_all_splits`).
-        forward, backward: bound steps.
-        fallback_reason: why DTensor runs this transition, or ``None``.
-        global_shape: the global shape given or inferred.
-    """
-
-    plan: TransitionPlan | None
-    forward: tuple[C.BoundStep, ...]
-    backward: tuple[C.BoundStep, ...]
-    fallback_reason: str | None = None
-    global_shape: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.forward or self.backward:  # bound steps may hold process groups
-            teardown.track(self)
-
-    def release(self) -> None:
-        """Drop the bound steps (and the process groups they hold); running the program afterwards raises.
-
-        Called by :func:`tplower.core.teardown.release_destroyed_groups` once
-        the groups are destroyed, wherever the program is still held (a cache,
-        a module's boundary, a graph awaiting backward).
-        """
-        self.forward = (_released_step,)
-        self.backward = (_released_step,)
-
-    def __call__(self, local: torch.Tensor) -> torch.Tensor:
-        """Run forward; differentiable through :class:`~tplower.core.collectives.LoweredTransition`."""
-        if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
-            return self.forward[0](local)
-        if local.requires_grad and torch.is_grad_enabled():
-            out: torch.Tensor = C.LoweredTransition.apply(local, self)
-            return out
-        return C.run_steps(local, self.forward)
 
 
 def _key(spec: Any) -> Hashable:
@@ -328,30 +277,6 @@ class MeshLowerer:
         dt = DTensor.from_local(local, self.mesh, tuple(src), run_check=False, shape=torch.Size(gshape),
                                 stride=stride)
         return dt.redistribute(self.mesh, tuple(dst)).to_local(grad_placements=tuple(grad))
-
-
-class _TracedObjects:
-    """Every program and lowerer a ``torch.compile`` trace has used, one attribute each (``p0``, ``p1``, ...).
-
-    An attribute is bound once and never rebound, so a graph that reads one
-    guards on something that holds for good. They are kept for the life of
-    the process (a few per distinct transition a graph runs); a lowerer's
-    programs are released with their process groups as ever.
-    """
-
-
-_TRACED = _TracedObjects()
-_TRACED_SLOTS: dict[int, str] = {}  # id of a kept object -> its attribute
-
-
-def _slot(obj: object) -> str:
-    """``obj``'s attribute of :data:`_TRACED`, bound on first use."""
-    slot = _TRACED_SLOTS.get(id(obj))
-    if slot is None:
-        slot = f"p{len(vars(_TRACED))}"
-        setattr(_TRACED, slot, obj)
-        _TRACED_SLOTS[id(obj)] = slot
-    return slot
 
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]

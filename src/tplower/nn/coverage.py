@@ -67,8 +67,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..core.errors import TPLowerError
-from .boundary_runtime import REPLACED, _Boundary
-from .rest_params import RestParams
+from ..runtime.boundary import REPLACED, _Boundary
+from ..runtime.rest_params import RestParams
 
 __all__ = ["COVER_MODES", "Coverage", "install_coverage"]
 
@@ -309,7 +309,7 @@ def install_coverage(model: nn.Module, mesh: DeviceMesh, axis: str, rest: RestPa
         model: the model :func:`tplower.parallelize` installed a plan on.
         mesh: its mesh; ``axis`` must be one of its axis names.
         axis: the tensor-parallel axis.
-        rest: what :func:`tplower.nn.rest_params.place_rest` made (``None``: the parameters stay plain).
+        rest: what :func:`tplower.runtime.rest_params.place_rest` made (``None``: the parameters stay plain).
         cover: ``"reduce"`` (a sharded use gets the ``P(sum)`` gradient) or ``"refuse"``.
 
     Returns:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..core.errors import TPLowerError
-from ..nn import plans
+from ..plans import entries as plans
 from .models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
 
 __all__ = ["DTENSOR_STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
@@ -92,7 +92,7 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def load_plan(path: str | Path) -> dict[str, Any]:
-    """Read a plan file (JSON or YAML): module name/glob -> HF style or boundary entry (:mod:`tplower.nn.plans`).
+    """Read a plan file (JSON or YAML): module name/glob -> HF style or boundary entry (:mod:`tplower.plans.entries`).
 
     Raises:
         RunError: the file cannot be read or parsed, or an entry breaks the

@@ -97,8 +97,8 @@ class DerivedRow:
 
 
 def _one(family: str, mesh: Any) -> tuple[Outcome, int]:
-    from ..nn.derive import derive_plan
     from ..nn.parallelize import parallelize
+    from ..plans.derive import derive_plan
 
     ref, inputs = tiny_family(family)
     plan = derive_plan(ref).plan

@@ -1,7 +1,7 @@
 """The architecture table's derive column: ``parallelize(model, mesh, "derive")`` on every decoder of the table.
 
 Each architecture's tiny model (:func:`tplower.run.hf_configs.tiny_model`) is parallelized by the plan
-:func:`tplower.nn.derive.derive_plan` makes from its module structure at the table's tp, not by the plan
+:func:`tplower.plans.derive.derive_plan` makes from its module structure at the table's tp, not by the plan
 transformers ships, and checked as the shipped plan's column is (:func:`tplower.run.compare.compare_training`:
 logits, every gradient, replicated gradients equal across ranks). Both columns count the bytes each rank sends
 in the step (:class:`tplower.core.traffic.CollectiveTraffic`), so a row also says how the derived plan's bytes

@@ -132,7 +132,7 @@ class ModelSpec:
     Attributes:
         name: the ``--model`` value.
         description: one line for help text and reports.
-        plan: module name/glob -> HF tp_plan style or boundary entry (:mod:`tplower.nn.plans`).
+        plan: module name/glob -> HF tp_plan style or boundary entry (:mod:`tplower.plans.entries`).
         task: ``"embedding"`` (mean-pooled normalised embeddings, contrastive
             loss on pairs) or ``"causal_lm"`` (logits, next-token loss).
         packages: (import name, pip name) pairs the model needs.
@@ -169,7 +169,7 @@ def llama_tiny_plan() -> dict[str, str]:
     _require((("transformers", "transformers"),), LLAMA_TINY)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..nn.hf_plans import model_tp_plan
+    from ..plans.hf import model_tp_plan
 
     with torch.device("meta"):
         return model_tp_plan(LlamaForCausalLM(LlamaConfig(**LLAMA_TINY_CONFIG)))

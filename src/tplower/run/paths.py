@@ -25,10 +25,10 @@ from ..core.errors import TPLowerError
 from ..core.placements import format_placement
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import global_shape_from_local, plan_transition
-from ..nn.boundaries import BoundaryOp, parse_spec
-from ..nn.boundary_runtime import REPLACED, _Boundary
 from ..nn.parallelize import installed_boundary, parallelize
-from ..nn.plans import PlanValue, match_plan, resolve_entry
+from ..plans.entries import PlanValue, match_plan, resolve_entry
+from ..plans.forms import BoundaryOp, parse_spec
+from ..runtime.boundary import REPLACED, _Boundary
 from .config import DTENSOR_STYLES, RunError
 from .models import localize_heads
 
@@ -47,7 +47,7 @@ class BoundaryRecord:
     backward call, at the local shape ``shape`` the transition met
     (``-1`` when the tensor could not be found in the call). ``shared_with``:
     the sibling whose move of the same tensor this input takes
-    (:mod:`tplower.nn.fanout`); its bytes are then 0, counted once there.
+    (:mod:`tplower.runtime.fanout`); its bytes are then 0, counted once there.
     """
 
     module: str
@@ -68,7 +68,7 @@ class BoundaryLog:
     """Every boundary tplower installed, filled in on each boundary's first call."""
 
     records: dict[tuple[str, str], BoundaryRecord] = field(default_factory=dict)
-    #: each shared move's group key (:mod:`tplower.nn.fanout`) and the module that made it first
+    #: each shared move's group key (:mod:`tplower.runtime.fanout`) and the module that made it first
     movers: dict[str, str] = field(default_factory=dict)
 
     def rows(self) -> list[BoundaryRecord]:
@@ -209,7 +209,7 @@ def shard_dims(model: nn.Module, plan: Mapping[str, PlanValue], mesh: DeviceMesh
                axis: str = "tp") -> dict[str, int]:
     """Parameter name -> the tensor dim ``plan`` shards it on along ``axis`` (others are replicated there).
 
-    Read from the plan's own entries (:func:`tplower.nn.plans.resolve_entry`),
+    Read from the plan's own entries (:func:`tplower.plans.entries.resolve_entry`),
     so a gather does not trust the sharded model's state.
     """
     names = tuple(mesh.mesh_dim_names or ())

@@ -49,7 +49,7 @@ def boundary_table(rows: list[Mapping[str, Any]]) -> list[str]:
     head = ("module (plan key)", "form", "tp transition", "forward op", "backward op", "bytes/rank fwd+bwd")
 
     def moved(g: Mapping[str, Any]) -> str:
-        if g.get("shared_with") is not None:  # a sibling's move of the same tensor: tplower.nn.fanout
+        if g.get("shared_with") is not None:  # a sibling's move of the same tensor: tplower.runtime.fanout
             return f"shared with {g['shared_with'].rpartition('.')[2]}'s move"
         return f"{_bytes(g['fwd_bytes'])} + {_bytes(g['bwd_bytes'])}"
 

@@ -234,7 +234,7 @@ class _Run:
         "first"}`` (the first divergence or ``None``); ``None`` with ``dp > 1``,
         since verify takes a one-axis mesh.
         """
-        from ..verify.verifier import verify
+        from ..verification.verifier import verify
 
         if self.cfg.dp != 1:
             return None

@@ -1,0 +1,69 @@
+"""Place: the second stage of :func:`tplower.parallelize`, every planned parameter made a DTensor.
+
+Each parameter a :class:`~tplower.nn.resolve.ModulePlan` lays out becomes an
+``nn.Parameter`` holding a DTensor of its placements (``torch.chunk`` pieces
+in mesh-axis order, as DTensor; no full copy stays; :mod:`tplower.runtime.params`),
+once for a parameter several modules share (tied weights keep one object),
+and a packed one is registered for DCP's box-per-part reading. With
+``replicate_rest``, every parameter the plan leaves out becomes a
+``Replicate`` DTensor as well (:mod:`tplower.runtime.rest_params`), once the
+boundaries and the LoRA adapters placed from them are installed
+(:func:`place_rest_parameters`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..runtime.params import ParamLayout, shard_parameter
+from ..runtime.rest_params import RestParams, place_rest
+from ..state import packed_checkpoint
+from .resolve import ModulePlan, ResolvedPlan
+
+__all__ = ["place_module", "place_parameters", "place_rest_parameters"]
+
+#: ``id`` of an original parameter -> (its layout, the placed parameter, the original, kept so its id stays taken)
+Placed = dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]]
+
+
+def place_module(module: nn.Module, mp: ModulePlan, placed: Placed) -> None:
+    """Replace each parameter ``mp`` lays out by its DTensor parameter (a tied one met again: the same object)."""
+    for name, layout in mp.layouts:
+        p = module._parameters[name]
+        assert p is not None
+        if id(p) in placed:  # a shared (tied) parameter met again; resolve checked the placements agree
+            module._parameters[name] = placed[id(p)][1]
+        else:
+            new = shard_parameter(p, layout, f"plan[{mp.qual!r}].params[{name!r}]")
+            module._parameters[name] = new
+            placed[id(p)] = (layout, new, p)
+        if layout.packed > 1:  # DCP reads and writes it as one box per part
+            packed_checkpoint.register(module, name)
+
+
+def place_parameters(model: nn.Module, resolved: ResolvedPlan) -> None:
+    """Place every parameter of ``resolved`` on ``model``.
+
+    Modules outside the plan that hold a placed parameter (a tie) get the placed object too.
+    """
+    modules = dict(model.named_modules())
+    placed: Placed = {}
+    for mp in resolved:
+        place_module(modules[mp.qual], mp, placed)
+    for module in modules.values():  # keep ties: modules outside the plan that share a placed parameter
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in placed:
+                module._parameters[name] = placed[id(p)][1]
+
+
+def place_rest_parameters(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh) -> RestParams | None:
+    """Every parameter still plain (the plan's rest; LoRA adapters were placed from their base before) as a
+    ``Replicate`` DTensor on the plan's axis; ``None`` when the mesh has no such axis.
+
+    Returns:
+        The replicated rest's record (for the coverage probe).
+    """
+    if resolved.axis not in resolved.names:
+        return None
+    return place_rest(dict(model.named_modules()), mesh, resolved.axis)

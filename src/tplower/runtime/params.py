@@ -1,0 +1,233 @@
+"""Parameters of a parallelized module: DTensors outside, local tensors inside the forward.
+
+Every tool of the training stack finds sharded parameters by their type:
+``state_dict`` and DCP read placements and global shapes from them,
+``clip_grad_norm_`` reduces a DTensor norm over its mesh, FSDP2's
+``fully_shard`` stacks its data-parallel placement on a DTensor parameter,
+optimizers step DTensors. So :func:`tplower.parallelize` turns each parameter
+a plan places into an ``nn.Parameter`` holding a DTensor with the plan's
+placements and the global shape (:func:`shard_parameter`), exactly as
+PyTorch's ``parallelize_module`` does.
+
+The forward then takes each parameter's local tensor once, differentiably
+(:func:`local_parameter`): ``DTensor.to_local`` (its backward wraps the local
+gradient as a DTensor of the parameter's own placements, so ``.grad`` is a
+DTensor like the parameter), preceded in backward by the reduction the
+parameter's local gradient needs, run as one of tplower's lowered
+transitions. A replicated parameter used on sharded activations (a norm under
+sequence parallelism, a row-parallel bias added to a sequence shard) gets a
+partial local gradient: ``R -> R`` with gradient ``P(sum)``, i.e. an
+identity forward and an ``all_reduce`` backward (Megatron's
+``copy_to_tp_region``). The reduction belongs to this differentiable step,
+never to a hook on the ``Parameter`` object, which FSDP2 and other wrappers
+replace.
+
+Mesh of a parameter: where the plan places it on the tensor-parallel axis
+only (every other axis ``Replicate``), the DTensor lives on ``mesh[axis]``,
+as with ``parallelize_module(model, mesh["tp"], ...)``, so FSDP2 can add its
+own axis; otherwise on the whole mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..core.errors import TPLowerError
+from ..core.placements import format_placements
+from ..core.program import Program
+from ..core.redistribute import mesh_lowerer
+from ..core.transitions import chunk_size_and_offset
+
+__all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "param_layout", "shard_parameter"]
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one parameter lives: its mesh, its placements there, the placement of its local gradient.
+
+    Attributes:
+        mesh: the DTensor's mesh (``mesh[axis]`` or the whole mesh).
+        placements: one placement per axis of ``mesh`` (``Shard`` or ``Replicate``).
+        grad: placements of the local gradient the forward makes, when they
+            differ from ``placements`` (``P(sum)`` where each rank's gradient
+            is partial), else ``None``.
+        packed: the parameter packs this many equal parts along its shard
+            dim, each sharded on its own (``1``: not packed).
+        use: placements at which the forward uses the local value, when
+            they differ from ``placements`` (``P(sum)`` where a replicated
+            parameter is added into a partial sum: each rank uses its ``1/n``
+            share, DTensor's ``R -> P`` partition, and the gradient arrives
+            whole), else ``None``.
+    """
+
+    mesh: DeviceMesh
+    placements: Placements
+    grad: Placements | None
+    packed: int = 1
+    use: Placements | None = None
+
+    def dtensor_placements(self) -> Placements:
+        """The DTensor's placements: ``Shard(d)`` of a packed parameter is ``_StridedShard(d, split_factor=k)``."""
+        if self.packed == 1:
+            return self.placements
+        return tuple(_StridedShard(q.dim, split_factor=self.packed) if isinstance(q, Shard) else q
+                     for q in self.placements)
+
+
+def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | None, axis: str,
+                 packed: int = 1, use: Placements | None = None) -> ParamLayout:
+    """The :class:`ParamLayout` of a parameter placed by ``placements`` (one per axis of ``mesh``).
+
+    Args:
+        mesh: the mesh :func:`tplower.parallelize` was given.
+        placements: the parameter's placements on ``mesh`` (``Shard``/``Replicate``).
+        grad: its local gradient's placements on ``mesh`` (``None``: as ``placements``).
+        axis: the tensor-parallel axis name.
+        packed: parts packed along the shard dim (see :class:`ParamLayout`).
+        use: the placements the forward uses its local value at (``None``: as ``placements``).
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    grad = None if grad is None or tuple(grad) == tuple(placements) else tuple(grad)
+    use = None if use is None or tuple(use) == tuple(placements) else tuple(use)
+    if mesh.ndim > 1 and axis in names:
+        i = names.index(axis)
+        others = [j for j in range(mesh.ndim) if j != i]
+        if all(isinstance(placements[j], Replicate) and all(o is None or isinstance(o[j], Replicate)
+                                                            for o in (grad, use)) for j in others):
+            return ParamLayout(mesh[axis], (placements[i],), None if grad is None else (grad[i],), packed,
+                               None if use is None else (use[i],))
+    return ParamLayout(mesh, tuple(placements), grad, packed, use)
+
+
+def check_plain_parameter(p: torch.Tensor, where: str) -> None:
+    """Refuse a parameter that is already a DTensor (sharded by ``parallelize_module`` or a first call).
+
+    Raises:
+        TPLowerError: naming ``where``, the placements and the mesh it has.
+    """
+    if isinstance(p, DTensor):
+        raise TPLowerError(
+            f"{where} is already a DTensor ({format_placements(p.placements)} on mesh {p.device_mesh}); "
+            "tplower.parallelize takes a model whose parameters hold their full values as plain tensors "
+            "(parallelize a fresh model, not one parallelize_module or tplower already sharded)")
+
+
+def shard_parameter(p: nn.Parameter, layout: ParamLayout, where: str) -> nn.Parameter:
+    """This rank's shard of full parameter ``p`` as an ``nn.Parameter`` holding a DTensor of ``layout``.
+
+    Shards are ``torch.chunk`` pieces in mesh-coordinate order, as
+    ``distribute_tensor``; a packed parameter gives each rank its piece of
+    every part, concatenated (``_StridedShard`` semantics). No collective
+    runs (every rank holds the full value) and no full-size storage is kept
+    (the shard is a fresh contiguous copy).
+
+    Args:
+        p: the full parameter (global shape ``S``).
+        layout: its mesh and placements.
+        where: ``plan['module'].params['name']``, for messages.
+
+    Returns:
+        A new ``nn.Parameter`` (same ``requires_grad``) whose DTensor has
+        global shape ``S`` and this rank's ``torch.chunk`` piece of each
+        shard dim (uneven when the dim does not divide, as
+        ``distribute_tensor`` makes it; a packed parameter's parts each so).
+
+    Raises:
+        TPLowerError: a packed parameter whose parts are not equal.
+    """
+    coord = layout.mesh.get_coordinate()
+    assert coord is not None, "parallelize checks that this rank is in the mesh"
+    parts = list(p.detach().chunk(layout.packed, _shard_dim(layout))) if layout.packed > 1 else [p.detach()]
+    if len(parts) != layout.packed or len({t.shape for t in parts}) != 1:
+        raise TPLowerError(f"{where}: size {p.shape} does not pack {layout.packed} equal parts on dim "
+                           f"{_shard_dim(layout)}")
+    for i, q in enumerate(layout.placements):
+        if isinstance(q, Shard):  # torch.chunk pieces: ceil-sized first, the last ones smaller or empty
+            size, n = parts[0].size(q.dim), layout.mesh.size(i)
+            piece, offset = chunk_size_and_offset(size, n, coord[i])
+            parts = [t.narrow(q.dim, offset, piece) for t in parts]
+    local = torch.cat(parts, _shard_dim(layout)) if len(parts) > 1 else parts[0]
+    local = local.clone(memory_format=torch.contiguous_format)
+    dt = DTensor.from_local(local, layout.mesh, layout.dtensor_placements(), run_check=False, shape=p.shape,
+                            stride=torch.empty(p.shape, device="meta").stride())
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+class _LocalView(torch.autograd.Function):
+    """DTensor parameter -> a view of its local tensor; backward: reduce the local gradient, wrap it as a DTensor.
+
+    ``DTensor.to_local`` does the same with ``DTensor.from_local`` in its
+    backward, which costs about 120 µs per parameter on CPU (a new spec,
+    checks); the gradient here has exactly the parameter's local shape and
+    placements, so it is wrapped with the parameter's own spec (a few µs).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor, layout: ParamLayout) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec, ctx.layout = param._spec, layout
+        local = param._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+        layout: ParamLayout = ctx.layout
+        if layout.grad is not None:  # e.g. P(sum) -> R: all_reduce (no autograd here: grad mode is off)
+            grad = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, grad.shape,
+                                                     grad.device.type)(grad)
+        grad = grad.contiguous()
+        return DTensor(grad, ctx.spec, requires_grad=False), None
+
+
+def _reduce_program(layout: ParamLayout, local: torch.Tensor) -> Program:
+    """Identity forward, the gradient's reduction in backward (``R -> R`` with gradient ``layout.grad``)."""
+    assert layout.grad is not None
+    return mesh_lowerer(layout.mesh).program(layout.placements, layout.placements, local.shape, local.device.type,
+                                             grad=layout.grad)
+
+
+def _shard_dim(layout: ParamLayout) -> int:
+    dims = {q.dim for q in layout.placements if isinstance(q, Shard)}
+    if layout.packed > 1 and len(dims) != 1:
+        raise TPLowerError(f"a packed parameter is sharded on exactly one dim, not {sorted(dims)}")
+    return dims.pop() if dims else 0
+
+
+def local_parameter(p: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    """The local tensor of parameter ``p`` for one forward, differentiable into a DTensor ``.grad``.
+
+    Forward: a view of ``p``'s local tensor (no copy), or, with
+    ``layout.use``, its transition there (``R -> P(sum)``: divided by the
+    axis size, an identity backward). Backward: the local
+    gradient moves from ``layout.grad`` to ``layout.placements`` through
+    tplower's lowered collectives (``R -> R`` with gradient ``P(sum)``: an
+    ``all_reduce``), then becomes a DTensor of ``p``'s own spec, as
+    ``DTensor.to_local``'s backward makes it. Under ``torch.compile`` the
+    same is built from ``to_local`` and :func:`tplower.redistribute_local`,
+    which trace. A ``p`` that is not a DTensor (a wrapper put a plain tensor
+    there) is returned as it is.
+    """
+    if not isinstance(p, DTensor):
+        return p
+    local: torch.Tensor
+    if torch.compiler.is_compiling():
+        local = p.to_local()
+        local = local if layout.grad is None else _reduce_program(layout, local)(local)
+    elif p.requires_grad and torch.is_grad_enabled():
+        local = _LocalView.apply(p, layout)
+    else:
+        local = p._local_tensor
+    if layout.use is None:
+        return local
+    # R -> P(sum): this rank's 1/n share; its backward is the gradient's own transition (R -> R, identity)
+    share = mesh_lowerer(layout.mesh).program(layout.placements, layout.use, local.shape, local.device.type)
+    out: torch.Tensor = share(local)
+    return out

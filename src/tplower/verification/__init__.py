@@ -1,0 +1,25 @@
+"""The verifier: a plan run on the user's own model against one process, boundary by boundary, both ways.
+
+One idea: every boundary :func:`tplower.parallelize` installs is a claim (these inputs arrive so, these
+outputs leave so, these gradients come back so), and each claim can be checked where it is made, by
+reading the local tensors back to global values and comparing them with the same points of the same model
+in one process; the first boundary that diverges is where the plan is wrong. Built on :mod:`tplower.nn`
+and :mod:`tplower.core`; the module layer never imports it (the layer contract in ``pyproject.toml``).
+
+* :mod:`~tplower.verification.verifier`: :func:`verify` (``tplower.verify``), the driver.
+* :mod:`~tplower.verification.record`: hooks recording each boundary's inputs, outputs and gradients.
+* :mod:`~tplower.verification.compare`: local tensors read back by their placements, compared, causes named.
+* :mod:`~tplower.verification.checks`: the checks, point by point, folded into verdicts.
+* :mod:`~tplower.verification.report`: :class:`VerifyReport` and its table.
+* :mod:`~tplower.verification.derived`: a derived plan (``"derive"``) verified before it is used.
+
+``tplower.verify`` is the function; import this package's modules by name
+(``from tplower.verification.report import VerifyReport``).
+"""
+
+from __future__ import annotations
+
+from .report import BoundaryVerdict, Check, VerifyReport
+from .verifier import DEFAULT_TOLERANCES, verify
+
+__all__ = ["DEFAULT_TOLERANCES", "BoundaryVerdict", "Check", "VerifyReport", "verify"]
