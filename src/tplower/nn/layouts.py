@@ -38,9 +38,11 @@ def _param_specs(module: nn.Module, specs: Mapping[str, Any], field: str, qual: 
 
 
 def param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, Any], lowerer: MeshLowerer,
-                   axis: str, qual: str, uses: Mapping[str, Any] | None = None) -> dict[str, ParamLayout]:
+                   axis: str, qual: str, uses: Mapping[str, Any] | None = None,
+                   summed: tuple[str, ...] = ()) -> dict[str, ParamLayout]:
     """Each placed parameter's layout; a parameter named only in ``grads`` or ``uses`` is replicated.
 
+    ``summed``: axes each gradient is summed over (context parallelism; :func:`tplower.runtime.params.param_layout`).
     ``uses``: ``{parameter: placement}`` the forward uses a replicated parameter's local value at (``P(sum)``: a
     hidden-side expert bias inside a block whose output is a partial sum,
     :func:`tplower.plans.expert_layout.expert_biases`).
@@ -68,7 +70,7 @@ def param_layouts(module: nn.Module, entry: BoundaryEntry, grads: Mapping[str, A
         if name in use_specs:
             use = parse_spec(use_specs[name], lowerer.names, (axis,), f"plan[{qual!r}].params[{name!r}] use",
                              tensor_ndim=p.ndim)
-        out[name] = param_layout(lowerer.mesh, ps, g, axis, packed, use)
+        out[name] = param_layout(lowerer.mesh, ps, g, axis, packed, use, summed)
     return out
 
 

@@ -59,11 +59,13 @@ def place_parameters(model: nn.Module, resolved: ResolvedPlan) -> None:
 
 def place_rest_parameters(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh) -> RestParams | None:
     """Every parameter still plain (the plan's rest; LoRA adapters were placed from their base before) as a
-    ``Replicate`` DTensor on the plan's axis; ``None`` when the mesh has no such axis.
+    ``Replicate`` DTensor on the plan's axis (and the context axis, its gradient summed there); ``None`` when
+    the mesh has neither.
 
     Returns:
         The replicated rest's record (for the coverage probe).
     """
-    if resolved.axis not in resolved.names:
+    summed = (resolved.context,) if resolved.context is not None else ()
+    if resolved.axis not in resolved.names and not summed:
         return None
-    return place_rest(dict(model.named_modules()), mesh, resolved.axis)
+    return place_rest(dict(model.named_modules()), mesh, resolved.axis, summed)

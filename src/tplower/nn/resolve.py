@@ -82,13 +82,14 @@ class ModulePlan:
     share_n: int = 1
     region: bool | None = None
 
-    def lines(self, names: tuple[str, ...]) -> list[str]:
+    def lines(self) -> list[str]:
         """``qual: form, mode`` and two-space indented lines: each move's annotation, each parameter sharded or
         with a reduced gradient (``param weight: tp S(0)``, as :func:`tplower.plans.forms.explain_plan_lines`
-        writes them), each local attribute; ``names`` are the mesh's axis names."""
+        writes them), each local attribute."""
         mode = f", {self.info.mode}" if self.info is not None else ""
         out = [f"{self.qual or '(root)'}: {self.form.form}{mode}", *(f"  {a}" for a in self.form.annotations)]
         for n, lay in self.layouts:
+            names = tuple(lay.mesh.mesh_dim_names or ())
             moved = [f"{names[i]} {format_placement(p)}" for i, p in enumerate(lay.placements)
                      if not isinstance(p, Replicate)]
             if moved:
@@ -110,6 +111,7 @@ class ResolvedPlan:
         names, shape: the mesh's axis names and sizes.
         plan: the plan as resolved (``"auto"``/``"derive"`` made explicit), key by key.
         modules: the module plans.
+        context: the context-parallel axis (every parameter's gradient summed over it), or ``None``.
     """
 
     axis: str
@@ -118,6 +120,7 @@ class ResolvedPlan:
     shape: tuple[int, ...]
     plan: tuple[tuple[str, PlanValue], ...]
     modules: tuple[ModulePlan, ...]
+    context: str | None = None
 
     def __iter__(self) -> Iterator[ModulePlan]:
         return iter(self.modules)
@@ -130,7 +133,7 @@ class ResolvedPlan:
 
     def lines(self) -> list[str]:
         """Every module plan's :meth:`ModulePlan.lines`, in module order."""
-        return [line for m in self.modules for line in m.lines(self.names)]
+        return [line for m in self.modules for line in m.lines()]
 
 
 def _kind(module: nn.Module) -> str:
@@ -166,7 +169,7 @@ def _uneven_outputs(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm,
 
 
 def resolve_module(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: MeshLowerer, axis: str,
-                   config: Any = None) -> ModulePlan:
+                   config: Any = None, summed: tuple[str, ...] = ()) -> ModulePlan:
     """One module's :class:`ModulePlan` (see the module docstring); reads the module, changes nothing.
 
     Raises:
@@ -184,7 +187,7 @@ def resolve_module(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: 
     grads: dict[str, Any] = dict(entry.param_grads)
     if bias is not None and bias not in grads:
         grads[bias] = deferred_bias_grad(form)
-    layouts = param_layouts(module, entry, grads, lowerer, axis, qual, uses)
+    layouts = param_layouts(module, entry, grads, lowerer, axis, qual, uses, summed)
     if entry.masked_lookup is None and not isinstance(module, nn.Embedding):  # those inputs are integer ids
         checks.check_partial_input_grads(entry, form, layouts, qual,
                                          {n: p.dim() for n, p in module.named_parameters(recurse=False)})
@@ -234,18 +237,30 @@ def _check_ties(model: nn.Module, resolved: tuple[ModulePlan, ...]) -> None:
                                    f"(module {first[1]!r} places it {format_placements(first[0].placements)})")
 
 
-def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path, *,
-                 axis: str = "tp", experts: str = "tp") -> ResolvedPlan:
+def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
+                 axis: str = "tp", experts: str = "tp", context: str | None = None) -> ResolvedPlan:
     """Resolve ``plan`` on ``model`` and ``mesh``: :class:`ResolvedPlan`, the model left exactly as it was.
 
     Args:
-        model, mesh, plan, axis, experts: as :func:`tplower.parallelize`.
+        model, mesh, plan, axis, experts, context: as :func:`tplower.parallelize` (``plan=None``: no module
+            is planned; with ``context``, context parallelism alone).
 
     Raises:
         TPLowerError: every refusal :func:`tplower.parallelize` makes before it changes the model (a plan
             error naming the module, field and value; a module already parallelized; attention split over a
-            tp that does not divide the head counts; ...).
+            tp that does not divide the head counts; a ``context`` axis the mesh lacks; ...).
     """
+    names_ = tuple(mesh.mesh_dim_names or ())
+    if context is not None and context not in names_:
+        raise TPLowerError(f"parallelize: context={context!r} is not an axis of the mesh {names_}; make the mesh "
+                           f"with a {context!r} axis, e.g. init_device_mesh(device, (cp, tp), "
+                           f"mesh_dim_names=({context!r}, 'tp'))")
+    if context is not None and context == axis:
+        raise TPLowerError(f"parallelize: context={context!r} is the tensor-parallel axis too; give the sequence "
+                           "its own mesh axis")
+    summed = (context,) if context is not None else ()
+    if plan is None:
+        plan = {}
     if isinstance(plan, str) and plan == "derive":  # at this axis' size: attention it cannot split stays whole
         names = mesh.mesh_dim_names or ()
         plan = derive_plan(model, axis=axis, tp=mesh.size(names.index(axis)) if axis in names else None).plan
@@ -268,9 +283,9 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
         module = modules[qual]
         if isinstance(module.__dict__.get("forward"), _Boundary) or REPLACED in module.__dict__:
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
-        resolved.append(resolve_module(module, qual, entries[qual], lowerer, axis, config))
+        resolved.append(resolve_module(module, qual, entries[qual], lowerer, axis, config, summed))
     _check_ties(model, tuple(resolved))
-    return ResolvedPlan(axis, experts, lowerer.names, lowerer.shape, tuple(plan.items()), tuple(resolved))
+    return ResolvedPlan(axis, experts, lowerer.names, lowerer.shape, tuple(plan.items()), tuple(resolved), context)
 
 
 def bind_compute(module: nn.Module, mp: ModulePlan) -> Callable[..., Any]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..core.errors import TPLowerError
@@ -84,7 +84,7 @@ class ParamLayout:
 
 
 def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | None, axis: str,
-                 packed: int = 1, use: Placements | None = None) -> ParamLayout:
+                 packed: int = 1, use: Placements | None = None, summed: tuple[str, ...] = ()) -> ParamLayout:
     """The :class:`ParamLayout` of a parameter placed by ``placements`` (one per axis of ``mesh``).
 
     Args:
@@ -94,17 +94,30 @@ def param_layout(mesh: DeviceMesh, placements: Placements, grad: Placements | No
         axis: the tensor-parallel axis name.
         packed: parts packed along the shard dim (see :class:`ParamLayout`).
         use: the placements the forward uses its local value at (``None``: as ``placements``).
+        summed: axes the parameter is replicated over whose ranks see different data (a context-parallel
+            axis: each rank's gradient covers its own tokens), so its local gradient is ``P(sum)`` there
+            and is all-reduced in backward. Must be ``Replicate`` in ``placements``.
+
+    Returns:
+        The layout on the sub-mesh of ``axis`` and ``summed`` (those the mesh has, in mesh order) when the
+        parameter is ``Replicate`` on every other axis, gradient and use too (as ``parallelize_module(model,
+        mesh["tp"], ...)`` places it, so FSDP2 can add its own axis); else on the whole mesh.
     """
     names = tuple(mesh.mesh_dim_names or ())
+    if summed:
+        base = tuple(grad) if grad is not None else tuple(placements)
+        grad = tuple(Partial() if n in summed else q for n, q in zip(names, base, strict=True))
     grad = None if grad is None or tuple(grad) == tuple(placements) else tuple(grad)
     use = None if use is None or tuple(use) == tuple(placements) else tuple(use)
-    if mesh.ndim > 1 and axis in names:
-        i = names.index(axis)
-        others = [j for j in range(mesh.ndim) if j != i]
+    keep = [j for j, n in enumerate(names) if n == axis or n in summed]
+    if mesh.ndim > 1 and keep:
+        others = [j for j in range(mesh.ndim) if j not in keep]
         if all(isinstance(placements[j], Replicate) and all(o is None or isinstance(o[j], Replicate)
                                                             for o in (grad, use)) for j in others):
-            return ParamLayout(mesh[axis], (placements[i],), None if grad is None else (grad[i],), packed,
-                               None if use is None else (use[i],))
+            sub = mesh[names[keep[0]]] if len(keep) == 1 else mesh[tuple(names[j] for j in keep)]
+            return ParamLayout(sub, tuple(placements[j] for j in keep),
+                               None if grad is None else tuple(grad[j] for j in keep), packed,
+                               None if use is None else tuple(use[j] for j in keep))
     return ParamLayout(mesh, tuple(placements), grad, packed, use)
 
 

@@ -185,8 +185,8 @@ class RestParams:
         watch: while set, every view a swap makes is passed to it with its key (the coverage probe).
     """
 
-    def __init__(self, mesh: DeviceMesh, axis: str) -> None:
-        self.mesh, self.axis = mesh, axis
+    def __init__(self, mesh: DeviceMesh, axis: str, summed: tuple[str, ...] = ()) -> None:
+        self.mesh, self.axis, self.summed = mesh, axis, summed
         self.names: dict[int, tuple[str, str]] = {}
         self.layouts: dict[int, ParamLayout] = {}
         self.slots: list[_Slot] = []
@@ -200,7 +200,7 @@ class RestParams:
         names = tuple(self.mesh.mesh_dim_names or ())
         rep = tuple(Replicate() for _ in names)
         grad = tuple(Partial() if n == self.axis else Replicate() for n in names)
-        layout = param_layout(self.mesh, rep, grad, self.axis)
+        layout = param_layout(self.mesh, rep, grad, self.axis, summed=self.summed)
         self.layouts[key] = layout
         for slot in self.slots:
             if slot.key == key:
@@ -209,20 +209,24 @@ class RestParams:
             swap.restatic()
 
 
-def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str) -> RestParams:
+def place_rest(modules: dict[str, nn.Module], mesh: DeviceMesh, axis: str, summed: tuple[str, ...] = ()
+               ) -> RestParams:
     """Make every plain parameter of ``modules`` a ``Replicate`` DTensor and install the swaps.
 
     Args:
         modules: ``dict(model.named_modules())`` after the plan is installed.
-        mesh: the mesh of :func:`tplower.parallelize`; the DTensors live on ``mesh[axis]``.
+        mesh: the mesh of :func:`tplower.parallelize`; the DTensors live on ``mesh[axis]`` (with the
+            ``summed`` axes: on those and ``axis``).
         axis: the tensor-parallel axis.
+        summed: axes whose ranks see different data (context parallelism): the gradient is summed over
+            them (:func:`tplower.runtime.params.param_layout`).
 
     Returns:
         The :class:`RestParams` made (``len(rest.names)`` of them).
     """
     names = tuple(mesh.mesh_dim_names or ())
-    layout = param_layout(mesh, tuple(Replicate() for _ in names), None, axis)
-    rest = RestParams(mesh, axis)
+    layout = param_layout(mesh, tuple(Replicate() for _ in names), None, axis, summed=summed)
+    rest = RestParams(mesh, axis, summed)
     made: dict[int, nn.Parameter] = {}
     swaps: dict[int, tuple[nn.Module, _Swap]] = {}
 
