@@ -234,18 +234,18 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     if not isinstance(axis, str):
         raise TypeError(f"install_context: axis must be a mesh axis name (str), got {type(axis).__name__}")
     if mode not in MODES:
-        raise TPLowerError(f"install_context: context_mode={mode!r}; expected one of {list(MODES)}")
+        raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise TPLowerError(f"install_context: tp_size={tp_size!r} must be an int >= 1")
     n, _ = _axis(mesh, axis, "install_context")
     if installed_context(model) is not None:
         raise TPLowerError("install_context: context parallelism is already installed on this model")
     found = attention_modules(model)
+    check_mixers(model, found)
     if not found:
         raise TPLowerError(f"context parallelism: {type(model).__name__} has no module that calls transformers' "
                            "attention interface (ALL_ATTENTION_FUNCTIONS); it takes a transformers model whose "
                            "attention goes through that interface")
-    check_mixers(model, found)
     config = text_config(model)
     if getattr(config, "output_router_logits", False):
         raise TPLowerError("context parallelism: config.output_router_logits=True asks for the router's auxiliary "
