@@ -22,7 +22,11 @@ sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
 with the batch's global ``attention_mask`` and ``position_ids``, so padding,
 sliding windows and packed documents are as one process builds them), built
 once per batch and kind of layer; the all-gather mode takes the rows of its
-queries.
+queries. Packed documents (no ``attention_mask``, position ids restarting)
+each get their own causal attention, as transformers gives them without a
+cache; one process does not look for them when it holds a cache
+(``use_cache`` on, the config's default outside training) or when the
+model's forward builds its masks without the position ids (gpt-oss, afmoe).
 """
 
 from __future__ import annotations
