@@ -47,8 +47,8 @@ EAGER_ONLY = ("gemma2", "gpt_oss")
 
 @dataclass(frozen=True)
 class Case:
-    """One comparison: ``batch`` is ``"padded"`` (left padding, ``attention_mask``) or ``"packed"`` (position ids
-    restarting per document, no mask: transformers finds the documents from the positions)."""
+    """One comparison: ``batch`` is ``"padded"`` (left padding, ``attention_mask``), ``"packed"`` (position ids
+    restarting per document, no mask: transformers finds the documents from the positions) or ``"plain"``."""
 
     model: str
     mode: str
@@ -78,9 +78,12 @@ def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
 
 
 def batch(kind: str, seq: int, vocab: int = 128) -> dict[str, torch.Tensor]:
-    """A whole batch of 2 rows: ``padded`` (row 1 left-padded by 3) or ``packed`` (documents of 3 lengths)."""
+    """A whole batch of 2 rows: ``padded`` (row 1 left-padded by 3), ``packed`` (documents of 3 lengths) or
+    ``plain`` (ids and labels alone)."""
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(seq))
     labels = ids.clone()
+    if kind == "plain":
+        return {"input_ids": ids, "labels": labels}
     if kind == "padded":
         mask = torch.ones(2, seq, dtype=torch.long)
         mask[1, :3] = 0

@@ -36,6 +36,9 @@ CASES = [
     Case("llama_mqa", "ulysses", "sdpa", 37, True, "padded"),  # 1 key/value head, cp=2: repeated
     Case("llama_h3", "allgather", "sdpa", 37, True, "padded"),  # 3 heads: allgather needs no head split
     Case("gpt_oss", "ulysses", "eager", 37, True, "padded"),  # sinks: each rank's kernel reads its heads' slice
+    Case("llama", "ulysses", "sdpa", 64, True, "plain"),  # no mask: sdpa's causal kernel, as one process
+    Case("llama", "allgather", "eager", 3, True, "plain"),  # pieces of 1, 1, 1 and 0 tokens: ranks hold 1 and 2
+    Case("llama", "ulysses", "sdpa", 2, True, "plain"),  # a token a rank
 ]
 #: forward and backward collectives of a 2-layer model: Ulysses moves q, k, v and the output each way
 #: (4 all_to_all a layer forward, 4 backward); all-gather gathers k and v (2 all_gather a layer forward,
@@ -98,6 +101,7 @@ def _refusals(mesh: Any, world: int) -> dict[str, str]:
     for name, call in (("twice", lambda: install_context(model, mesh)),
                        ("no_split", lambda: model(input_ids=ids)),
                        ("use_cache", lambda: model(**shard_sequence({"input_ids": ids}, mesh), use_cache=True)),
+                       ("empty_rank", lambda: model(**shard_sequence({"input_ids": ids[:, :1]}, mesh))),
                        ("generate", lambda: model.generate(input_ids=ids, max_new_tokens=2))):
         try:
             call()
@@ -145,6 +149,7 @@ REFUSED = {
     "router_loss": ("output_router_logits",),
     "twice": ("already installed",),
     "no_split": ("shard_sequence",),
+    "empty_rank": ("ranks [1] with no token", "at least 2 tokens"),
     "use_cache": ("KV cache", "without context="),
     "generate": ("generate()", "without context="),
 }

@@ -96,10 +96,20 @@ def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
 
 
 def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window: Any) -> Any:
-    """transformers' mask of the whole sequence for this layer's kind (cached per batch)."""
+    """transformers' mask for this layer's kind, as this mode's kernel takes it (cached per batch).
+
+    Ulysses: the mask one process builds for the whole sequence (the kernel
+    sees the whole sequence in its own order, as one process does), so
+    ``sdpa`` skips a plain causal mask (``None``, the kernel's ``is_causal``)
+    exactly where one process skips it. All-gather: the rows of this rank's
+    queries of the whole mask (never skipped: the queries are a slice); the
+    whole mask is dropped once its rows are taken, and a boolean one becomes
+    the additive mask ``sdpa`` would convert it to in every layer (``0``, and
+    ``-inf`` where masked: the same values, made once a batch).
+    """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    key = (id(ca.config), window, like.dtype, like.device)
+    key = (id(ca.config), window, ca.mode, like.dtype, like.device)
     if key not in split.cache:
         b, s = split.position_ids.shape[0], split.layout.length
         embeds = torch.empty((b, s, 1), dtype=like.dtype, device=like.device)
@@ -109,8 +119,15 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
             config = copy.copy(config)
             config.__dict__["sliding_window"] = window
         mask = split.attention_mask.to(like.device) if split.attention_mask is not None else None
-        split.cache[key] = make(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None,
-                                position_ids=split.position_ids.to(like.device), allow_is_causal_skip=False)
+        whole = make(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None,
+                     position_ids=split.position_ids.to(like.device), allow_is_causal_skip=ca.mode == "ulysses")
+        if ca.mode == "allgather":
+            assert isinstance(whole, torch.Tensor), "a mask built without the causal skip is a tensor"
+            whole = whole.index_select(2, split.local_index.to(like.device))
+            if whole.dtype == torch.bool:  # what sdpa would make of it in every layer, once (-inf where masked)
+                whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                    whole.logical_not(), float("-inf"))
+        split.cache[key] = whole
     return split.cache[key]
 
 
@@ -192,8 +209,7 @@ def _allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.
         return redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"},
                                   global_shape=shape).index_select(2, order)
 
-    rows = mask.index_select(2, split.local_index.to(q.device)) if isinstance(mask, torch.Tensor) else mask
-    out, _ = ca.kernel(module, q, whole(k), whole(v), rows, **kwargs)
+    out, _ = ca.kernel(module, q, whole(k), whole(v), mask, **kwargs)  # mask: the rows of the local queries
     return out, None
 
 

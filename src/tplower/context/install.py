@@ -172,6 +172,13 @@ class _Hooks:
             raise TPLowerError(f"{type(module).__name__}: the batch was split over axis {split.axis!r} "
                                f"({split.layout.size} ranks); the model runs over {self.axis!r} ({self.size}); "
                                f"call shard_sequence(batch, mesh, {self.axis!r})")
+        lengths = split.layout.lengths
+        if 0 in lengths:  # every rank knows the layout: all refuse alike
+            raise TPLowerError(f"{type(module).__name__}: a sequence of {split.layout.length} tokens over the "
+                               f"{self.size} ranks of axis {self.axis!r} (balance={split.layout.balance}) leaves "
+                               f"ranks {[r for r, n in enumerate(lengths) if not n]} with no token, and a "
+                               "transformers model does not run on none; give every rank a token (a sequence of at "
+                               f"least {self.size} tokens with balance=True)")
         if self.no_cache and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
         return args, kwargs
