@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -49,6 +50,11 @@ def _model(layers: int) -> Any:
 
 
 def _step(model: Any, part: dict[str, Any]) -> None:
+    """Forward and backward; the batch's masks are built afresh, as for every new batch of a training loop."""
+    from tplower.context import SPLIT_KEY
+
+    if SPLIT_KEY in part:
+        part = {**part, SPLIT_KEY: dataclasses.replace(part[SPLIT_KEY], cache={})}
     model.zero_grad(set_to_none=True)
     out = model(**part)
     out.loss.backward()
