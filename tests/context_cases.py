@@ -40,6 +40,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {"sliding_window": 8}),  # sliding and global layers alternate; softcapping
     "qwen3_moe": ("qwen3_moe", {}),  # experts see this rank's tokens
     "gpt_oss": ("gpt_oss", {"sliding_window": 8}),  # per-head sinks the eager kernel reads from the module
+    "nemotron": ("nemotron", {}),  # its decoder layer calls attention without the keyword arguments
 }
 #: kinds transformers runs only with eager attention
 EAGER_ONLY = ("gemma2", "gpt_oss")

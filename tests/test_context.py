@@ -39,6 +39,7 @@ CASES = [
     Case("llama", "ulysses", "sdpa", 64, True, "plain"),  # no mask: sdpa's causal kernel, as one process
     Case("llama", "allgather", "eager", 3, True, "plain"),  # pieces of 1, 1, 1 and 0 tokens: ranks hold 1 and 2
     Case("llama", "ulysses", "sdpa", 2, True, "plain"),  # a token a rank
+    Case("nemotron", "allgather", "sdpa", 37, False, "packed"),  # the split reaches attention without kwargs
 ]
 #: forward and backward collectives of a 2-layer model: Ulysses moves q, k, v and the output each way
 #: (4 all_to_all a layer forward, 4 backward); all-gather gathers k and v (2 all_gather a layer forward,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +68,9 @@ class ContextAttention:
         per_head: names of the module's own parameters that may hold one entry per query head (e.g.
             gpt-oss's ``sinks``): under Ulysses the kernel sees rank ``r``'s slice of those whose leading
             dim is the local head count.
+        live: the batch the model is running now (``{"context_split": split}``, set by the model's forward
+            pre-hook and emptied after its forward; one dict shared by the model's modules): read when a model's
+            layer does not pass its keyword arguments down to attention.
     """
 
     mesh: DeviceMesh
@@ -77,6 +80,7 @@ class ContextAttention:
     kernel: Callable[..., Any]
     config: Any
     per_head: tuple[str, ...] = ()
+    live: dict[str, Any] = field(default_factory=dict)
 
 
 def inner_config(config: Any, inner: str) -> Any:
@@ -238,11 +242,12 @@ def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     if not isinstance(ca, ContextAttention):
         raise TPLowerError(f"{type(module).__name__}: its attention runs as {IMPLEMENTATION!r} but it was not "
                            "parallelized with context=; parallelize the model with context='cp'")
-    split = kwargs.pop(SPLIT_KEY, None)
+    split = kwargs.pop(SPLIT_KEY, None) or ca.live.get(SPLIT_KEY)
     if not isinstance(split, ContextSplit):
         raise TPLowerError(f"{type(module).__name__}: a context-parallel model takes the batch from "
                            "tplower.shard_sequence(batch, mesh) (its 'context_split' entry reached no attention "
-                           "call: call model(**part) with every entry of the part)")
+                           "call: call model(**part) with every entry of the part; a layer that drops its keyword "
+                           "arguments cannot be recomputed by activation checkpointing under context parallelism)")
     if attention_mask is not None:
         raise TPLowerError(f"{type(module).__name__}: its forward passes an attention mask of its own (a "
                            f"{type(attention_mask).__name__} built from this rank's tokens, not by transformers' "

@@ -14,7 +14,10 @@ process's answer:
   :func:`~tplower.context.attention.context_attention`;
 * a forward pre-hook on the model refuses a call without the batch's
   ``context_split`` and any KV cache (``generate()``, ``use_cache=True``, a
-  given ``past_key_values``), and turns the cache off otherwise;
+  given ``past_key_values``), and turns the cache off otherwise; it also
+  leaves the split where the attention modules find it when a layer calls
+  them without its keyword arguments (Nemotron's decoder layer does), until
+  the forward ends;
 * a forward hook makes the loss whole: each rank's ``loss`` is its partial
   sum (transformers' causal-LM loss divides by ``num_items_in_batch``, the
   whole batch's count, which ``shard_sequence`` passes), so it moves
@@ -157,8 +160,8 @@ def _refuse_cache(kwargs: Mapping[str, Any]) -> None:
 class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
-    def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool) -> None:
-        self.mesh, self.axis, self.size, self.no_cache = mesh, axis, size, no_cache
+    def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any]) -> None:
+        self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -179,11 +182,13 @@ class _Hooks:
                                f"ranks {[r for r, n in enumerate(lengths) if not n]} with no token, and a "
                                "transformers model does not run on none; give every rank a token (a sequence of at "
                                f"least {self.size} tokens with balance=True)")
+        self.live[SPLIT_KEY] = split
         if self.no_cache and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
         return args, kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        self.live.clear()
         if isinstance(output, MutableMapping):
             if output.get("aux_loss") is not None:
                 raise TPLowerError(f"{type(module).__name__}: the router's auxiliary load-balancing loss is a "
@@ -264,18 +269,19 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             _check_ulysses(path, m, n, axis, tp_size)
     register()
     configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its copy for the inner implementation)
+    live: dict[str, Any] = {}
     attached = []
     for path, m in found:
         own = getattr(m, "config", None) or config
         if id(own) not in configs:
             configs[id(own)] = (own, inner_config(own, inners[path]))
         attached.append((m, ContextAttention(mesh, axis, mode, inners[path], _kernel(path, m, inners[path]),
-                                             configs[id(own)][1], _per_head(m))))
+                                             configs[id(own)][1], _per_head(m), live)))
     for m, ca in attached:
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"))
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live)
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
                model.register_forward_hook(hooks.after, with_kwargs=True))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),
