@@ -20,6 +20,7 @@ has no cache and always gives each packed document its own attention.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,14 @@ def batch(kind: str, seq: int, vocab: int = 128) -> dict[str, torch.Tensor]:
             positions[row, c:] = torch.arange(seq - c)
             labels[row, c] = -100  # a document's first token is predicted by no token of its own document
     return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def named(fn: Callable[..., Any], case: Case, *args: Any, **kwargs: Any) -> Any:
+    """``fn(case, ...)``, an error re-raised with the case's name (one failing case ends the whole spawn)."""
+    try:
+        return fn(case, *args, **kwargs)
+    except Exception as e:
+        raise RuntimeError(f"context case {case.name} failed: {type(e).__name__}: {e}") from e
 
 
 def _grads(model: nn.Module) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from context_cases import Case, run_case, tiny
+from context_cases import Case, named, run_case, tiny
 from torch import nn
 
 from tplower.core.errors import TPLowerError
@@ -99,6 +99,9 @@ def _refusals(mesh: Any, world: int) -> dict[str, str]:
     model = tiny("llama", "sdpa")
     install_context(model, mesh)
     ids = torch.randint(0, 128, (1, 8))
+    part = shard_sequence({"input_ids": ids, "labels": ids}, mesh)
+    as_tuple = model(**part, return_dict=False)[0]  # the loss comes first in a tuple too, made whole
+    out["tuple_loss"] = f"{float((as_tuple - model(**part).loss).abs()):.1e}"
     for name, call in (("twice", lambda: install_context(model, mesh)),
                        ("no_split", lambda: model(input_ids=ids)),
                        ("use_cache", lambda: model(**shard_sequence({"input_ids": ids}, mesh), use_cache=True)),
@@ -116,7 +119,7 @@ def _body(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    results = {c.name: run_case(c, mesh, count=c.name in COUNTED) for c in cases}
+    results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in cases}
     return {"cases": results, "refusals": _refusals(mesh, world)}
 
 
@@ -154,6 +157,10 @@ REFUSED = {
     "use_cache": ("KV cache", "without context="),
     "generate": ("generate()", "without context="),
 }
+
+
+def test_tuple_output_loss_is_whole(ranks: list[dict[str, Any]]) -> None:
+    assert [r["refusals"]["tuple_loss"] for r in ranks] == ["0.0e+00", "0.0e+00"]
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -7,7 +7,7 @@ import itertools
 from typing import Any
 
 import pytest
-from context_cases import EAGER_ONLY, Case, run_case
+from context_cases import EAGER_ONLY, Case, named, run_case
 
 from tplower.testing import run_processes
 
@@ -25,7 +25,7 @@ def _body(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    return {c.name: run_case(c, mesh) for c in cases}
+    return {c.name: named(run_case, c, mesh) for c in cases}
 
 
 @pytest.fixture(scope="module")
