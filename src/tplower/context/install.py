@@ -63,7 +63,8 @@ class ContextInstall:
     Attributes:
         mesh, axis, mode: as given.
         modules: paths of the attention modules that run under context parallelism.
-        inner: the attention implementation the model had (``eager`` or ``sdpa``).
+        inner: the attention implementation the model had (``eager`` or ``sdpa``; both, joined by ``/``, when
+            its modules differ).
         handles: the model's forward pre-hook and forward hook.
     """
 
