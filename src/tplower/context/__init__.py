@@ -8,10 +8,14 @@ model's own attention function and nothing else. Ulysses moves
 ``S(seq) -> R`` (an ``all_gather``, a ``reduce_scatter`` in backward) and keeps
 the local queries. Both are tplower transitions. The masks follow each token's
 global position (:mod:`tplower.context.layout`); the batch is split and made
-whole by :mod:`tplower.context.sequence`.
+whole by :mod:`tplower.context.sequence`; :func:`install_context`
+(:mod:`tplower.context.install`) wires a transformers model as shipped.
 """
 
+from .discover import attention_modules
+from .install import ContextInstall, install_context, installed_context
 from .layout import SequenceLayout
 from .sequence import SPLIT_KEY, ContextSplit, gather_sequence, shard_sequence
 
-__all__ = ["SPLIT_KEY", "ContextSplit", "SequenceLayout", "gather_sequence", "shard_sequence"]
+__all__ = ["SPLIT_KEY", "ContextInstall", "ContextSplit", "SequenceLayout", "attention_modules", "gather_sequence",
+           "install_context", "installed_context", "shard_sequence"]

@@ -22,14 +22,19 @@ sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
 with the batch's global ``attention_mask`` and ``position_ids``, so padding,
 sliding windows and packed documents are as one process builds them), built
 once per batch and kind of layer; the all-gather mode takes the rows of its
-queries.
+queries. Packed documents (no ``attention_mask``, position ids restarting)
+each get their own causal attention, as transformers gives them without a
+cache; one process does not look for them when it holds a cache
+(``use_cache`` on, the config's default outside training) or when the
+model's forward builds its masks without the position ids (gpt-oss, afmoe).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +63,14 @@ class ContextAttention:
         mode: ``ulysses`` or ``allgather``.
         inner: the implementation the model had (``eager``, ``sdpa``, ...).
         kernel: its function (the model's own ``eager_attention_forward`` for ``eager``).
-        config: the model's config as the inner implementation sees it (masks are built from it).
+        config: the model's config as the inner implementation sees it (masks are built from it; one
+            copy shared by the modules of one config, so one mask serves them all).
+        per_head: names of the module's own parameters that may hold one entry per query head (e.g.
+            gpt-oss's ``sinks``): under Ulysses the kernel sees rank ``r``'s slice of those whose leading
+            dim is the local head count.
+        live: the batch the model is running now (``{"context_split": split}``, set by the model's forward
+            pre-hook and emptied after its forward; one dict shared by the model's modules): read when a model's
+            layer does not pass its keyword arguments down to attention.
     """
 
     mesh: DeviceMesh
@@ -67,6 +79,8 @@ class ContextAttention:
     inner: str
     kernel: Callable[..., Any]
     config: Any
+    per_head: tuple[str, ...] = ()
+    live: dict[str, Any] = field(default_factory=dict)
 
 
 def inner_config(config: Any, inner: str) -> Any:
@@ -86,18 +100,76 @@ def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
 
 
 def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window: Any) -> Any:
-    """transformers' mask of the whole sequence for this layer's kind (cached per batch)."""
+    """transformers' mask for this layer's kind, as this mode's kernel takes it (cached per batch).
+
+    Ulysses: the mask one process builds for the whole sequence (the kernel
+    sees the whole sequence in its own order, as one process does), so
+    ``sdpa`` skips a plain causal mask (``None``, the kernel's ``is_causal``)
+    exactly where one process skips it. All-gather: the rows of this rank's
+    queries of the whole mask (never skipped: the queries are a slice); the
+    whole mask is dropped once its rows are taken, and a boolean one becomes
+    the additive mask ``sdpa`` would convert it to in every layer (``0``, and
+    ``-inf`` where masked: the same values, made once a batch).
+    """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    key = (ca.inner, window is not None, like.dtype, like.device)
+    key = (id(ca.config), window, ca.mode, like.dtype, like.device)
     if key not in split.cache:
         b, s = split.position_ids.shape[0], split.layout.length
         embeds = torch.empty((b, s, 1), dtype=like.dtype, device=like.device)
         make = create_sliding_window_causal_mask if window is not None else create_causal_mask
+        config = ca.config
+        if window is not None and getattr(config, "sliding_window", None) != window:  # the layer's own window
+            config = copy.copy(config)
+            config.__dict__["sliding_window"] = window
         mask = split.attention_mask.to(like.device) if split.attention_mask is not None else None
-        split.cache[key] = make(config=ca.config, inputs_embeds=embeds, attention_mask=mask, cache=None,
-                                position_ids=split.position_ids.to(like.device), allow_is_causal_skip=False)
+        whole = make(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None,
+                     position_ids=split.position_ids.to(like.device), allow_is_causal_skip=ca.mode == "ulysses")
+        if ca.mode == "allgather":
+            assert isinstance(whole, torch.Tensor), "a mask built without the causal skip is a tensor"
+            whole = whole.index_select(2, split.local_index.to(like.device))
+            if whole.dtype == torch.bool:  # what sdpa would make of it in every layer, once (-inf where masked)
+                whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                    whole.logical_not(), float("-inf"))
+        split.cache[key] = whole
     return split.cache[key]
+
+
+class _KernelView:
+    """The attention module as the kernel reads it under Ulysses: the module itself, but for ``overrides``.
+
+    The kernel reads a few attributes of the module (``num_key_value_groups``,
+    ``training``, ``is_causal``, per-head parameters such as ``sinks``); after
+    the exchange it holds ``1/n`` of the heads, so the per-head ones must be
+    this rank's slice and the group size that of the heads it holds.
+    """
+
+    def __init__(self, module: Any, overrides: dict[str, Any]) -> None:
+        self._module = module
+        self._overrides = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._module, name)
+
+
+def _heads_view(ca: ContextAttention, module: Any, rank: int, n: int, h_q: int, groups: int | None,
+                kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The module and keyword arguments the kernel gets for heads ``[rank*h_q/n, (rank+1)*h_q/n)``."""
+    overrides: dict[str, Any] = {}
+    if groups is not None and hasattr(module, "num_key_value_groups"):
+        overrides["num_key_value_groups"] = groups
+    per = h_q // n
+    swap: dict[int, torch.Tensor] = {}
+    for name in ca.per_head:
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == h_q:
+            overrides[name] = swap[id(t)] = t.narrow(0, rank * per, per)
+    if not overrides:
+        return module, kwargs
+    kw = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return _KernelView(module, overrides), kw
 
 
 def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
@@ -105,6 +177,16 @@ def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Te
     layout, n, axis = split.layout, split.layout.size, ca.axis
     width, local = max(layout.lengths), q.shape[2]
     order = layout.padded_order.to(q.device)
+    h_q, h_kv = q.shape[1], k.shape[1]
+    if h_q % n or h_q % h_kv:
+        raise TPLowerError(f"{type(module).__name__}: context_mode='ulysses' splits the heads over the {n} ranks "
+                           f"of axis {axis!r}, but this rank holds {h_q} query heads and {h_kv} key/value heads "
+                           f"({h_q} does not divide by {n}); use context_mode='allgather' (it splits no heads)")
+    # key/value heads fewer than (or not divisible by) n: repeat each r times, so every rank gets whole groups
+    rep = 1 if h_kv % n == 0 else n // math.gcd(h_kv, n)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    view, kw = _heads_view(ca, module, split.rank, n, h_q, h_q // (h_kv * rep) if rep > 1 else None, kwargs)
 
     def to_heads(t: torch.Tensor) -> torch.Tensor:  # [B, h, s, D] S(2) -> [B, h/n, S, D] S(1), in global order
         padded = _pad_seq(t, 2, width)
@@ -112,7 +194,7 @@ def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Te
         whole = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
         return whole.index_select(2, order)
 
-    out, _ = ca.kernel(module, to_heads(q), to_heads(k), to_heads(v), mask, **kwargs)  # [B, S, H/n, D]
+    out, _ = ca.kernel(view, to_heads(q), to_heads(k), to_heads(v), mask, **kw)  # [B, S, H/n, D]
     padded = out.new_zeros((out.shape[0], width * n, *out.shape[2:])).index_copy(1, order, out)
     shape = (padded.shape[0], width * n, padded.shape[2] * n, padded.shape[3])
     back = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
@@ -131,8 +213,7 @@ def _allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.
         return redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"},
                                   global_shape=shape).index_select(2, order)
 
-    rows = mask.index_select(2, split.local_index.to(q.device)) if isinstance(mask, torch.Tensor) else mask
-    out, _ = ca.kernel(module, q, whole(k), whole(v), rows, **kwargs)
+    out, _ = ca.kernel(module, q, whole(k), whole(v), mask, **kwargs)  # mask: the rows of the local queries
     return out, None
 
 
@@ -141,25 +222,37 @@ def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     """transformers' attention call for a context-parallel model: exchange, the model's kernel, exchange back.
 
     ``query`` ``[B, H, s, D]``, ``key``/``value`` ``[B, H_kv, s, D]`` of this
-    rank's ``s`` tokens (``attention_mask``, built by the model for the local
-    tokens alone, is not used). Returns ``([B, s, H, D], None)``, as the
-    model's own implementation returns its output.
+    rank's ``s`` tokens; ``attention_mask`` is ``None`` (transformers builds
+    no mask for an implementation it has no mask function for; a module that
+    passes one built its own). Returns ``([B, s, H, D], None)``, as the
+    model's own implementation returns its output. Ulysses with ``H_kv`` not
+    divisible by the axis size repeats each key/value head ``n/gcd(H_kv, n)``
+    times before the exchange (the ranks that share a head each get a copy;
+    the repeat's backward sums their gradients).
 
     Raises:
         TPLowerError: the module was not parallelized with a context axis, or
             the call carries no ``context_split`` (the model was called with a
             batch that did not come from :func:`tplower.shard_sequence`, or it
-            does not pass its keyword arguments down to attention).
+            does not pass its keyword arguments down to attention), the module
+            passed a mask of its own, or Ulysses meets a query head count
+            that the axis size does not divide (alike on every rank of the axis).
     """
     ca = module.__dict__.get(ATTR)
     if not isinstance(ca, ContextAttention):
         raise TPLowerError(f"{type(module).__name__}: its attention runs as {IMPLEMENTATION!r} but it was not "
                            "parallelized with context=; parallelize the model with context='cp'")
-    split = kwargs.pop(SPLIT_KEY, None)
+    split = kwargs.pop(SPLIT_KEY, None) or ca.live.get(SPLIT_KEY)
     if not isinstance(split, ContextSplit):
         raise TPLowerError(f"{type(module).__name__}: a context-parallel model takes the batch from "
                            "tplower.shard_sequence(batch, mesh) (its 'context_split' entry reached no attention "
-                           "call: call model(**part) with every entry of the part)")
+                           "call: call model(**part) with every entry of the part; a layer that drops its keyword "
+                           "arguments cannot be recomputed by activation checkpointing under context parallelism)")
+    if attention_mask is not None:
+        raise TPLowerError(f"{type(module).__name__}: its forward passes an attention mask of its own (a "
+                           f"{type(attention_mask).__name__} built from this rank's tokens, not by transformers' "
+                           "mask functions for the model); context parallelism builds each layer's mask for the "
+                           "whole sequence and cannot keep this one: train this model without context=")
     mask = _mask(ca, split, query, kwargs.get("sliding_window"))
     run = _ulysses if ca.mode == "ulysses" else _allgather
     return run(ca, split, module, query, key, value, mask, kwargs)

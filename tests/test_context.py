@@ -1,0 +1,171 @@
+"""Context parallelism on transformers models as shipped, against one process on the whole batch (2 gloo ranks).
+
+One spawn runs every case of this file (a process start is the dearest
+thing here); the tests read its results. The slice below runs every model
+in each mode, alternating the implementation, the length (64 and 37, which
+2·cp does not divide), the balance and the kind of batch (padded, packed);
+``test_context_matrix.py`` runs the whole product under ``slow``.
+Parameter gradients are summed over ``cp`` by hand (:mod:`context_cases`):
+that reduction comes with ``parallelize``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from context_cases import Case, named, run_case, tiny
+from torch import nn
+
+from tplower.core.errors import TPLowerError
+from tplower.testing import run_processes
+
+TOL = 1e-5
+CASES = [
+    Case("llama", "ulysses", "eager", 64, True, "padded"),
+    Case("llama", "allgather", "sdpa", 37, False, "packed"),
+    Case("qwen2", "ulysses", "sdpa", 37, True, "packed"),
+    Case("qwen2", "allgather", "eager", 64, False, "padded"),
+    Case("mistral", "ulysses", "sdpa", 37, False, "padded"),
+    Case("mistral", "allgather", "eager", 64, True, "packed"),
+    Case("gemma2", "ulysses", "eager", 64, False, "packed"),
+    Case("gemma2", "allgather", "eager", 37, True, "padded"),
+    Case("qwen3_moe", "ulysses", "eager", 37, True, "padded"),
+    Case("qwen3_moe", "allgather", "sdpa", 64, False, "packed"),
+    Case("llama_mqa", "ulysses", "sdpa", 37, True, "padded"),  # 1 key/value head, cp=2: repeated
+    Case("llama_h3", "allgather", "sdpa", 37, True, "padded"),  # 3 heads: allgather needs no head split
+    Case("gpt_oss", "ulysses", "eager", 37, True, "padded"),  # sinks: each rank's kernel reads its heads' slice
+    Case("llama", "ulysses", "sdpa", 64, True, "plain"),  # no mask: sdpa's causal kernel, as one process
+    Case("llama", "allgather", "eager", 3, True, "plain"),  # pieces of 1, 1, 1 and 0 tokens: ranks hold 1 and 2
+    Case("llama", "ulysses", "sdpa", 2, True, "plain"),  # a token a rank
+    Case("nemotron", "allgather", "sdpa", 37, False, "packed"),  # the split reaches attention without kwargs
+]
+#: forward and backward collectives of a 2-layer model: Ulysses moves q, k, v and the output each way
+#: (4 all_to_all a layer forward, 4 backward); all-gather gathers k and v (2 all_gather a layer forward,
+#: their gradients 2 reduce_scatter backward). One all_reduce makes the loss whole.
+COUNTED = {"llama-ulysses-eager-64-bal-padded": {"all_to_all": 16, "all_reduce": 1},
+           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}}
+
+
+class _Mixer(nn.Module):
+    """A token mixer that does not call the attention interface (a running mean over the sequence)."""
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        steps = torch.arange(1, hidden_states.shape[1] + 1, device=hidden_states.device).view(1, -1, 1)
+        return hidden_states.cumsum(1) / steps, None
+
+
+def _refusal(make: Any, mesh: Any, **kw: Any) -> str:
+    from tplower.context import install_context
+
+    try:
+        install_context(make(), mesh, **kw)
+    except TPLowerError as e:
+        return str(e)
+    return "no error"
+
+
+def _refusals(mesh: Any, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tplower.context import install_context, shard_sequence
+
+    def qwen3_next() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        from tplower.run.hf_configs import tiny_config
+        return AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
+
+    def no_interface() -> nn.Module:
+        m = tiny("llama", "sdpa")
+        m.model.layers[1].self_attn = _Mixer()
+        return m
+
+    def router_loss() -> nn.Module:
+        m = tiny("qwen3_moe", "sdpa")
+        m.config.output_router_logits = True
+        return m
+
+    out = {
+        "axis": _refusal(lambda: tiny("llama", "sdpa"), init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))),
+        "mode": _refusal(lambda: tiny("llama", "sdpa"), mesh, mode="ring"),
+        "heads": _refusal(lambda: tiny("llama_h3", "sdpa"), mesh, mode="ulysses"),
+        "recurrent": _refusal(qwen3_next, mesh),
+        "no_interface": _refusal(no_interface, mesh),
+        "flex": _refusal(lambda: tiny("llama", "flex_attention"), mesh),
+        "router_loss": _refusal(router_loss, mesh),
+    }
+    model = tiny("llama", "sdpa")
+    install_context(model, mesh)
+    ids = torch.randint(0, 128, (1, 8))
+    part = shard_sequence({"input_ids": ids, "labels": ids}, mesh)
+    as_tuple = model(**part, return_dict=False)[0]  # the loss comes first in a tuple too, made whole
+    out["tuple_loss"] = f"{float((as_tuple - model(**part).loss).abs()):.1e}"
+    for name, call in (("twice", lambda: install_context(model, mesh)),
+                       ("no_split", lambda: model(input_ids=ids)),
+                       ("use_cache", lambda: model(**shard_sequence({"input_ids": ids}, mesh), use_cache=True)),
+                       ("empty_rank", lambda: model(**shard_sequence({"input_ids": ids[:, :1]}, mesh))),
+                       ("generate", lambda: model.generate(input_ids=ids, max_new_tokens=2))):
+        try:
+            call()
+            out[name] = "no error"
+        except TPLowerError as e:
+            out[name] = str(e)
+    return out
+
+
+def _body(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in cases}
+    return {"cases": results, "refusals": _refusals(mesh, world)}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = run_processes(2, _body, CASES, timeout=600)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_matches_one_process(ranks: list[dict[str, Any]], case: Case) -> None:
+    for rank, got in enumerate(r["cases"][case.name] for r in ranks):
+        assert got["loss"] <= TOL, (rank, got)  # the whole loss, on every rank
+        assert got["logits"] <= TOL, (rank, got)
+        assert got["grad"] <= TOL * max(1.0, got["scale"]), (rank, got)
+
+
+@pytest.mark.parametrize("name", sorted(COUNTED))
+def test_collectives_per_step(ranks: list[dict[str, Any]], name: str) -> None:
+    for r in ranks:
+        assert r["cases"][name]["counts"] == COUNTED[name]
+
+
+REFUSED = {
+    "axis": ("axis='cp'", "('dp',)"),
+    "mode": ("'ring'", "ulysses", "allgather"),
+    "heads": ("3 query heads", "context_mode='allgather'"),
+    "recurrent": ("model.layers.0 (Qwen3NextDecoderLayer)", "'linear_attention'", "without context="),
+    "no_interface": ("model.layers.1 (LlamaDecoderLayer)", "ALL_ATTENTION_FUNCTIONS", "without context="),
+    "flex": ("flex_attention", "'sdpa'"),
+    "router_loss": ("output_router_logits",),
+    "twice": ("already installed",),
+    "no_split": ("shard_sequence",),
+    "empty_rank": ("ranks [1] with no token", "at least 2 tokens"),
+    "use_cache": ("KV cache", "without context="),
+    "generate": ("generate()", "without context="),
+}
+
+
+def test_tuple_output_loss_is_whole(ranks: list[dict[str, Any]]) -> None:
+    assert [r["refusals"]["tuple_loss"] for r in ranks] == ["0.0e+00", "0.0e+00"]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refusals_name_the_fix(ranks: list[dict[str, Any]], name: str) -> None:
+    for r in ranks:
+        message = r["refusals"][name]
+        for part in REFUSED[name]:
+            assert part in message, (name, message)
