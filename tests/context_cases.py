@@ -6,9 +6,10 @@ rank of a ``cp`` mesh: one process's forward and backward on the whole
 batch (the reference, on every rank), then the installed model on
 ``shard_sequence``'s part, and returns the largest differences of the loss,
 the logits (made whole by ``gather_sequence``) and every parameter's
-gradient. Parameter gradients are summed over ``cp`` here by hand: the
-parameters are replicated over the axis, and the reduction of their
-gradients belongs to ``parallelize`` (a later step), not to the attention.
+gradient. The model is ``tplower.parallelize(model, mesh, plan, context="cp")``:
+every parameter is a DTensor replicated over ``cp`` whose gradient
+``parallelize`` sums over it (with ``tp``, sharded by the plan; compared
+whole).
 
 The reference runs with ``use_cache=False``, as training does: with a cache
 (transformers creates one when ``use_cache`` is on, the config's default)
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tplower.core.traffic import CollectiveTraffic
@@ -110,20 +110,28 @@ def named(fn: Callable[..., Any], case: Case, *args: Any, **kwargs: Any) -> Any:
 
 
 def _grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+    from torch.distributed.tensor import DTensor
+
+    def whole(g: torch.Tensor) -> torch.Tensor:
+        return g.full_tensor() if isinstance(g, DTensor) else g
+
+    return torch.cat([(whole(p.grad) if p.grad is not None else torch.zeros(p.shape)).reshape(-1)
                       for p in model.parameters()])
 
 
-def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False) -> dict[str, Any]:
-    """Largest differences from one process: ``loss`` (this rank's), ``logits``, ``grad`` (summed over cp).
+def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: Any = None,
+             experts: str = "tp") -> dict[str, Any]:
+    """Largest differences from one process: ``loss`` (this rank's), ``logits``, ``grad`` (every parameter's).
 
-    With ``count``, also the collectives of the context-parallel forward and backward (``counts``).
+    With ``count``, also the collectives of the context-parallel forward and backward (``counts``); ``plan``: the
+    tensor-parallel plan beside ``context="cp"`` (a mesh with a ``tp`` axis).
     """
-    from tplower.context import gather_sequence, install_context, shard_sequence
+    import tplower
+    from tplower.context import gather_sequence, shard_sequence
 
     ref = tiny(case.model, case.impl, layers)
-    model = copy.deepcopy(ref)
-    install_context(model, mesh, "cp", case.mode)
+    model = tplower.parallelize(copy.deepcopy(ref), mesh, plan, context="cp", context_mode=case.mode,
+                                experts=experts)
     whole = batch(case.batch, case.seq)
     want = ref(**whole, use_cache=False)
     want.loss.backward()
@@ -138,7 +146,6 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False) -> dic
         out.loss.backward()
     logits = gather_sequence(out.logits.detach(), mesh, "cp", balance=case.balance)
     grads = _grads(model)
-    dist.all_reduce(grads, group=mesh.get_group("cp"))  # the reduction parallelize will own
     return {"loss": float((out.loss.detach() - want.loss.detach()).abs()),
             "logits": float((logits - want.logits.detach()).abs().max()),
             "grad": float((grads - _grads(ref)).abs().max()),

@@ -5,8 +5,8 @@ thing here); the tests read its results. The slice below runs every model
 in each mode, alternating the implementation, the length (64 and 37, which
 2·cp does not divide), the balance and the kind of batch (padded, packed);
 ``test_context_matrix.py`` runs the whole product under ``slow``.
-Parameter gradients are summed over ``cp`` by hand (:mod:`context_cases`):
-that reduction comes with ``parallelize``.
+Every case is ``tplower.parallelize(model, mesh, None, context="cp")``, whose parameters get their
+gradients summed over ``cp`` (:mod:`context_cases`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ CASES = [
 ]
 #: forward and backward collectives of a 2-layer model: Ulysses moves q, k, v and the output each way
 #: (4 all_to_all a layer forward, 4 backward); all-gather gathers k and v (2 all_gather a layer forward,
-#: their gradients 2 reduce_scatter backward). One all_reduce makes the loss whole.
-COUNTED = {"llama-ulysses-eager-64-bal-padded": {"all_to_all": 16, "all_reduce": 1},
-           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}}
+#: their gradients 2 reduce_scatter backward). One all_reduce makes the loss whole, and one sums each parameter's
+#: gradient over cp: tiny Llama's 21 (the embedding, 9 a layer: q, k, v, o, gate, up, down and 2 norms, the final
+#: norm, the head).
+COUNTED = {"llama-ulysses-eager-64-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 21},
+           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 21}}
 
 
 class _Mixer(nn.Module):

@@ -31,10 +31,11 @@ PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "all_to_all_splits", 
           "dispatch_tokens", "plan_dispatch", "MeshLowerer", "Step", "TPCollectiveLowerer", "TPExecutionOp",
           "TPLowerError", "TPLowerTypeError", "TPOperators", "TransitionPlan", "VerifyReport", "__version__",
           "classify_axis", "classify_boundary_form", "classify_tp_transition", "create_tp_collective_lowerer",
-          "explain_plan_lines", "format_placement", "format_placements", "full_state_dict",
+          "explain_plan_lines", "format_placement", "format_placements", "full_state_dict", "gather_sequence",
           "load_plan", "load_safetensors", "mesh_lowerer", "parallelize",
           "parse_placement", "parse_placements", "plan_steps", "plan_transition", "redistribute_local",
-          "replicate_partials", "set_cache_size", "shutdown", "verify", "vocab_parallel_cross_entropy"]
+          "replicate_partials", "set_cache_size", "shard_sequence", "shutdown", "verify",
+          "vocab_parallel_cross_entropy"]
 
 
 def _lint(config: Path, src: Path) -> subprocess.CompletedProcess[str]:

@@ -7,6 +7,7 @@ and backward, on plain local tensors.
 from __future__ import annotations
 
 from ._version import __version__
+from .context.sequence import gather_sequence, shard_sequence
 from .core.cache import set_cache_size
 from .core.dispatch import DispatchPlan, all_to_all_splits, combine_tokens, dispatch_tokens, plan_dispatch
 from .core.errors import TPLowerError, TPLowerTypeError
@@ -61,6 +62,7 @@ __all__ = [
     "format_placement",
     "format_placements",
     "full_state_dict",
+    "gather_sequence",
     "load_plan",
     "load_safetensors",
     "mesh_lowerer",
@@ -73,6 +75,7 @@ __all__ = [
     "redistribute_local",
     "replicate_partials",
     "set_cache_size",
+    "shard_sequence",
     "shutdown",
     "verify",
     "vocab_parallel_cross_entropy",
