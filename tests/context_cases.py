@@ -21,6 +21,7 @@ has no cache and always gives each packed document its own attention.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("gpt_oss", {"sliding_window": 8}),  # per-head sinks the eager kernel reads from the module
     "nemotron": ("nemotron", {}),  # its decoder layer calls attention without the keyword arguments
 }
+#: one model built at a time from the seeded global generator (threaded ranks share it)
+_SEEDED = threading.Lock()
 #: kinds transformers runs only with eager attention
 EAGER_ONLY = ("gemma2", "gpt_oss")
 
@@ -74,8 +77,9 @@ def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
         setattr(config, key, value)
     if hasattr(config, "layer_types") and config.layer_types is not None:
         config.layer_types = [config.layer_types[i % len(config.layer_types)] for i in range(layers)]
-    torch.manual_seed(0)
-    model: nn.Module = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    with _SEEDED:  # threaded ranks share torch's generator: one seeded build at a time, the same weights on each
+        torch.manual_seed(0)
+        model: nn.Module = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
     return model.float()
 
 

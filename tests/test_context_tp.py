@@ -1,4 +1,4 @@
-"""Context parallelism beside tensor parallelism: a (cp=2, tp=2) mesh on 4 gloo ranks, against one process.
+"""Context parallelism beside tensor parallelism: a (cp=2, tp=2) mesh on 4 threaded ranks, against one process.
 
 ``tplower.parallelize(model, mesh, "auto", context="cp")``: the shipped tensor-parallel plan on ``tp`` and the
 sequence split over ``cp``. Tiny Llama (all-gather mode, a packed batch) and Qwen3-MoE with expert parallelism over
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import tplower
-from tplower.testing import run_processes
+from tplower.testing import run_threaded
 
 TOL = 1e-5
 CASES = [(Case("llama", "allgather", "eager", 37, False, "packed"), "tp"),
@@ -65,7 +65,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_processes(4, _body, timeout=600)
+    return run_threaded(4, _body, timeout=600)
 
 
 @pytest.mark.parametrize("case", [c.name for c, _ in CASES])
