@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from context_cases import Case, named, run_case, tiny
+from context_cases import Case, batch, named, run_case, tiny
 from torch import nn
 
 from tplower.core.errors import TPLowerError
@@ -117,18 +117,60 @@ def _refusals(mesh: Any, world: int) -> dict[str, str]:
     return out
 
 
-def _body(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+def _stack(mesh: Any, world: int, folder: str) -> dict[str, float]:
+    """Activation checkpointing against one process; a DCP checkpoint saved at cp=2 read at tp=2."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import tplower
+    from tplower.context import shard_sequence
+
+    ref = tiny("llama", "sdpa").train()
+    model = tplower.parallelize(copy.deepcopy(ref), mesh, None, context="cp")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    whole = batch("padded", 37)
+    ref(**whole, use_cache=False).loss.backward()
+    model(**shard_sequence(whole, mesh)).loss.backward()
+    checkpointed = max(float((q.grad.to_local() - p.grad).abs().max())
+                       for p, q in zip(ref.parameters(), model.parameters(), strict=True))
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    other = tiny("llama", "sdpa")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    other = tplower.parallelize(other, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), "auto")
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    other.load_state_dict(state)
+    read = max(float(((q.full_tensor() if isinstance(q, DTensor) else q) - p).detach().abs().max())
+               for p, q in zip(ref.parameters(), other.parameters(), strict=True))
+    return {"checkpointed": checkpointed, "dcp": read}
+
+
+def _body(rank: int, world: int, cases: list[Case], folder: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in cases}
-    return {"cases": results, "refusals": _refusals(mesh, world)}
+    return {"cases": results, "refusals": _refusals(mesh, world), "stack": _stack(mesh, world, folder)}
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = run_processes(2, _body, CASES, timeout=600)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("cp_checkpoint")
+    out: list[dict[str, Any]] = run_processes(2, _body, CASES, str(folder), timeout=600)
     return out
+
+
+def test_activation_checkpointing_and_a_checkpoint_read_at_another_layout(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        # gradients with activation checkpointing (the recompute exchanges again) as one process's
+        assert r["stack"]["checkpointed"] <= TOL, r["stack"]
+        # saved from cp=2 (every parameter replicated over cp), read into tp=2 (the shipped plan's shards)
+        assert r["stack"]["dcp"] == 0.0, r["stack"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

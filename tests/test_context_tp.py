@@ -5,7 +5,8 @@ sequence split over ``cp``. Tiny Llama (all-gather mode, a packed batch) and Qwe
 ``tp`` (Ulysses, a padded batch): the loss on
 every rank, the logits through ``gather_sequence`` and every parameter's gradient (whole) as one process's; then three
 training steps (``clip_grad_norm_``, AdamW with ``foreach``) whose parameters stay one process's, the replicated ones
-bit-identical on all four ranks.
+bit-identical on all four ranks; and the loss from vocabulary-sharded logits (``vocab_parallel_cross_entropy`` with
+``context="cp"``) is one process's loss, with its gradients.
 """
 
 from __future__ import annotations
@@ -56,10 +57,31 @@ def _train(mesh: Any) -> dict[str, Any]:
     return {"params": worst, "norms": norms, "replicated": replicated}
 
 
+def _vocab_loss(mesh: Any) -> dict[str, float]:
+    """The loss from logits sharded on the vocabulary over tp and tokens split over cp (vocab_parallel_cross_entropy
+    with ``context="cp"``), against one process's loss and gradients."""
+    from tplower.plans.hf import model_tp_plan
+
+    ref = tiny("llama", "sdpa")
+    model = tplower.parallelize(copy.deepcopy(ref), mesh, {**model_tp_plan(ref), "lm_head": "colwise"}, context="cp")
+    whole = batch("padded", 37)
+    want = ref(**whole, use_cache=False).loss
+    want.backward()
+    part = tplower.shard_sequence(whole, mesh, "cp")
+    logits = model(**{k: v for k, v in part.items() if k not in ("labels", "shift_labels")}).logits
+    loss = tplower.vocab_parallel_cross_entropy(logits, part["labels"], mesh, axis="tp", context="cp",
+                                                num_items_in_batch=part["num_items_in_batch"])
+    loss.backward()
+    grad = max(float((_whole(q.grad) - p.grad).abs().max())
+               for p, q in zip(ref.parameters(), model.parameters(), strict=True))
+    return {"loss": float((loss - want).abs()), "grad": grad}
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     out = {c.name: named(run_case, c, mesh, plan="auto", experts=e) for c, e in CASES}
     out["train"] = _train(mesh)
+    out["vocab"] = _vocab_loss(mesh)
     return out
 
 
@@ -83,3 +105,8 @@ def test_three_training_steps_match_one_process_and_replicas_stay_identical(rank
         for one, ours in r["train"]["norms"]:
             assert abs(one - ours) <= 1e-5 * max(1.0, one), r["train"]["norms"]
     assert all(r["train"]["replicated"] == ranks[0]["train"]["replicated"] for r in ranks)
+
+
+def test_vocab_parallel_loss_over_cp_and_tp_is_one_process_loss(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["vocab"]["loss"] <= 1e-5 and r["vocab"]["grad"] <= 1e-5, r["vocab"]

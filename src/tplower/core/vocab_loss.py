@@ -83,7 +83,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh, *,
                                  axis: str = "tp", vocab_size: int | None = None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+                                 label_smoothing: float = 0.0, reduction: str = "mean", context: str | None = None,
+                                 num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
     """``F.cross_entropy`` of logits sharded on their last dim over ``mesh[axis]``, computed on the shards.
 
     Args:
@@ -101,9 +102,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
         ignore_index, label_smoothing, reduction: as ``F.cross_entropy``
             (``mean`` divides by the rows whose target is not ``ignore_index``;
             with none, the loss is NaN and the gradient zero, as there).
+        context: a mesh axis the tokens are split over (context parallelism:
+            ``logits`` and ``target`` are this rank's tokens, ``target`` the
+            globally shifted labels :func:`tplower.shard_sequence` gives):
+            ``sum`` and ``mean`` are then the whole batch's, on every rank
+            (each rank's sum ``P(sum) -> R`` over the axis, its gradient
+            passed back whole), ``mean`` divided by the whole batch's count.
+        num_items_in_batch: with ``context``, that count (``shard_sequence``
+            returns it); default: the ranks' counts summed (one ``all_reduce``).
 
     Returns:
-        The loss, replicated over the axis: a scalar, or ``[...]`` with ``reduction="none"``.
+        The loss, replicated over the axis (and ``context``): a scalar, or
+        ``[...]`` with ``reduction="none"`` (this rank's tokens under ``context``).
 
     Raises:
         TPLowerError: ``logits`` of the wrong rank for ``target``, a local size
@@ -118,6 +128,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
     names = tuple(mesh.mesh_dim_names or ())
     if axis not in names:
         raise TPLowerError(f"vocab_parallel_cross_entropy: axis={axis!r} is not an axis of the mesh {names}")
+    if context is not None and (context not in names or context == axis):
+        raise TPLowerError(f"vocab_parallel_cross_entropy: context={context!r} must be an axis of the mesh {names} "
+                           f"other than axis={axis!r}")
     if logits.shape[:-1] != target.shape:
         raise TPLowerError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} must be target "
                            f"{tuple(target.shape)} plus the vocabulary dim")
@@ -134,9 +147,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
                                                 float(label_smoothing))
     if reduction == "none":
         return loss
+    total = loss.sum()
+    if context is not None:  # the whole batch's sum on every rank; each rank's tokens keep their gradient
+        total = redistribute_local(total, mesh, {context: "P(sum)"}, {context: "R"}, grad={context: "R"})
     if reduction == "sum":
-        return loss.sum()
+        return total
+    count = (target != ignore_index).sum()
+    if context is not None:
+        count = _reduce(count.to(torch.float32), mesh, context, "sum") if num_items_in_batch is None else \
+            torch.as_tensor(num_items_in_batch, device=total.device)
     # F.cross_entropy's value (0 / 0, NaN, when no target counts) with its gradient (zero then, not NaN: a
     # micro-batch of prompt tokens only must not poison the parameters)
-    count = (target != ignore_index).sum()
-    return loss.sum() / count.clamp(min=1) + torch.where(count == 0, float("nan"), 0.0).to(loss.dtype)
+    return total / count.clamp(min=1) + torch.where(count == 0, float("nan"), 0.0).to(loss.dtype)
