@@ -154,4 +154,4 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: 
             "logits": float((logits - want.logits.detach()).abs().max()),
             "grad": float((grads - _grads(ref)).abs().max()),
             "scale": float(_grads(ref).abs().max()),
-            "counts": dict(traffic.counts)}
+            "counts": dict(traffic.counts), "sent": traffic.sent}

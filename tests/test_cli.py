@@ -118,3 +118,16 @@ def test_explain_plan_on_a_model_prints_the_resolved_modules(capsys: pytest.Capt
                                 "  param weight: tp S(0)"]
     o = out.index("model.layers.0.self_attn.o_proj: tp_collective, lowered")
     assert out[o + 1:o + 3] == ["  out: tp P(sum) -> R ==> all_reduce(op=sum)", "  param weight: tp S(1)"]
+
+
+def test_explain_context_tables_both_modes_and_names_a_missing_axis(capsys: pytest.CaptureFixture[str]) -> None:
+    # hand-computed: 2048-token pieces of one head of 128 bf16 = 512 KiB; Ulysses moves q and the output (16 local
+    # heads, 3/4 of them leave) 4 times a layer: 3 * 4 * 512 KiB * 4 * 32 layers = 768 MiB
+    assert main(["explain", "--context", "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32",
+                 "--mesh", "cp=4,tp=2", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "query, output (S(seq) <-> S(heads))  all_to_all  128    768.0 MiB" in out
+    assert "key, value (S(seq) -> R)                 all_gather      64     384.0 MiB" in out
+    assert main(["explain", "--context", "batch=1,seq=64,hidden=64,heads=4,kv_heads=2", "--mesh", "tp=2"]) == 2
+    assert capsys.readouterr().out.strip() == ("tplower explain: error: --context needs a cp axis in --mesh "
+                                               "(e.g. cp=2,tp=2); --mesh tp=2 has tp")

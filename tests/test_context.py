@@ -187,6 +187,19 @@ def test_collectives_per_step(ranks: list[dict[str, Any]], name: str) -> None:
         assert r["cases"][name]["counts"] == COUNTED[name]
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in COUNTED], ids=lambda c: c.name)
+def test_bytes_counted_at_the_dispatcher_are_what_explain_predicts(ranks: list[dict[str, Any]], case: Case) -> None:
+    from tplower.context.explain import explain_context
+
+    model = tiny(case.model, case.impl)
+    c = model.config
+    info = explain_context(2, case.seq, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, 2,
+                           layers=c.num_hidden_layers, head_dim=c.head_dim, balance=case.balance,
+                           params=sum(p.numel() for p in model.parameters()))
+    for r in ranks:
+        assert r["cases"][case.name]["sent"] == info[case.mode]["step_bytes_per_rank"]
+
+
 REFUSED = {
     "axis": ("axis='cp'", "('dp',)"),
     "mode": ("'ring'", "ulysses", "allgather"),

@@ -101,10 +101,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explain one mixture-of-experts block instead: the collectives and bytes per rank per "
                              "step of tensor parallelism inside the experts and of expert parallelism, over the "
                              "--mesh axis (e.g. tokens=4096,hidden=2048,top_k=8,experts=128)")
+    parser.add_argument("--context", default=None, metavar="batch=B,seq=S,hidden=H,heads=A,kv_heads=K[,layers=L]",
+                        help="context parallelism (--mesh cp=N[,tp=M]): the collectives and bytes per rank of a "
+                             "train step in each mode (ulysses, allgather); params=P adds the gradient sums")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 _MOE_KEYS = ("tokens", "hidden", "top_k", "experts")
+_CONTEXT_KEYS = ("batch", "seq", "hidden", "heads", "kv_heads")
+_CONTEXT_OPTIONAL = ("layers", "head_dim", "params")
+
+
+def parse_sizes(option: str, text: str, keys: tuple[str, ...], optional: tuple[str, ...], example: str
+                ) -> dict[str, int]:
+    """``"k1=v1,k2=v2"`` -> the sizes of ``option``: every key of ``keys``, any of ``optional``.
+
+    Raises:
+        TPLowerError: an item that is not ``key=integer``, an unknown or missing key; the message names ``option``.
+    """
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.strip().partition("="))
+        if not sep or key not in keys + optional or not value.isdigit():
+            raise TPLowerError(f"{option} {text!r}: {item.strip()!r} is not key=integer with key one of "
+                               f"{', '.join(keys + optional)} (e.g. {example})")
+        out[key] = int(value)
+    if missing := [k for k in keys if k not in out]:
+        raise TPLowerError(f"{option} {text!r}: missing {', '.join(missing)}; give all of {', '.join(keys)}")
+    return out
 
 
 def parse_moe(text: str) -> dict[str, int]:
@@ -113,16 +137,26 @@ def parse_moe(text: str) -> dict[str, int]:
     Raises:
         TPLowerError: an item that is not ``key=integer``, an unknown or missing key; the message names ``--moe``.
     """
-    out: dict[str, int] = {}
-    for item in text.split(","):
-        key, sep, value = (part.strip() for part in item.strip().partition("="))
-        if not sep or key not in _MOE_KEYS or not value.isdigit():
-            raise TPLowerError(f"--moe {text!r}: {item.strip()!r} is not key=integer with key one of "
-                               f"{', '.join(_MOE_KEYS)} (e.g. tokens=4096,hidden=2048,top_k=8,experts=128)")
-        out[key] = int(value)
-    if missing := [k for k in _MOE_KEYS if k not in out]:
-        raise TPLowerError(f"--moe {text!r}: missing {', '.join(missing)}; give all of {', '.join(_MOE_KEYS)}")
-    return out
+    return parse_sizes("--moe", text, _MOE_KEYS, (), "tokens=4096,hidden=2048,top_k=8,experts=128")
+
+
+def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    from ..context.explain import context_to_table, explain_context
+
+    if "cp" not in names:
+        raise TPLowerError(f"--context needs a cp axis in --mesh (e.g. cp=2,tp=2); --mesh {args.mesh} has "
+                           f"{', '.join(names)}")
+    c = parse_sizes("--context", args.context, _CONTEXT_KEYS, _CONTEXT_OPTIONAL,
+                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32")
+    tp = sizes[names.index("tp")] if "tp" in names else 1
+    try:
+        info = explain_context(c["batch"], c["seq"], c["hidden"], c["heads"], c["kv_heads"],
+                               sizes[names.index("cp")], tp, layers=c.get("layers", 1), head_dim=c.get("head_dim"),
+                               params=c.get("params", 0), dtype=DTYPES[args.dtype])
+    except ValueError as exc:
+        raise TPLowerError(f"--context {args.context!r}: {exc}") from None
+    print(json.dumps(info, indent=2) if args.json else context_to_table(info))
+    return 0
 
 
 def _explain_moe(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
@@ -167,6 +201,8 @@ def main(args: argparse.Namespace) -> int:
         names, sizes = parse_mesh(args.mesh)
         if args.moe:
             return _explain_moe(args, names, sizes)
+        if args.context:
+            return _explain_context(args, names, sizes)
         if args.plan:
             from ..plans.forms import explain_plan_lines
 

@@ -1,0 +1,111 @@
+"""What context parallelism sends per step, by mode: the exchanges around attention, the loss, the gradients.
+
+Pure arithmetic (no process group), in the ring conventions tplower counts
+every collective by (:mod:`tplower.core.traffic`): an ``all_to_all`` sends
+``(n-1)/n`` of its input, an ``all_gather`` ``n-1`` local pieces, a
+``reduce_scatter`` ``n-1`` output pieces, an ``all_reduce`` ``2(n-1)/n`` of
+its tensor. A rank's pieces are padded to the longest before an exchange
+(:mod:`tplower.context.attention`), so the local length here is the longest
+piece of the layout (:class:`~tplower.context.layout.SequenceLayout`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..core.explain import format_bytes
+from .layout import SequenceLayout
+
+__all__ = ["context_to_table", "explain_context"]
+
+
+def _check(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"explain_context: {name}={v!r}; it must be an integer of at least 1")
+
+
+def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int, cp: int, tp: int = 1, *,
+                    layers: int = 1, head_dim: int | None = None, params: int = 0, balance: bool = True,
+                    dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The collectives and bytes each rank sends per train step under each context-parallel mode.
+
+    Args:
+        batch, seq: the whole batch's ``[B, S]``.
+        hidden, heads, kv_heads: the model's hidden size and query and key/value head counts.
+        cp: ranks of the context-parallel axis; ``tp``: of the tensor-parallel one (it splits the heads).
+        layers: attention layers.
+        head_dim: default ``hidden // heads``.
+        params: parameter elements each rank holds (after tp): their gradients are summed over cp,
+            one ``all_reduce`` each (0: left out).
+        balance: as :func:`tplower.shard_sequence` cuts the sequence.
+        dtype: activations' and gradients' dtype.
+
+    Returns:
+        ``{"ulysses": {...}, "allgather": {...}, "inputs": {...}}``; each mode has ``rows`` (``what``,
+        ``collective``, ``count``, ``bytes_per_rank``) and ``step_bytes_per_rank`` (forward and backward).
+
+    Raises:
+        ValueError: a size below 1, or ``tp`` not dividing the head counts.
+    """
+    _check(batch=batch, seq=seq, hidden=hidden, heads=heads, kv_heads=kv_heads, cp=cp, tp=tp, layers=layers)
+    if heads % tp or kv_heads % tp:
+        raise ValueError(f"explain_context: tp={tp} does not divide heads={heads} and kv_heads={kv_heads}")
+    d = head_dim if head_dim is not None else hidden // heads
+    item = torch.empty((), dtype=dtype).element_size()
+    n = cp
+    width = max(SequenceLayout(seq, n, balance).lengths)
+    h_q, h_kv = heads // tp, kv_heads // tp
+    rep = 1 if h_kv % n == 0 else n // math.gcd(h_kv, n)  # Ulysses repeats key/value heads fewer than cp
+    piece = batch * width * d * item  # one head of one rank's padded piece
+
+    def a2a(h: int) -> int:
+        return (n - 1) * (h // n) * piece if h % n == 0 else 0
+
+    uly = [{"what": "query, output (S(seq) <-> S(heads))", "collective": "all_to_all", "count": 4 * layers,
+            "bytes_per_rank": 4 * layers * a2a(h_q)},
+           {"what": "key, value" + (f" (each head repeated {rep}x)" if rep > 1 else ""), "collective": "all_to_all",
+            "count": 4 * layers, "bytes_per_rank": 4 * layers * a2a(h_kv * rep)}]
+    gather = [{"what": "key, value (S(seq) -> R)", "collective": "all_gather", "count": 2 * layers,
+               "bytes_per_rank": 2 * layers * (n - 1) * h_kv * piece},
+              {"what": "key, value gradients (P(sum) -> S(seq))", "collective": "reduce_scatter", "count": 2 * layers,
+               "bytes_per_rank": 2 * layers * (n - 1) * h_kv * piece}]
+    common = [{"what": "the loss (P(sum) -> R)", "collective": "all_reduce", "count": 1,
+               "bytes_per_rank": 2 * (n - 1) * 4 // n}]
+    if params:
+        common.append({"what": f"parameter gradients ({params} elements, P(sum) -> R)", "collective": "all_reduce",
+                       "count": -1, "bytes_per_rank": 2 * (n - 1) * params * item // n})
+    out: dict[str, Any] = {"inputs": {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads,
+                                      "kv_heads": kv_heads, "head_dim": d, "cp": cp, "tp": tp, "layers": layers,
+                                      "local_width": width, "dtype": str(dtype).removeprefix("torch.")}}
+    for mode, rows in (("ulysses", uly), ("allgather", gather)):
+        rows = rows + common
+        out[mode] = {"rows": rows, "step_bytes_per_rank": sum(r["bytes_per_rank"] for r in rows),
+                     "possible": mode != "ulysses" or h_q % n == 0}
+    return out
+
+
+def context_to_table(info: dict[str, Any]) -> str:
+    """The dict of :func:`explain_context` as text: one table per mode and which sends less."""
+    i = info["inputs"]
+    lines = [f"context parallelism per train step: batch {i['batch']} x {i['seq']} tokens (longest piece "
+             f"{i['local_width']}), hidden {i['hidden']}, {i['heads']} heads / {i['kv_heads']} key/value heads of "
+             f"{i['head_dim']}, {i['layers']} layer(s), cp={i['cp']}, tp={i['tp']}, {i['dtype']}"]
+    for mode, title in (("ulysses", "context_mode='ulysses'"), ("allgather", "context_mode='allgather'")):
+        part = info[mode]
+        lines += ["", title + ("" if part["possible"] else " (refused: the query heads do not divide over cp)")]
+        head = ("what", "collective", "count", "bytes/rank")
+        rows = [(r["what"], r["collective"], "one a parameter" if r["count"] < 0 else str(r["count"]),
+                 format_bytes(r["bytes_per_rank"])) for r in part["rows"]]
+        widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        lines.append(f"total per rank, forward and backward: {format_bytes(part['step_bytes_per_rank'])}")
+    u, a = info["ulysses"]["step_bytes_per_rank"], info["allgather"]["step_bytes_per_rank"]
+    lines += ["", f"fewer bytes per step: {'allgather' if a < u else 'ulysses'} ({format_bytes(min(u, a))} vs "
+              f"{format_bytes(max(u, a))}); time and memory favour ulysses where its heads divide "
+              "(benchmarks/results/context_modes.md)"]
+    return "\n".join(lines)
