@@ -33,13 +33,15 @@ from tplower.run.hf_table import (
 # Apertus: a learnable activation parameter between colwise and rowwise layers (covered by tplower.nn.coverage)
 FAST = ("llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox", "olmo2", "minicpm3", "apertus")
 MOE = "longcat_flash"  # tensor-parallel experts with identity (zero) experts among them
+#: the context-parallel column in CI: grouped-query attention, alternating sliding layers, partial rotary, MoE
+CP = ("llama", "gemma3_text", "gpt_neox", MOE)
 FULL = os.environ.get("TPLOWER_HF_TABLE") == "1"
 
 
 @pytest.fixture(scope="module")
 def fast_rows() -> dict[str, Row]:
     """One spawn of 2 gloo ranks for every fast architecture (tplower only)."""
-    return {r.arch.model_type: r for r in run_table([*FAST, MOE], with_hf=False)}
+    return {r.arch.model_type: r for r in run_table([*FAST, MOE], with_hf=False, with_context=CP)}
 
 
 @pytest.mark.parametrize("model_type", FAST)
@@ -48,6 +50,15 @@ def test_auto_plan_matches_one_process(fast_rows: dict[str, Row], model_type: st
     assert outcome.status == "pass", outcome
     assert outcome.max_diff is not None and outcome.max_diff <= TOL
     # every parameter's gradient and the replicated ones' agreement across ranks, not only the logits
+    assert outcome.grad_diff is not None and outcome.grad_diff <= TOL
+
+
+@pytest.mark.parametrize("model_type", CP)
+def test_context_parallel_column_matches_one_process(fast_rows: dict[str, Row], model_type: str) -> None:
+    # cp=2, Ulysses and all-gather: the loss, the logits and every gradient (summed over cp) as one process's
+    outcome = fast_rows[model_type].context
+    assert outcome.status == "pass", outcome
+    assert outcome.max_diff is not None and outcome.max_diff <= TOL
     assert outcome.grad_diff is not None and outcome.grad_diff <= TOL
 
 
@@ -111,10 +122,13 @@ def test_markdown_derive_column_compares_bytes_with_the_shipped_plan() -> None:
 @pytest.mark.skipif(not FULL, reason="the full architecture table runs with TPLOWER_HF_TABLE=1")
 def test_full_table_tplower_passes_what_transformers_passes() -> None:
     pytest.importorskip("accelerate")  # transformers' own TP needs it
-    rows = run_table(with_derive=True)
+    rows = run_table(with_derive=True, with_context=True)
     assert rows, "no architecture found"
     missing = gaps(rows, allow_by_design=False)  # every architecture transformers passes, MoE included
     assert not missing, "\n".join(f"{r.arch.model_type}: {r.note()}" for r in missing)
     # the derived plan passes or refuses (naming why): never a wrong answer, never an error at the forward
     wrong = [r for r in rows if r.derive.status not in ("pass", "refused")]
     assert not wrong, "\n".join(f"{r.arch.model_type}: {r.derive}" for r in wrong)
+    # context parallelism passes or refuses by layer type: never a wrong answer
+    wrong = [r for r in rows if r.context.status not in ("pass", "refused")]
+    assert not wrong, "\n".join(f"{r.arch.model_type}: {r.context}" for r in wrong)

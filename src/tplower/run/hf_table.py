@@ -53,6 +53,7 @@ import torch
 
 from .compare import TOL, Outcome, compare_logits, compare_training, describe, eval_logits, guarded, merge
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
+from .hf_context import context_side
 from .hf_derive import byte_counts, derive_cell, derive_side
 from .quiet import quiet_transformers
 
@@ -76,6 +77,7 @@ class Row:
     tplower_ep: Outcome = _NOT_RUN
     hf_ep: Outcome = _NOT_RUN
     derive: Outcome = _NOT_RUN
+    context: Outcome = _NOT_RUN
 
     def note(self) -> str:
         """Why a side did not pass (tplower's reason, then transformers', then under EP), and any remark."""
@@ -89,6 +91,8 @@ class Row:
             parts.append(f"transformers EP: {_short(self.hf_ep)}")
         if self.derive.status not in ("pass", "n/a"):
             parts.append(f"derive: {_short(self.derive)}")
+        if self.context.status not in ("pass", "n/a"):
+            parts.append(f"cp: {_short(self.context)}")
         parts.append(_REMARKS.get(mt, ""))
         return "; ".join(p for p in parts if p)
 
@@ -157,13 +161,16 @@ def _hf_side(folder: str, ids: torch.Tensor, world: int, experts: str = "tp") ->
 
 
 def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str], with_hf: bool,
-               vocab_size: int | None = None, with_derive: bool = False) -> list[tuple[Outcome, ...]]:
-    """On every rank: each architecture's tplower and transformers outcomes (TP, EP), then derive's, in order."""
+               vocab_size: int | None = None, with_derive: bool = False,
+               with_context: bool | Sequence[str] = False) -> list[tuple[Outcome, ...]]:
+    """On every rank: each architecture's tplower and transformers outcomes (TP, EP), then derive's and context
+    parallelism's, in order."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # transformers' DistributedConfig reads the launcher's variables; the process group is already up
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if with_context else None
     ids = input_ids()
     out: list[tuple[Outcome, ...]] = []
     with quiet_transformers():
@@ -180,12 +187,17 @@ def _rank_body(rank: int, world: int, archs: list[Arch], folders: dict[str, str]
                            if with_hf and folder else Outcome("n/a", detail="transformers' side not run"))
             row.append(guarded(functools.partial(derive_side, arch, mesh, ids, vocab_size)) if with_derive
                        else Outcome("n/a", detail="derive not run"))
+            cp = cp_mesh is not None and (with_context is True or (
+                not isinstance(with_context, bool) and arch.model_type in with_context))
+            row.append(guarded(functools.partial(context_side, arch, cp_mesh, ids, vocab_size)) if cp
+                       else Outcome("n/a", detail="context parallelism not run"))
             out.append(tuple(row))
     return out
 
 
 def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True, world: int = 2,
-              timeout: float = 1800.0, vocab_size: int | None = None, with_derive: bool = False) -> list[Row]:
+              timeout: float = 1800.0, vocab_size: int | None = None, with_derive: bool = False,
+              with_context: bool | Sequence[str] = False) -> list[Row]:
     """Run every architecture (or ``model_types``) on ``world`` spawned gloo ranks, one spawn for all.
 
     Args:
@@ -199,6 +211,9 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
             parallel embeddings and heads then shard unevenly).
         with_derive: also run ``"derive"`` (:mod:`tplower.run.hf_derive`)
             and count the bytes of it and of the shipped plan's TP step.
+        with_context: also run context parallelism at cp = ``world``, both
+            modes (:mod:`tplower.run.hf_context`), for every architecture
+            (``True``) or those of the given model types.
 
     Returns:
         One :class:`Row` per architecture, in :func:`architectures` order;
@@ -223,8 +238,8 @@ def run_table(model_types: Sequence[str] | None = None, *, with_hf: bool = True,
                 broken[arch.model_type] = Outcome("error", detail=f"tiny model: {describe(exc)}")
         runnable = [a for a in archs if a.model_type not in broken]
         results = run_processes(world, _rank_body, runnable, folders, with_hf, vocab_size, with_derive,
-                                timeout=timeout, pg_timeout=min(timeout, 120.0))
-    outcomes = {a.model_type: tuple(merge([r[i][side] for r in results]) for side in range(5))
+                                with_context, timeout=timeout, pg_timeout=min(timeout, 120.0))
+    outcomes = {a.model_type: tuple(merge([r[i][side] for r in results]) for side in range(6))
                 for i, a in enumerate(runnable)}
     return [Row(a, *outcomes[a.model_type]) if a.model_type in outcomes
             else Row(a, broken[a.model_type], broken[a.model_type]) for a in archs]
@@ -238,7 +253,8 @@ def counts(rows: Sequence[Row]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"tplower": {}, "transformers": {}, "tplower EP": {}, "transformers EP": {}}
     for row in rows:
         for side, outcome in (("tplower", row.tplower), ("transformers", row.hf), ("tplower EP", row.tplower_ep),
-                              ("transformers EP", row.hf_ep), ("tplower derive", row.derive)):
+                              ("transformers EP", row.hf_ep), ("tplower derive", row.derive),
+                              ("tplower cp", row.context)):
             if outcome.status != "n/a" or side in ("tplower", "transformers"):
                 per = out.setdefault(side, {})
                 per[outcome.status] = per.get(outcome.status, 0) + 1
@@ -262,11 +278,14 @@ def markdown(rows: Sequence[Row]) -> str:
     """The README table: architecture | tplower | transformers TP | EP both | (derive) | note, then the counts
     (and, with the derive column, its bytes against the shipped plan's)."""
     derived = any(r.derive.status != "n/a" for r in rows)
+    context = any(r.context.status != "n/a" for r in rows)
     lines = ["| architecture | tplower | transformers TP | tplower EP | transformers EP | "
-             + ("tplower derive | " if derived else "") + "note |", "|---|---|---|---|---|---|" + "---|" * derived]
+             + ("tplower derive | " if derived else "") + ("tplower cp | " if context else "") + "note |",
+             "|---|---|---|---|---|---|" + "---|" * derived + "---|" * context]
     for row in rows:
         arch = f"`{row.arch.model_type}` ({row.arch.causal_lm})"
-        mine = f"{derive_cell(row.derive, row.tplower)} | " if derived else ""
+        mine = (f"{derive_cell(row.derive, row.tplower)} | " if derived else "") + \
+            (f"{row.context.cell()} | " if context else "")
         lines.append(f"| {arch} | {row.tplower.cell()} | {row.hf.cell()} | {row.tplower_ep.cell()} | "
                      f"{row.hf_ep.cell()} | {mine}{_cell(row.note())} |")
     lines.append("")
@@ -289,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma list of model_types (default: every architecture)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own TP")
     parser.add_argument("--no-derive", action="store_true", help="skip the derived plan's column (and byte counts)")
+    parser.add_argument("--no-context", action="store_true", help="skip the context-parallel column (cp=2, both modes)")
     parser.add_argument("--markdown", action="store_true", help="print the README table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
     parser.add_argument("--vocab", type=int, default=None,
@@ -296,14 +316,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     rows = run_table([m for m in args.only.split(",") if m] or None, with_hf=not args.no_hf, vocab_size=args.vocab,
-                     with_derive=not args.no_derive)
+                     with_derive=not args.no_derive, with_context=not args.no_context)
     seconds = time.perf_counter() - start
     if args.markdown:
         print(markdown(rows))
     else:
         for row in rows:
             print(f"{row.arch.model_type:24} {row.tplower.cell():18} {row.hf.cell():18} {row.tplower_ep.cell():18} "
-                  f"{row.hf_ep.cell():18} {derive_cell(row.derive, row.tplower):18} {row.note()}")
+                  f"{row.hf_ep.cell():18} {derive_cell(row.derive, row.tplower):18} {row.context.cell():18} "
+                  f"{row.note()}")
     print(f"\n{len(rows)} architectures in {seconds:.0f} s", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
