@@ -165,3 +165,30 @@ def test_loss_phase_compares_vocabulary_parallel_loss_with_gathered_logits(tmp_p
     # at the step's peak the gathered loss holds the whole logits, their log-softmax and their gradient at once
     peak_less = rows["gathered"]["peak_bytes"] - rows["vocab_parallel"]["peak_bytes"]
     assert peak_less >= rows["gathered"]["logits_bytes"], peak_less
+
+
+@pytest.mark.slow  # tests/test_context.py checks the bytes against explain and every mode against one process
+def test_context_phase_counts_what_explain_predicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench"
+    assert main(["bench", "--quick", "--phases", "context", "--out", str(out), "--no-plots"]) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["context"]}
+    assert set(rows) == {"one process", "cp ulysses", "cp allgather", "tp"}
+    for mode in ("cp ulysses", "cp allgather"):
+        assert rows[mode]["sent_bytes"] == rows[mode]["predicted_bytes"], rows[mode]
+    assert rows["one process"]["sent_bytes"] == 0
+    assert "## Context parallelism: tiny Llama, 4 layers, 8192 tokens, cp=2" in capsys.readouterr().out
+
+
+def test_context_table_reads_each_variant_against_one_process() -> None:
+    from tplower.bench.phases import BenchResult
+    from tplower.bench.report import context_table
+
+    def row(name: str, ms: float, peak: int, sent: int, predicted: int | None) -> dict[str, object]:
+        return {"variant": name, "train_step_ms": ms, "peak_bytes": peak, "counts": {"all_to_all": 32} if sent else {},
+                "sent_bytes": sent, "predicted_bytes": predicted}
+
+    res = BenchResult(config={}, meta={}, context=[row("one process", 4000.0, 160 << 20, 0, None),
+                                                   row("cp ulysses", 2000.0, 88 << 20, 12 << 20, 12 << 20)])
+    lines = context_table(res)
+    assert lines[2] == "| one process | 4000 | 1.00 | 160.00 | 1.00 | - | 0.00 | - |"
+    assert lines[3] == "| cp ulysses | 2000 | 0.50 | 88.00 | 0.55 | all_to_all 32 | 12.00 | 12.00 |"

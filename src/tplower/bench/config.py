@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from .cases import CASES, SIZES, Case
 
-__all__ = ["PHASES", "BenchConfig"]
+__all__ = ["DEFAULT_PHASES", "PHASES", "BenchConfig"]
 
 #: Phases ``tplower bench`` can run.
-PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss")
+PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss", "context")
+#: Phases it runs when none are named (``context``, minutes at 8192 tokens, runs when asked for)
+DEFAULT_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p != "context")
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,9 @@ class BenchConfig:
         fake_calls: calls per fake-backend sample.
         fake_reps: fake-backend samples per implementation.
         memory_size: bytes of the tensor the memory phase uses.
-        phases: subset of :data:`PHASES`.
+        phases: subset of :data:`PHASES` (default :data:`DEFAULT_PHASES`).
         device: ``cpu`` or ``cuda``.
-        model_steps: timed rounds of the model phase (and of the ``moe`` and ``loss`` phases).
+        model_steps: timed rounds of the model phase (and of the ``moe``, ``loss`` and ``context`` phases).
         compiled_steps: timed rounds of the model phase when it has compiled
             rows (``compile_backend``): those compare two graphs that differ
             by a few percent, which 7 rounds on a shared CPU cannot resolve
@@ -58,7 +60,7 @@ class BenchConfig:
     fake_calls: int = 300
     fake_reps: int = 15
     memory_size: int = 4 << 20
-    phases: tuple[str, ...] = PHASES
+    phases: tuple[str, ...] = DEFAULT_PHASES
     device: str = "cpu"
     model_steps: int = 10
     compiled_steps: int = 20

@@ -21,6 +21,10 @@ Phases (each optional, all written to one JSON file with every sample):
 * ``moe``: :mod:`tplower.bench.moe` (one mixture-of-experts layer's train
   step: tplower's tensor parallelism inside the experts and its expert
   parallelism against transformers' own, with the bytes each rank sends).
+* ``context`` (only when asked for): :mod:`tplower.bench.context` (a train
+  step at 8192 tokens under context parallelism, both modes, against one
+  process and tp=2: time, peak memory, collectives and bytes beside what
+  ``tplower explain --context`` predicts).
 
 Timings are never asserted anywhere; they depend on the machine.
 """
@@ -264,6 +268,7 @@ class BenchResult:
     rss: dict[str, Any] = field(default_factory=dict)
     moe: list[dict[str, Any]] = field(default_factory=list)
     loss: list[dict[str, Any]] = field(default_factory=list)
+    context: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult | None:
@@ -321,6 +326,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
         from .loss import loss_phase
 
         res.loss = loss_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
+    if "context" in cfg.phases:
+        from .context import context_phase
+
+        res.context = context_phase(max(3, cfg.model_steps // 2), timeout=cfg.timeout, progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

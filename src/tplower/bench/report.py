@@ -15,9 +15,8 @@ from ..core.explain import format_bytes
 from .cases import IMPLS, size_label
 from .phases import BenchResult, summarize
 
-__all__ = ["fake_table", "format_markdown", "loss_table", "memory_table", "micro_table", "model_table", "moe_table",
-           "plan_cache_table",
-           "rss_table", "target_lines"]
+__all__ = ["context_table", "fake_table", "format_markdown", "loss_table", "memory_table", "micro_table",
+           "model_table", "moe_table", "plan_cache_table", "rss_table", "target_lines"]
 
 _LABEL = {"raw": "raw", "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
           "funcol": "funcol", "dtensor": "DTensor"}
@@ -139,6 +138,23 @@ def moe_table(res: BenchResult) -> list[str]:
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["collectives"].items())) or "none"
         lines.append(f"| {r['variant']} | {r['train_step_ms']:.1f} | {ratio} | {r['loss_diff']:.1e} | {calls} | "
                      f"{format_bytes(r['sent_bytes'])} |")
+    return lines
+
+
+def context_table(res: BenchResult) -> list[str]:
+    """Markdown rows of the context phase: step time and peak memory against one process, collectives, bytes."""
+    rows = {r["variant"]: r for r in res.context}
+    one = rows.get("one process")
+    head = ["variant", "train step ms", "/ one process", "peak MiB per rank", "/ one process",
+            "collectives per step per rank", "sent MiB per rank", "explain --context predicts"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in rows.items():
+        t = f"{r['train_step_ms'] / one['train_step_ms']:.2f}" if one else "-"
+        m = f"{r['peak_bytes'] / one['peak_bytes']:.2f}" if one and one["peak_bytes"] else "-"
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items())) or "-"
+        pred = _mb(r["predicted_bytes"]) if r["predicted_bytes"] is not None else "-"
+        lines.append(f"| {name} | {r['train_step_ms']:.0f} | {t} | {_mb(r['peak_bytes'])} | {m} | {calls} | "
+                     f"{_mb(r['sent_bytes'])} | {pred} |")
     return lines
 
 
@@ -282,6 +298,13 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
     if res.rss:
         parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
+    if res.context:
+        r0 = res.context[0]
+        parts += [f"## Context parallelism: tiny Llama, {r0['layers']} layers, {r0['seq']} tokens, cp={r0['world']}",
+                  "", "One train step (forward, backward, SGD), median of interleaved rounds (the slower rank); "
+                  "peak tensor memory over a step, per rank; collectives and bytes counted at the dispatcher "
+                  "beside `tplower explain --context`'s prediction. `tp`: tp=2 on the whole sequence.", "",
+                  *context_table(res), ""]
     if res.loss:
         parts += ["## Loss on vocabulary shards (Llama, 2 layers, vocabulary 32000, 4x63 tokens, interleaved)", "",
                   "Peak: the tensor storages a train step creates, alive at once on rank 0 (parameters not "

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default="bench-out",
                         help="folder for bench.md, bench.json and the PNG plots (default bench-out)")
     parser.add_argument("--phases", type=_csv, default=None,
-                        help=f"comma-separated subset of {','.join(PHASES)} (default all)")
+                        help=f"comma-separated subset of {','.join(PHASES)} (default all but context)")
     parser.add_argument("--worlds", type=parse_worlds, default=None,
                         help="world sizes of spawned gloo runs (default 2,4)")
     parser.add_argument("--sizes", type=lambda s: tuple(parse_size(x) for x in s.split(",")), default=None,

@@ -175,7 +175,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
                          "or 'ep' (expert parallelism)")
     if cover not in COVER_MODES:
         raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
-    if axis not in mesh_lowerer(mesh).names:
+    if plan is not None and axis not in mesh_lowerer(mesh).names:
         warnings.warn(f"tplower: mesh axes {mesh_lowerer(mesh).names} have no {axis!r}; HF styles shard nothing",
                       stacklevel=2)
     if context is not None:
