@@ -69,7 +69,8 @@ class Case:
 
 def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
     """A tiny float32 causal LM of ``kind`` (:data:`MODELS`) with attention ``impl``, weights from seed 0."""
-    from transformers import AutoModelForCausalLM
+    with _SEEDED:  # transformers' lazy imports are not safe from several threads at once
+        from transformers import AutoModelForCausalLM
 
     model_type, overrides = MODELS[kind]
     config = tiny_config(model_type)
