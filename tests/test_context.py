@@ -107,7 +107,6 @@ def _refusals(mesh: Any, world: int) -> dict[str, str]:
     for name, call in (("twice", lambda: install_context(model, mesh)),
                        ("no_split", lambda: model(input_ids=ids)),
                        ("use_cache", lambda: model(**shard_sequence({"input_ids": ids}, mesh), use_cache=True)),
-                       ("empty_rank", lambda: model(**shard_sequence({"input_ids": ids[:, :1]}, mesh))),
                        ("generate", lambda: model.generate(input_ids=ids, max_new_tokens=2))):
         try:
             call()
@@ -210,7 +209,6 @@ REFUSED = {
     "router_loss": ("output_router_logits",),
     "twice": ("already installed",),
     "no_split": ("shard_sequence",),
-    "empty_rank": ("ranks [1] with no token", "at least 2 tokens"),
     "use_cache": ("KV cache", "without context="),
     "generate": ("generate()", "without context="),
 }

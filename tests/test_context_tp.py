@@ -6,7 +6,8 @@ sequence split over ``cp``. Tiny Llama (all-gather mode, a packed batch) and Qwe
 every rank, the logits through ``gather_sequence`` and every parameter's gradient (whole) as one process's; then three
 training steps (``clip_grad_norm_``, AdamW with ``foreach``) whose parameters stay one process's, the replicated ones
 bit-identical on all four ranks; and the loss from vocabulary-sharded logits (``vocab_parallel_cross_entropy`` with
-``context="cp"``) is one process's loss, with its gradients.
+``context="cp"``) is one process's loss, with its gradients. On a flat cp=4 mesh, a sequence of 3 tokens leaves
+rank 3 without a token, and the model still gives one process's answer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from tplower.testing import run_threaded
 TOL = 1e-5
 CASES = [(Case("llama", "allgather", "eager", 37, False, "packed"), "tp"),
          (Case("qwen3_moe", "ulysses", "sdpa", 37, True, "padded"), "ep")]
+#: cp=4 over 3 tokens: rank 3 holds none (balanced: pieces 3 and 4 of 8 are empty; even: the 4th of 4)
+EMPTY_RANK = [Case("llama", "ulysses", "sdpa", 3, True, "plain"),
+              Case("llama", "allgather", "eager", 3, False, "padded")]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +84,8 @@ def _vocab_loss(mesh: Any) -> dict[str, float]:
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     out = {c.name: named(run_case, c, mesh, plan="auto", experts=e) for c, e in CASES}
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    out.update({c.name: named(run_case, c, flat) for c in EMPTY_RANK})
     out["train"] = _train(mesh)
     out["vocab"] = _vocab_loss(mesh)
     return out
@@ -92,6 +98,18 @@ def ranks() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("case", [c.name for c, _ in CASES])
 def test_cp_and_tp_match_one_process(ranks: list[dict[str, Any]], case: str) -> None:
+    for r in ranks:
+        got = r[case]
+        assert got["loss"] <= TOL and got["logits"] <= TOL, got
+        assert got["grad"] <= TOL * max(1.0, got["scale"]), got
+
+
+@pytest.mark.parametrize("case", [c.name for c in EMPTY_RANK])
+def test_a_rank_with_no_token_runs_and_matches_one_process(ranks: list[dict[str, Any]], case: str) -> None:
+    from tplower.context.layout import SequenceLayout
+
+    c = next(c for c in EMPTY_RANK if c.name == case)
+    assert SequenceLayout(c.seq, 4, c.balance).lengths[3] == 0  # the case is what it claims
     for r in ranks:
         got = r[case]
         assert got["loss"] <= TOL and got["logits"] <= TOL, got

@@ -131,6 +131,8 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
             if whole.dtype == torch.bool:  # what sdpa would make of it in every layer, once (-inf where masked)
                 whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
                     whole.logical_not(), float("-inf"))
+            if not whole.shape[2]:  # a rank with no token: its placeholder query may see every key (a finite row)
+                whole = whole.new_zeros((*whole.shape[:2], 1, whole.shape[3]))
         split.cache[key] = whole
     return split.cache[key]
 

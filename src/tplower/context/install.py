@@ -17,7 +17,9 @@ process's answer:
   given ``past_key_values``), and turns the cache off otherwise; it also
   leaves the split where the attention modules find it when a layer calls
   them without its keyword arguments (Nemotron's decoder layer does), until
-  the forward ends;
+  the forward ends; a rank that holds no token (a sequence shorter than the
+  pieces) runs one placeholder token that no other rank sees and whose
+  gradient is an exact zero, and its outputs drop that row again;
 * a forward hook makes the loss whole: each rank's ``loss`` is its partial
   sum (transformers' causal-LM loss divides by ``num_items_in_batch``, the
   whole batch's count, which ``shard_sequence`` passes), so it moves
@@ -25,7 +27,9 @@ process's answer:
   rank's local loss keeps gradient 1, as one process's per-token terms do).
 
 Parameters stay as they are: their gradients are this rank's tokens' part
-(partial over the axis); whoever replicates them over the axis reduces them.
+(partial over the axis); whoever replicates them over the axis reduces them
+(``parallelize`` sums them; FSDP2 over a mesh that includes the axis averages
+them, so there the loss's gradient is ``grad_scale`` = the axis size).
 """
 
 from __future__ import annotations
@@ -158,11 +162,50 @@ def _refuse_cache(kwargs: Mapping[str, Any]) -> None:
         raise TPLowerError(f"context parallelism: {_NO_CACHE}")
 
 
+def _placeholder(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A rank with no token runs one placeholder token: ``[B, 0]`` entries become ``[B, 1]`` (id 0, position 0, label
+    ``-100``, attended), since a model's own code cannot reshape an empty sequence into heads.
+
+    The exchanges drop it as they drop the padding of uneven pieces (no other rank's query sees it), its own query
+    may attend to every key (a finite row), and its label counts for nothing, so every gradient through it is an
+    exact zero; the forward hook drops its row from the outputs.
+    """
+    out = dict(kwargs)
+    for key, fill in (("input_ids", 0), ("position_ids", 0), ("token_type_ids", 0), ("attention_mask", 1),
+                      ("labels", -100), ("shift_labels", -100), ("inputs_embeds", 0)):
+        t = out.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == 0:
+            out[key] = t.new_full((t.shape[0], 1, *t.shape[2:]), fill)
+    return out
+
+
+def _drop_placeholder(output: Any) -> Any:
+    """The outputs of a rank with no token without the placeholder's row (``[B, 1, ...]`` -> ``[B, 0, ...]``)."""
+
+    def drop(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == 1:
+            return t.narrow(1, 0, 0)
+        if isinstance(t, tuple) and all(isinstance(x, torch.Tensor) for x in t):
+            return tuple(drop(x) for x in t)
+        return t
+
+    if isinstance(output, MutableMapping):
+        for key in ("logits", "last_hidden_state", "hidden_states"):
+            if output.get(key) is not None:
+                output[key] = drop(output[key])
+        return output
+    if isinstance(output, tuple):
+        return tuple(x if isinstance(x, torch.Tensor) and x.dim() == 0 else drop(x) for x in output)
+    return output
+
+
 class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
-    def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any]) -> None:
+    def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any],
+                 grad_scale: int) -> None:
         self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
+        self.grad_scale = grad_scale
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -176,13 +219,8 @@ class _Hooks:
             raise TPLowerError(f"{type(module).__name__}: the batch was split over axis {split.axis!r} "
                                f"({split.layout.size} ranks); the model runs over {self.axis!r} ({self.size}); "
                                f"call shard_sequence(batch, mesh, {self.axis!r})")
-        lengths = split.layout.lengths
-        if 0 in lengths:  # every rank knows the layout: all refuse alike
-            raise TPLowerError(f"{type(module).__name__}: a sequence of {split.layout.length} tokens over the "
-                               f"{self.size} ranks of axis {self.axis!r} (balance={split.layout.balance}) leaves "
-                               f"ranks {[r for r, n in enumerate(lengths) if not n]} with no token, and a "
-                               "transformers model does not run on none; give every rank a token (a sequence of at "
-                               f"least {self.size} tokens with balance=True)")
+        if not split.layout.local_length(split.rank):
+            kwargs = _placeholder(kwargs)
         self.live[SPLIT_KEY] = split
         if self.no_cache and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
@@ -190,6 +228,9 @@ class _Hooks:
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         self.live.clear()
+        split = kwargs.get(SPLIT_KEY)
+        if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
+            output = _drop_placeholder(output)
         if isinstance(output, MutableMapping):
             if output.get("aux_loss") is not None:
                 raise TPLowerError(f"{type(module).__name__}: the router's auxiliary load-balancing loss is a "
@@ -205,12 +246,16 @@ class _Hooks:
         return output
 
     def whole(self, loss: torch.Tensor) -> torch.Tensor:
-        """``P(sum) -> R`` over the axis: the sum of the ranks' partial losses; gradient ``R`` (identity)."""
-        return redistribute_local(loss, self.mesh, {self.axis: "P(sum)"}, {self.axis: "R"}, grad={self.axis: "R"})
+        """``P(sum) -> R`` over the axis: the sum of the ranks' partial losses; gradient ``R`` (identity), times
+        ``grad_scale`` (the value unchanged) when the parameters' gradients are averaged over the axis later."""
+        out = redistribute_local(loss, self.mesh, {self.axis: "P(sum)"}, {self.axis: "R"}, grad={self.axis: "R"})
+        if self.grad_scale == 1:
+            return out
+        return out.detach() + self.grad_scale * (out - out.detach())
 
 
 def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: str = "ulysses", *,
-                    tp_size: int = 1) -> None:
+                    tp_size: int = 1, grad_scale: int = 1) -> None:
     """Run ``model``'s attention over a sequence split on ``mesh[axis]``; the model then takes ``shard_sequence`` parts.
 
     Modifies ``model`` in place (its text config's attention implementation,
@@ -230,6 +275,10 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             gathered whole; no head condition).
         tp_size: how many ways tensor parallelism splits each module's heads
             (the Ulysses check divides the model's head count by it).
+        grad_scale: the loss's gradient on each rank (its value is unchanged):
+            1 when the parameters' gradients are summed over the axis, the
+            axis size when they are averaged over it (FSDP2 over a mesh that
+            flattens the axis with data parallelism).
 
     Raises:
         TPLowerError: a mesh without ``axis``; a ``mode`` not in
@@ -250,6 +299,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise TPLowerError(f"install_context: tp_size={tp_size!r} must be an int >= 1")
+    if not isinstance(grad_scale, int) or grad_scale < 1:
+        raise TPLowerError(f"install_context: grad_scale={grad_scale!r} must be an int >= 1")
     n, _ = _axis(mesh, axis, "install_context")
     if installed_context(model) is not None:
         raise TPLowerError("install_context: context parallelism is already installed on this model")
@@ -282,7 +333,7 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live)
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale)
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
                model.register_forward_hook(hooks.after, with_kwargs=True))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),

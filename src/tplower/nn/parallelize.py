@@ -35,6 +35,7 @@ order (DTensor there is wrong for uneven shards).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,7 +72,7 @@ def _attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
-                replicate_rest: bool = True, cover: str = "reduce") -> nn.Module:
+                context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce") -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -111,6 +112,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             at 8192 tokens, cp=2, where ``"allgather"`` took 1.23x and 1.38x)
             or ``"allgather"`` (keys and values gathered whole, the local
             queries attend to them; no condition on head counts).
+        context_grads: who reduces the parameters' gradients over
+            ``context``: ``"sum"`` (default: ``parallelize``; parameters are
+            DTensors replicated over it, FSDP2 may shard them over another
+            axis such as ``dp``) or ``"mean"`` (the caller averages them over
+            it, as FSDP2 does over a mesh that flattens ``dp`` and
+            ``context``, torchtitan's layout: parameters are placed as
+            without ``context`` and the loss's gradient is the axis size, so
+            that average is one process's gradient; reduce them yourself
+            otherwise, or they are this rank's tokens' part).
         replicate_rest: every parameter the plan does not place becomes a
             ``Replicate`` DTensor on ``mesh[axis]`` too, a local view while
             its module or that module's parent runs
@@ -139,8 +149,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
             ``DeviceMesh`` or ``axis`` not a string (before any collective).
         ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, ``cover``
-            neither ``"reduce"`` nor ``"refuse"``, or ``context_mode`` neither
-            ``"ulysses"`` nor ``"allgather"``.
+            neither ``"reduce"`` nor ``"refuse"``, ``context_mode`` neither
+            ``"ulysses"`` nor ``"allgather"``, or ``context_grads`` neither
+            ``"sum"`` nor ``"mean"``.
         TPLowerError: a plan error (naming the module, field and value), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), attention split over
@@ -182,13 +193,20 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         if context_mode not in MODES:
             raise ValueError(f"parallelize: context_mode={context_mode!r}; allowed: 'ulysses' (all_to_all of "
                              "sequence and heads) or 'allgather' (keys and values gathered)")
-        if not replicate_rest:
+        if context_grads not in ("sum", "mean"):
+            raise ValueError(f"parallelize: context_grads={context_grads!r}; allowed: 'sum' (parallelize sums the "
+                             "gradients over the context axis) or 'mean' (the caller averages them over it, e.g. "
+                             "FSDP2 over dp and the context axis flattened)")
+        if not replicate_rest and context_grads == "sum":
             raise TPLowerError("parallelize: context= sums every parameter's gradient over the context axis, which "
                                "replicate_rest=False would leave plain (and unsummed) for the parameters the plan "
                                "does not place; drop replicate_rest=False")
     resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context)
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
-        install_context(model, mesh, context, context_mode, tp_size=_attention_tp(model, resolved))
+        scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
+        install_context(model, mesh, context, context_mode, tp_size=_attention_tp(model, resolved), grad_scale=scale)
+        if context_grads == "mean":
+            resolved = dataclasses.replace(resolved, context=None)
     for mp in resolved:
         if mp.info is not None and mp.info.reason is not None:
             warnings.warn(f"tplower: module {mp.qual!r} runs its boundary on DTensor: {mp.info.reason}", stacklevel=2)
