@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from context_cases import Case, batch, named, run_case, tiny
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -81,6 +82,23 @@ def _vocab_loss(mesh: Any) -> dict[str, float]:
     return {"loss": float((loss - want).abs()), "grad": grad}
 
 
+def _verify(mesh: Any) -> dict[str, Any]:
+    """``tplower.verify(..., context="cp")`` on the shipped plan (every row within tolerance) and on a model whose
+    gradients are left for FSDP2 to average (``context_grads="mean"``) but never averaged: its attention outputs
+    match one process, the gradients arriving there are twice one process's and the report says so."""
+    from tplower.verification.context import verify_context
+
+    base = tiny("llama", "sdpa")
+    dist.barrier()  # every rank's seeded builds are done: verify seeds the shared generator itself
+    ok = tplower.verify(lambda: copy.deepcopy(base), "auto", mesh, batch("padded", 37), context="cp")
+    wrong = verify_context(lambda: copy.deepcopy(base), None, mesh, batch("padded", 37), context_grads="mean",
+                           context_mode="allgather")
+    first = wrong.first_divergence
+    return {"ok": ok.ok, "rows": [b.module for b in ok.boundaries], "wrong_ok": wrong.ok,
+            "wrong_forward": [b.forward_max_diff for b in wrong.boundaries],
+            "first": (first.module, first.phase) if first else None}
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     out = {c.name: named(run_case, c, mesh, plan="auto", experts=e) for c, e in CASES}
@@ -88,6 +106,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     out.update({c.name: named(run_case, c, flat) for c in EMPTY_RANK})
     out["train"] = _train(mesh)
     out["vocab"] = _vocab_loss(mesh)
+    out["verify"] = _verify(mesh)
     return out
 
 
@@ -128,3 +147,12 @@ def test_three_training_steps_match_one_process_and_replicas_stay_identical(rank
 def test_vocab_parallel_loss_over_cp_and_tp_is_one_process_loss(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["vocab"]["loss"] <= 1e-5 and r["vocab"]["grad"] <= 1e-5, r["vocab"]
+
+
+def test_verify_with_context_checks_each_attention_exchange(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        got = r["verify"]
+        assert got["ok"] and got["rows"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"], got
+        # the exchanges are right, the gradient reaching the first attention is not: found there, backward
+        assert not got["wrong_ok"] and max(got["wrong_forward"]) <= 1e-5, got
+        assert got["first"] == ("model.layers.0.self_attn", "backward"), got

@@ -60,6 +60,7 @@ from .checks import (
     verdicts,
 )
 from .compare import Comparer
+from .context import verify_context
 from .record import Recorder, hook_parallel, hook_reference
 from .report import VerifyReport
 
@@ -157,7 +158,8 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
            atol: float | None = None, rtol: float | None = None,
            input_placements: Mapping[int | str, PlacementsLike] | None = None,
            output_placement: PlacementsLike | None = None, axis: str = "tp", seed: int = 0,
-           progress: Callable[[int, int], None] | None = None, experts: str = "tp") -> VerifyReport:
+           progress: Callable[[int, int], None] | None = None, experts: str = "tp", context: str | None = None,
+           context_mode: str = "ulysses", balance: bool = True) -> VerifyReport:
     """Check ``plan`` on ``build_model()`` against one process, boundary by boundary; call it on every rank.
 
     Args:
@@ -198,6 +200,16 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
             (tensor parallelism inside the experts) or ``"ep"`` (expert
             parallelism; the experts module's boundaries are checked like
             any other: its inputs' pieces, its gathered output, its gradients).
+        context, context_mode, balance: with ``context`` (a mesh axis), the
+            model is parallelized with context parallelism over it and checked
+            by :func:`~tplower.verification.context.verify_context`:
+            ``example_inputs`` is then the whole batch (``input_ids`` and
+            ``labels``), the mesh may have the context axis beside ``axis``,
+            and the rows are the attention modules' exchanges (their outputs
+            and the gradients arriving there, gathered over the axis), then the
+            loss, the logits and every parameter gradient. ``loss_fn``,
+            ``steps``, ``input_placements`` and ``output_placement`` are not
+            taken with it (the model's own loss is compared).
 
     Returns:
         A :class:`~tplower.verification.report.VerifyReport`, the same on every
@@ -213,6 +225,15 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
             ``"tp"`` nor ``"ep"``.
         TPLowerError: the plan does not install (see :func:`tplower.parallelize`).
     """
+    if context is not None:
+        if loss_fn is not None or steps != 1 or input_placements or output_placement is not None:
+            raise ValueError("verify: with context=, the model's own loss is compared on one pass; drop loss_fn, "
+                             "steps, input_placements and output_placement")
+        ref_tol = DEFAULT_TOLERANCES[torch.float32]
+        return verify_context(build_model, plan, mesh, example_inputs, context=context, context_mode=context_mode,
+                              balance=balance, axis=axis, experts=experts,
+                              atol=ref_tol[0] if atol is None else float(atol),
+                              rtol=ref_tol[1] if rtol is None else float(rtol), seed=seed)
     _check_args(build_model, mesh, loss_fn, steps, atol, rtol)
     if experts not in ("tp", "ep"):
         raise ValueError(f"verify: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts), "
