@@ -403,3 +403,25 @@ def test_gathered_example_plans_verify_as_the_pages_say() -> None:
     )
     fixed = run_threaded(2, _verify_gathered, model, x, "gathered.json")
     assert fixed[0] == fixed[1] == {"ok": True, "first": None}
+
+
+@pytest.mark.slow  # MiniLM on 2 ranks under both libraries; the sharing itself is checked in tests/test_fanout.py
+def test_the_readme_collective_counts_are_what_the_benchmark_prints() -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "benchmarks/collective_counts.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    readme = (ROOT / "README.md").read_text()
+    for library, calls, sent in (("tplower", 24, "4,718,592"), ("parallelize_module", 36, "7,077,888")):
+        assert f"| {library} | all_reduce {calls} | {sent} |" in done.stdout, done.stdout
+        assert f"{calls} `all_reduce`s, {sent} bytes" in readme or f"{calls}, {sent} bytes" in readme
