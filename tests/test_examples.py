@@ -39,6 +39,11 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "train.py": ("test_examples_train::test_train_example_runs_under_torchrun_and_leaves_a_trained_checkpoint",),
     "redistribute.py": ("test_examples::test_redistribute_example_runs_under_torchrun",),
     "load_pretrained.py": ("test_examples::test_load_pretrained_example_reads_slices_and_saves_whole",),
+    "gathered.py": ("test_docs_examples::test_gathered_example_plans_verify_as_the_pages_say",
+                    "test_docs_examples::test_output_block_is_what_the_command_prints"),
+    "plans/gathered.json": ("test_docs_examples::test_gathered_example_plans_verify_as_the_pages_say",),
+    "plans/gathered_wrong.json": ("test_docs_examples::test_gathered_example_plans_verify_as_the_pages_say",
+                                  "test_docs_examples::test_output_block_is_what_the_command_prints"),
 }
 
 

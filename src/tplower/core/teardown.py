@@ -182,10 +182,8 @@ def shutdown() -> None:
     it first). Not needed after ``dist.destroy_process_group()`` (tplower's
     exit hook releases then), but harmless; do not call
     ``destroy_process_group()`` after it (torch raises on a second destroy).
-    Call it on every rank. Runs no collective.
-
-    Raises:
-        Nothing of its own; an error of ``destroy_process_group`` propagates.
+    Call it on every rank. Runs no collective. It raises nothing of its own;
+    an error of ``destroy_process_group`` propagates.
     """
     if dist.is_initialized():
         dist.destroy_process_group()

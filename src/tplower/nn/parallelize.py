@@ -174,7 +174,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
 
     Warns:
         UserWarning: per module whose boundary runs on DTensor because the
-        live mesh runs a moved axis on a backend tplower does not know.
+            live mesh runs a moved axis on a backend tplower does not know.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
