@@ -63,6 +63,7 @@ SLOW_COMMANDS = ("tplower verify", "tplower codegen")
 #: (page, reason) of every block that is shown but not run
 NOT_RUN = {
     ("docs/context.md", "needs 4 ranks; tests/test_context_tp.py runs it at cp=2 x tp=2"),
+    ("docs/context.md", "needs 4 ranks; tests/test_context_fsdp.py runs it"),
     ("docs/design.md", "a picture of the package's folders"),
 }
 
