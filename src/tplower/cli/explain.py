@@ -188,26 +188,17 @@ def resolved_lines(model_name: str, plan: Any, names: tuple[str, ...], sizes: tu
     (:meth:`tplower.nn.resolve.ResolvedPlan.lines`), on a ``fake`` process group of the mesh's size, rank 0.
 
     Raises:
-        TPLowerError: an unknown model, or any refusal ``parallelize`` would make (named the same way).
+        TPLowerError: an unknown model, a plan key naming no module (with the closest names), or any refusal
+            ``parallelize`` would make (named the same way).
     """
-    import math
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from ..nn.resolve import resolve_plan
     from .plan import skeleton_for
+    from .target import check_keys, fake_mesh
 
     model = skeleton_for(model_name)
-    if dist.is_initialized():
-        raise TPLowerError("tplower explain runs without a process group of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(sizes))
-    try:
-        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    check_keys(model, plan)
+    with fake_mesh(names, sizes, "explain") as mesh:
         return resolve_plan(model, mesh, plan, axis="tp" if "tp" in names else names[-1]).lines()
-    finally:
-        dist.destroy_process_group()
 
 
 def _modes(args: argparse.Namespace) -> list[str]:
@@ -221,9 +212,10 @@ def _explain_plan(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple
     from ..plans.forms import explain_plan_lines
 
     plan: Any = plan_keyword(args.plan)
+    if plan in ("auto", "derive") and not args.model:
+        raise TPLowerError(f"--plan {plan} reads a model: add --model NAME (a model of tplower run or a family of "
+                           "tplower.run.derive_table)")
     if plan == "derive":
-        if not args.model:
-            raise TPLowerError("--plan derive needs --model NAME (a model of tplower run or a family)")
         from .plan import derive_for
 
         derived = derive_for(args.model)
