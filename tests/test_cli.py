@@ -50,7 +50,7 @@ def test_explain_json_and_coordinates(capsys):
 ])
 def test_explain_errors_exit_2_with_the_reason(argv, message, capsys):
     assert main(argv) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
 
 
 def test_explain_default_shape_is_documented(capsys):
@@ -99,10 +99,11 @@ def _needs_an_argument(size):  # a --module factory that cannot be called with n
     (["--model", "llama-tiny", "--mesh", "dp=2", "--plan", "auto"], "--axis 'tp' is not an axis of --mesh dp=2"),
     (["--model", "llama-tiny", "--mesh", "tp=2", "--axis", "x"], "--axis 'x' is not an axis of --mesh tp=2"),
     (["--model", "llama-tiny", "--mesh", "tp=3"], "--mesh tp=3 does not divide"),
-    (["--model", "llama-tiny", "--plan", "auto", "-o", "/nonexistent-dir/out.py"], "No such file or directory"),
+    (["--model", "llama-tiny", "--plan", "auto", "-o", "/nonexistent-dir/out.py"],
+     "the folder '/nonexistent-dir' does not exist"),
     (["--module", "test_cli:_needs_an_argument", "--plan", "auto"],
      "--module 'test_cli:_needs_an_argument': calling it raised TypeError"),
-    (["--module", "test_cli:_needs_an_argument"], "--module needs --plan FILE or --plan auto"),
+    (["--module", "test_cli:_needs_an_argument"], "--module needs --plan FILE, --plan auto or --plan derive"),
 ])
 def test_codegen_errors_exit_2_naming_the_option(argv, message, capsys):
     assert main(["codegen", *argv]) == 2
@@ -129,5 +130,5 @@ def test_explain_context_tables_both_modes_and_names_a_missing_axis(capsys: pyte
     assert "query, output (S(seq) <-> S(heads))  all_to_all  128    768.0 MiB" in out
     assert "key, value (S(seq) -> R)                 all_gather      64     384.0 MiB" in out
     assert main(["explain", "--context", "batch=1,seq=64,hidden=64,heads=4,kv_heads=2", "--mesh", "tp=2"]) == 2
-    assert capsys.readouterr().out.strip() == ("tplower explain: error: --context needs a cp axis in --mesh "
+    assert capsys.readouterr().err.strip() == ("tplower explain: error: --context needs a cp axis in --mesh "
                                                "(e.g. cp=2,tp=2); --mesh tp=2 has tp")

@@ -447,7 +447,7 @@ def test_explain_moe_bytes_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", "--moe", "tokens=4,hidden=2,top_k=2,experts=4"]) == 0
     assert "fewer bytes per step: tensor parallelism inside the experts (96 B vs 144 B)" in capsys.readouterr().out
     assert main(["explain", "--moe", "tokens=4,hidden=2"]) == 2
-    assert "missing top_k, experts" in capsys.readouterr().out
+    assert "missing top_k, experts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("experts", ["tp", "ep"])

@@ -237,8 +237,10 @@ def test_report_table_names_the_first_divergence() -> None:
                           (Check("forward", "gather", "input '0'", "S(1)", 0.0, True, order=0), bad), 1e-5, 1e-4, 2)
     assert report.first_divergence == bad and not report.ok
     lines = report.table().splitlines()
-    assert lines[0].split() == ["boundary", "form", "forward", "max", "diff", "backward", "max", "diff", "verdict"]
-    assert lines[2].split() == ["gather", "tp_collective", "0.00e+00", "5.00e-01", "DIVERGES"]
+    assert lines[0].startswith("each cell: the tensor nearest its tolerance")
+    assert lines[1].split() == ["boundary", "form", "forward", "|diff|", "(allowed)", "backward", "|diff|",
+                                "(allowed)", "verdict"]
+    assert lines[3].split() == ["gather", "tp_collective", "0.00e+00", "5.00e-01", "DIVERGES"]
     assert "DIVERGES first at module 'gather' (backward)" in report.table()
 
 
@@ -303,7 +305,7 @@ def test_cli_json_of_the_fixed_plan_exits_0(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--module", "nodots"], "--module 'nodots': write it as PKG:ATTR"),
     (["--module", "tplower:no_such_factory", "--plan", "auto"], "has no attribute 'no_such_factory'"),
-    (["--module", "tplower.verification:verify"], "--module needs --plan FILE or --plan auto"),
+    (["--module", "tplower.verification:verify"], "--module needs --plan FILE, --plan auto or --plan derive"),
     (["--module", "tplower.verification:verify", "--plan", "missing.yaml"], "--plan 'missing.yaml': no such file"),
 ])
 def test_cli_errors_name_the_option(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cases import CASES, SIZES, Case
+from .catalog import CASES, SIZES, Case
 
 __all__ = ["DEFAULT_PHASES", "PHASES", "BenchConfig"]
 

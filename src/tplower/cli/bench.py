@@ -13,13 +13,15 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..bench.cases import CASES, IMPLS
-from ..bench.phases import PHASES, BenchConfig, run_bench, write_json
-from ..bench.plots import write_plots
-from ..bench.report import format_markdown
+from ..bench.catalog import CASES, IMPLS
+from ..bench.config import PHASES
 from ..core.errors import TPLowerError
-from ..testing import RankFailure
+from .errors import positive_int
+
+if TYPE_CHECKING:
+    from ..bench.config import BenchConfig
 
 __all__ = ["KEEP_FREED_MEMORY", "add_arguments", "main", "parse_size", "parse_worlds"]
 
@@ -78,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transitions separated by ';' (default all: " + "; ".join(c.name for c in CASES) + ")")
     parser.add_argument("--impls", type=_csv, default=None,
                         help=f"micro implementations (default raw,tplower,seed_op,dtensor; any of {','.join(IMPLS)})")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds per size (default 30; quick 13)")
+    parser.add_argument("--reps", type=positive_int, default=None, help="timed rounds per size (default 30; quick 13)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="tensor device (cuda: run under torchrun, NCCL)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -91,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
+    from ..bench.config import BenchConfig
+
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     changes = {k: v for k, v in (("phases", args.phases), ("worlds", args.worlds), ("sizes", args.sizes),
                                  ("cases", args.cases), ("impls", args.impls), ("reps", args.reps)) if v is not None}
@@ -99,16 +103,41 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return replace(cfg, device=args.device, compile_backend=args.compile, **changes)
 
 
+def _check_device(device: str) -> None:
+    """``--device cuda`` needs a CUDA GPU here (checked once, before any rank starts).
+
+    Raises:
+        TPLowerError: no GPU is visible.
+    """
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TPLowerError("--device cuda: no CUDA GPU is visible to this process (torch.cuda.is_available() is "
+                           "False); run it on a machine with a CUDA GPU (under torchrun for several), or use "
+                           "--device cpu")
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the bench; print the Markdown table; 0 on success, 2 on a bad argument or a failed rank."""
+    """Run the bench; print the Markdown table; 0 on success, 2 on a bad argument or a failed rank.
+
+    Raises:
+        TPLowerError: bad input (checked before any rank starts) or a phase that refused its settings.
+        tplower.testing.RankFailure: a rank died or raised.
+    """
+    from ..bench.phases import run_bench, write_json
+    from ..bench.plots import write_plots
+    from ..bench.report import format_markdown
+
     if args.keep_freed_memory:  # read by each spawned rank's C library at start
         os.environ.update(KEEP_FREED_MEMORY)
+    cfg = _config(args)
+    _check_device(cfg.device)
     try:
-        cfg = _config(args)
         res = run_bench(cfg, progress=lambda what: print(f"[bench] {what}", file=sys.stderr, flush=True))
-    except (ValueError, TPLowerError, RankFailure) as exc:
-        print(f"tplower bench: error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # TPLowerError, and the phases' checks of their settings
+        raise TPLowerError(str(exc)) from None
     if res is None:  # a torchrun rank other than 0
         return 0
     res.meta["keep_freed_memory"] = bool(args.keep_freed_memory)

@@ -13,17 +13,17 @@ on every rank and for every run with the same model, plan and mesh::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
+from ..core.words import count
 from .explain import parse_mesh
-from .verify import _import, add_model_arguments
+from .target import add_model_arguments, build_module, check_keys, fake_mesh, plan_value
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,68 +35,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_and_plan(args: argparse.Namespace, tp: int) -> tuple[nn.Module, Any]:
+    plan = plan_value(args.plan)
     if args.model is not None:
         from ..run.models import check_tp, model_spec, skeleton
 
         check_tp(args.model, tp, f"--mesh {args.axis}=")
-        plan = args.plan if args.plan is not None else dict(model_spec(args.model).plan)
-        return skeleton(args.model), plan
-    factory, _ = _import(args.module)
-    if args.plan is None:
-        raise TPLowerError("--module needs --plan FILE or --plan auto")
-    try:
-        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-    except Exception as exc:
-        raise TPLowerError(f"--module {args.module!r}: calling it raised {type(exc).__name__}: {exc} (it must build "
-                           "the model with no arguments)") from None
-    if not isinstance(model, nn.Module):
-        raise TPLowerError(f"--module {args.module!r} gave a {type(model).__name__}, not a torch.nn.Module")
-    return model, args.plan
+        return skeleton(args.model), plan if plan is not None else dict(model_spec(args.model).plan)
+    if plan is None:
+        raise TPLowerError("--module needs --plan FILE, --plan auto or --plan derive")
+    return build_module(args.module), plan
 
 
 def emit_file(args: argparse.Namespace) -> str:
     """The generated source for parsed ``args`` (on a ``fake`` process group of the mesh's size, rank 0).
 
     Raises:
-        TPLowerError: a bad ``--mesh``, ``--plan`` or ``--module``, or as :func:`tplower.codegen.emit`.
+        TPLowerError: a bad ``--mesh``, ``--plan`` (a key naming no module is named with the closest module
+            names) or ``--module``, or as :func:`tplower.codegen.emit`.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from ..codegen.emit import emit
 
     names, sizes = parse_mesh(args.mesh)
     if args.axis not in names:
         raise TPLowerError(f"--axis {args.axis!r} is not an axis of --mesh {args.mesh} (axes: {', '.join(names)})")
-    if args.plan not in (None, "auto") and not Path(args.plan).is_file():
-        raise TPLowerError(f"--plan {args.plan!r}: no such file (or write 'auto')")
-    tp = sizes[names.index(args.axis)] if args.axis in names else 1
-    model, plan = _model_and_plan(args, tp)
-    if dist.is_initialized():
-        raise TPLowerError("tplower codegen runs without a process group of its own; call tplower.codegen.emit "
-                           "from a program that has one")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(sizes))
-    try:
-        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    model, plan = _model_and_plan(args, sizes[names.index(args.axis)])
+    check_keys(model, plan, args.experts)
+    with fake_mesh(names, sizes, "codegen") as mesh:
         return emit(model, mesh, plan, axis=args.axis, experts=args.experts)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(args: argparse.Namespace) -> int:
-    """Write the file; exit 0, or 2 on an error (printed on standard error)."""
+    """Write the file; exit 0, or 2 on an error (one line on standard error).
+
+    Raises:
+        TPLowerError: bad input, a refused plan, or a file that cannot be written.
+    """
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        raise TPLowerError(f"-o {args.out!r}: the folder {str(Path(args.out).parent)!r} does not exist; create it "
+                           "or write elsewhere")
     try:
         source = emit_file(args)
         if args.out is not None:
             Path(args.out).write_text(source)
-    except (TPLowerError, ValueError, TypeError, OSError) as exc:
-        print(f"tplower codegen: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, OSError) as exc:  # TPLowerError, and the library's own checks
+        raise TPLowerError(str(exc)) from None
     if args.out is None:
         sys.stdout.write(source)
         return 0
     lines = source.count("\n")
     forwards = source.count("\ndef forward_")
-    print(f"tplower codegen: wrote {args.out} ({forwards} forwards, {lines} lines); install it with "
+    print(f"tplower codegen: wrote {args.out} ({count(forwards, 'forward')}, {count(lines, 'line')}); install it with "
           f"tplower.codegen.install(model, mesh, {args.out!r})", file=sys.stderr)
     return 0

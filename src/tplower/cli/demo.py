@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..conformance import Case, check_case, make_mesh, quiet_dtensor_logs
-from ..core.placements import parse_placements
-from ..core.redistribute import mesh_lowerer
+from ..core.errors import TPLowerError
+from ..core.words import count
+from .errors import positive_int
+from .explain import parse_shape
+
+if TYPE_CHECKING:
+    from ..conformance import Case
 
 #: (src, dst, grad) on a 1-D ``tp`` mesh; ``None`` grad is DTensor's default.
 DEMO_TRANSITIONS: tuple[tuple[str, str, str | None], ...] = (
@@ -24,11 +28,15 @@ DEMO_TRANSITIONS: tuple[tuple[str, str, str | None], ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--nproc`` ranks (default 2) and ``--shape`` of the global tensor."""
-    parser.add_argument("--nproc", type=int, default=2, help="local processes (gloo), default 2")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="local processes (gloo), default 2")
     parser.add_argument("--shape", default="7,6", help="global shape, comma separated (default 7,6: uneven)")
 
 
 def _rank_body(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
+    from ..conformance import check_case, make_mesh, quiet_dtensor_logs
+    from ..core.placements import parse_placements
+    from ..core.redistribute import mesh_lowerer
+
     quiet_dtensor_logs()
     mesh = make_mesh((world,))
     rows = []
@@ -46,19 +54,39 @@ def _rank_body(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]
 
 
 def _local_shape(case: Case, rank: int, world: int) -> tuple[int, ...]:
+    from ..core.placements import parse_placements
     from ..core.transitions import local_shape
 
     src = parse_placements(case.src, ("tp",), tensor_ndim=len(case.global_shape))
     return local_shape(case.global_shape, src, (world,), (rank,))
 
 
+def demo_shape(text: str) -> tuple[int, ...]:
+    """The global shape of ``--shape``: at least 2 dims (the demo shards dim 1), each at least 1.
+
+    Raises:
+        TPLowerError: anything else; the message names ``--shape`` and the fix.
+    """
+    shape = parse_shape(text, example="7,6")
+    if len(shape) < 2 or min(shape) < 1:
+        raise TPLowerError(f"--shape {text!r}: the demo shards dims 0 and 1, so it needs at least 2 dims of at "
+                           "least 1 each, e.g. 7,6")
+    return shape
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the demo; exit code 0 when every transition matched DTensor on every rank."""
+    """Run the demo; exit code 0 when every transition matched DTensor on every rank.
+
+    Raises:
+        TPLowerError: a bad ``--shape`` (checked before any process starts).
+    """
+    from ..conformance import Case
     from ..testing import run_processes
 
-    shape = tuple(int(s) for s in args.shape.split(","))
+    shape = demo_shape(args.shape)
     cases = [Case((args.nproc,), shape, s, d, g) for s, d, g in DEMO_TRANSITIONS]
-    print(f"tplower demo: {len(cases)} transitions of a {shape} float32 tensor on {args.nproc} gloo processes")
+    procs = count(args.nproc, "gloo process", "gloo processes")
+    print(f"tplower demo: {len(cases)} transitions of a {shape} float32 tensor on {procs}")
     t0 = time.perf_counter()
     per_rank = run_processes(args.nproc, _rank_body, cases)
     width = max(len(r["case"]) for r in per_rank[0])

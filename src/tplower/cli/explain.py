@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
-from ..core.explain import explain_moe, explain_transition, moe_to_table, plan_to_dict, plan_to_table
+from .errors import plan_keyword
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+if TYPE_CHECKING:
+    import torch
+
+#: ``--dtype`` names -> torch dtype names (torch is imported when a command runs, not for ``--help``)
+DTYPES: dict[str, str] = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                          "fp16": "float16", "float16": "float16", "fp64": "float64", "float64": "float64"}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` name (a key of :data:`DTYPES`)."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, DTYPES[name])
+    return dtype
 
 
 #: The global shape ``tplower explain`` plans for when ``--shape`` is not given.
@@ -45,6 +55,8 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def _ints(option: str, text: str, what: str, example: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
+    if not text.strip():
+        raise TPLowerError(f"{option} {text!r} is empty; give {what} as comma-separated integers, e.g. {example}")
     for p in parts:
         if not p.isdigit():
             raise TPLowerError(f"{option} {text!r}: {p!r} is not a non-negative integer; give {what} as "
@@ -52,13 +64,14 @@ def _ints(option: str, text: str, what: str, example: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def parse_shape(text: str) -> tuple[int, ...]:
+def parse_shape(text: str, example: str = "8,1024,4096") -> tuple[int, ...]:
     """``"8,1024,4096"`` -> ``(8, 1024, 4096)``: the global shape of ``--shape``.
 
     Raises:
-        TPLowerError: an item that is not a non-negative integer; the message names ``--shape``.
+        TPLowerError: an empty text or an item that is not a non-negative integer; the message names
+            ``--shape`` and shows ``example``.
     """
-    return _ints("--shape", text, "the global shape", "8,1024,4096")
+    return _ints("--shape", text, "the global shape", example)
 
 
 def parse_coord(text: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -152,7 +165,7 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
     try:
         info = explain_context(c["batch"], c["seq"], c["hidden"], c["heads"], c["kv_heads"],
                                sizes[names.index("cp")], tp, layers=c.get("layers", 1), head_dim=c.get("head_dim"),
-                               params=c.get("params", 0), dtype=DTYPES[args.dtype])
+                               params=c.get("params", 0), dtype=dtype_of(args.dtype))
     except ValueError as exc:
         raise TPLowerError(f"--context {args.context!r}: {exc}") from None
     print(json.dumps(info, indent=2) if args.json else context_to_table(info))
@@ -160,10 +173,12 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
 
 
 def _explain_moe(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    from ..core.explain import explain_moe, moe_to_table
+
     if len(names) != 1:
         raise TPLowerError(f"--moe explains one block over one axis; --mesh {args.mesh} has {len(names)} axes")
     m = parse_moe(args.moe)
-    info = explain_moe(m["tokens"], m["hidden"], m["top_k"], m["experts"], sizes[0], DTYPES[args.dtype])
+    info = explain_moe(m["tokens"], m["hidden"], m["top_k"], m["experts"], sizes[0], dtype_of(args.dtype))
     print(json.dumps(info, indent=2) if args.json else moe_to_table(info))
     return 0
 
@@ -173,62 +188,77 @@ def resolved_lines(model_name: str, plan: Any, names: tuple[str, ...], sizes: tu
     (:meth:`tplower.nn.resolve.ResolvedPlan.lines`), on a ``fake`` process group of the mesh's size, rank 0.
 
     Raises:
-        TPLowerError: an unknown model, or any refusal ``parallelize`` would make (named the same way).
+        TPLowerError: an unknown model, a plan key naming no module (with the closest names), or any refusal
+            ``parallelize`` would make (named the same way).
     """
-    import math
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from ..nn.resolve import resolve_plan
     from .plan import skeleton_for
+    from .target import check_keys, fake_mesh
 
     model = skeleton_for(model_name)
-    if dist.is_initialized():
-        raise TPLowerError("tplower explain runs without a process group of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(sizes))
-    try:
-        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    check_keys(model, plan)
+    with fake_mesh(names, sizes, "explain") as mesh:
         return resolve_plan(model, mesh, plan, axis="tp" if "tp" in names else names[-1]).lines()
-    finally:
-        dist.destroy_process_group()
+
+
+def _modes(args: argparse.Namespace) -> list[str]:
+    """What ``args`` asks to explain: some of ``SRC DST``, ``--plan``, ``--moe``, ``--context`` (one is allowed)."""
+    given = [("SRC DST", bool(args.src or args.dst)), ("--plan", args.plan is not None),
+             ("--moe", args.moe is not None), ("--context", args.context is not None)]
+    return [name for name, on in given if on]
+
+
+def _explain_plan(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    from ..plans.forms import explain_plan_lines
+
+    plan: Any = plan_keyword(args.plan)
+    if plan in ("auto", "derive") and not args.model:
+        raise TPLowerError(f"--plan {plan} reads a model: add --model NAME (a model of tplower run or a family of "
+                           "tplower.run.derive_table)")
+    if plan == "derive":
+        from .plan import derive_for
+
+        derived = derive_for(args.model)
+        print(derived.explain() + "\n")
+        plan = derived.plan
+    if args.model:  # the plan resolved on the model, module by module (what parallelize installs)
+        print("\n".join(resolved_lines(args.model, plan, names, sizes)))
+    else:
+        print("\n".join(explain_plan_lines(plan, names)))
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the explanation; exit 2 with the error on bad input."""
+    """Print the explanation; exit 2 with one error line on bad input.
+
+    Raises:
+        TPLowerError: bad input (the caller prints it as one line; see :mod:`tplower.cli.errors`).
+    """
+    from ..core.explain import explain_transition, plan_to_dict, plan_to_table
+
+    modes = _modes(args)
+    if len(modes) > 1:
+        raise TPLowerError(f"{' and '.join(modes)} ask for different explanations; give one of SRC DST (a "
+                           "transition), --plan, --moe or --context per call")
+    if args.model and args.plan is None:
+        raise TPLowerError("--model is read with --plan (e.g. --plan auto --model llama-tiny); add --plan")
     try:
         names, sizes = parse_mesh(args.mesh)
-        if args.moe:
+        if args.moe is not None:
             return _explain_moe(args, names, sizes)
-        if args.context:
+        if args.context is not None:
             return _explain_context(args, names, sizes)
-        if args.plan:
-            from ..plans.forms import explain_plan_lines
-
-            plan: Any = args.plan
-            if args.plan == "derive":
-                if not args.model:
-                    raise TPLowerError("--plan derive needs --model NAME (a model of tplower run or a family)")
-                from .plan import derive_for
-
-                derived = derive_for(args.model)
-                print(derived.explain() + "\n")
-                plan = derived.plan
-            if args.model:  # the plan resolved on the model, module by module (what parallelize installs)
-                print("\n".join(resolved_lines(args.model, plan, names, sizes)))
-            else:
-                print("\n".join(explain_plan_lines(plan, names)))
-            return 0
+        if args.plan is not None:
+            return _explain_plan(args, names, sizes)
         if not args.src or not args.dst:
-            raise TPLowerError("explain needs SRC and DST placements (or --plan FILE)")
+            raise TPLowerError("explain needs SRC and DST placements, e.g. tplower explain 'S(0)' R (or --plan "
+                               "FILE, --moe or --context)")
         shape = parse_shape(args.shape)
         coord = parse_coord(args.coord, names, sizes) if args.coord is not None else None
         plan = explain_transition(args.src, args.dst, names, sizes, shape, grad=args.grad, coord=coord)
-    except (TPLowerError, ValueError) as exc:
-        print(f"tplower explain: error: {exc}")
-        return 2
-    info = plan_to_dict(plan, names, DTYPES[args.dtype])
+    except ValueError as exc:  # TPLowerError, and the library's own checks of placements and sizes
+        raise TPLowerError(str(exc)) from None
+    info = plan_to_dict(plan, names, dtype_of(args.dtype))
     info["mesh"] = dict(zip(names, sizes, strict=True))
     print(json.dumps(info, indent=2) if args.json else plan_to_table(info))
     return 0

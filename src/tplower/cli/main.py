@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)``
 and ``main(args) -> int``; :data:`SUBCOMMANDS` lists them, so a new one is
-one line here. ``tplower`` with no subcommand runs :data:`DEFAULT`.
+one line here. ``tplower`` with no subcommand (only options) runs
+:data:`DEFAULT`. Building the parser imports no torch: each module imports
+what it needs inside ``main``, so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+
+from .errors import Parser, closest, fail, run_command
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -25,12 +29,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 #: the subcommand ``tplower`` runs without one
 DEFAULT = "run"
+#: ``tplower --help``'s first line (plain text: help is read in a terminal)
+DESCRIPTION = ("tplower: placement transitions lowered to direct collectives, checked against DTensor and one "
+               "process, on real models")
+_VERBOSE = ("-v", "--verbose")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="tplower", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log tplower's decisions (debug level)")
+    """The argument parser with every subcommand (errors are one line, exit 2)."""
+    parser = Parser(prog="tplower", description=DESCRIPTION, epilog=f"without a command: tplower {DEFAULT} (its "
+                    f"options work alone, e.g. tplower --model llama-tiny); tplower COMMAND --help for each")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log tplower's decisions (debug level); a failed rank's whole report")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -38,20 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_command(args: list[str]) -> list[str] | str:
+    """``args`` with :data:`DEFAULT` put in when they start with an option; an error message for a word that is
+    not a command (a misspelled one is never read as options of the default)."""
+    first = next((a for a in args if a not in _VERBOSE), None)
+    if first is None or (first.startswith("-") and first not in ("-h", "--help")):
+        return [a for a in args if a in _VERBOSE] + [DEFAULT] + [a for a in args if a not in _VERBOSE]
+    if first.startswith("-") or first in SUBCOMMANDS:
+        return args
+    return (f"invalid choice: {first!r} is not a command{closest(first, SUBCOMMANDS)}; the commands are "
+            f"{', '.join(SUBCOMMANDS)} (tplower --help)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    known = set(SUBCOMMANDS) | {"-h", "--help"}
-    if not any(a in known for a in args_list):
-        args_list = [a for a in args_list if a in ("-v", "--verbose")] + [DEFAULT] + \
-            [a for a in args_list if a not in ("-v", "--verbose")]
-    args = parser.parse_args(args_list)
+    """Entry point: parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code.
+
+    Bad input ends in one line ``tplower <command>: error: ...`` on standard error and exit code 2
+    (argparse's own errors exit through ``SystemExit(2)`` with the same one line).
+    """
+    args_list = _with_command(list(sys.argv[1:] if argv is None else argv))
+    if isinstance(args_list, str):
+        return fail("", args_list)
+    args = build_parser().parse_args(args_list)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     for noisy in ("torch.distributed.tensor", "torch.distributed.tensor._redistribute"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.main(args))
+    return run_command(args.command, module.main, args)
 
 
 if __name__ == "__main__":

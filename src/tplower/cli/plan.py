@@ -4,7 +4,8 @@
     tplower plan --model t5_encoder            # a tiny family of tplower.run.derive_table, printed
     tplower plan --model gpt2 --verify -o gpt2_plan.yaml
 
-The plan (YAML, or JSON for a ``.json`` file) is what ``parallelize(model,
+The plan (YAML for ``-o`` ending ``.yaml``/``.yml``, JSON for ``.json``;
+another suffix is refused, so the file is always what its name says) is what ``parallelize(model,
 mesh, "derive")`` and ``tplower run --plan derive`` apply; each rule that
 matched is printed to stderr (``tplower.plans.derive``). ``--verify`` first
 runs the derived plan against one process on ``--nproc`` local gloo ranks
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import TPLowerError
+from ..core.words import count
+from .errors import positive_float, positive_int
 
 __all__ = ["add_arguments", "derive_for", "main"]
 
@@ -31,16 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="a model of tplower run (all-minilm-l6-v2, llama-tiny) or a family of "
                              "tplower.run.derive_table (bert, t5_encoder, ...)")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the plan here (.yaml/.yml or .json); "
-                        "default: print YAML")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the plan here, YAML for .yaml/.yml, JSON for "
+                        ".json (other suffixes are refused); default: print YAML")
     parser.add_argument("--embeddings", action="store_true",
                         help="also shard word embeddings (vocabulary-parallel) and an output head of the vocabulary")
     parser.add_argument("--axis", default="tp", help="the tensor-parallel mesh axis (default tp)")
     parser.add_argument("--verify", action="store_true",
                         help="check the derived plan against one process first (a tiny random input of the model's "
                              "kind, every gradient); refuse it (exit 1, nothing written) when it does not match")
-    parser.add_argument("--nproc", type=int, default=2, help="with --verify: local gloo ranks (default 2)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="with --verify: seconds for the whole run")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="with --verify: local gloo ranks (default 2)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="with --verify: seconds for the whole run")
 
 
 def skeleton_for(name: str) -> Any:
@@ -124,24 +128,48 @@ def verify_in_processes(name: str, nproc: int, *, embeddings: bool = False, axis
     return bool(result["ok"]), str(result["text"])
 
 
+#: ``-o`` suffix -> the format written
+SUFFIXES: dict[str, str] = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
+
+
+def check_output(path: str | None) -> None:
+    """Check ``-o`` before anything is derived: a folder that exists, a suffix of :data:`SUFFIXES`.
+
+    Raises:
+        TPLowerError: the folder is missing or the suffix is another (the message names the allowed ones).
+    """
+    if path is None:
+        return
+    out = Path(path)
+    if out.suffix.lower() not in SUFFIXES:
+        raise TPLowerError(f"-o {path!r}: the suffix {out.suffix or '(none)'!r} says no plan format; end the name "
+                           "in .yaml or .yml (YAML) or .json (JSON)")
+    if not out.parent.is_dir():
+        raise TPLowerError(f"-o {path!r}: the folder {str(out.parent)!r} does not exist; create it or write "
+                           "elsewhere")
+    if out.is_dir():
+        raise TPLowerError(f"-o {path!r} is a folder; give a file name ending in .yaml, .yml or .json")
+
+
 def main(args: argparse.Namespace) -> int:
     """Write (or print) the derived plan and print the rules to stderr; exit 1 when ``--verify`` refuses it, 2 on
-    an error."""
-    from ..testing import RankFailure
+    an error.
 
-    try:
-        derived = derive_for(args.model, embeddings=args.embeddings, axis=args.axis)
-        if args.verify:
-            print(f"tplower plan: verifying on {args.nproc} processes ...", file=sys.stderr, flush=True)
-            ok, text = verify_in_processes(args.model, args.nproc, embeddings=args.embeddings, axis=args.axis,
-                                           timeout=args.timeout)
-            print(f"tplower plan: {text}", file=sys.stderr)
-            if not ok:
-                print("tplower plan: refused: the derived plan does not verify; nothing written", file=sys.stderr)
-                return 1
-    except (TPLowerError, RankFailure) as exc:
-        print(f"tplower plan: error: {exc}", file=sys.stderr)
-        return 2
+    Raises:
+        TPLowerError: a bad ``-o`` or ``--model`` (checked before deriving or verifying), or no rule matched.
+        tplower.testing.RankFailure: a rank of ``--verify`` died or raised.
+    """
+    check_output(args.output)
+    derived = derive_for(args.model, embeddings=args.embeddings, axis=args.axis)
+    if args.verify:
+        procs = count(args.nproc, "process", "processes")
+        print(f"tplower plan: verifying on {procs} ...", file=sys.stderr, flush=True)
+        ok, text = verify_in_processes(args.model, args.nproc, embeddings=args.embeddings, axis=args.axis,
+                                       timeout=args.timeout)
+        print(f"tplower plan: {text}", file=sys.stderr)
+        if not ok:
+            print("tplower plan: refused: the derived plan does not verify; nothing written", file=sys.stderr)
+            return 1
     import importlib
 
     yaml: Any = importlib.import_module("yaml")
@@ -153,7 +181,10 @@ def main(args: argparse.Namespace) -> int:
         text = f"# tplower plan --model {args.model}: derived from the module structure; edit freely\n" + \
             yaml.safe_dump(data, sort_keys=False)
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise TPLowerError(f"-o {args.output!r} cannot be written: {exc}") from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -8,13 +8,18 @@ encoder on 2 local gloo processes with tplower's shipped plan; under
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
-from ..run import RunConfig, RunError, format_report, load_plan, run, texts_from, torchrun_env, verdict, write_json
+from ..core.words import count
 from ..run.models import MINILM, MODELS
+from .errors import plan_keyword
+
+if TYPE_CHECKING:
+    from ..run import RunConfig
 
 __all__ = ["add_arguments", "main"]
 
@@ -28,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default nproc / dp)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1; >1 makes a 2-D mesh)")
     parser.add_argument("--input", metavar="FILE", help="sentences, one a line (default: a built-in list)")
-    parser.add_argument("--plan", metavar="FILE",
-                        help="JSON/YAML mapping module name/glob -> colwise|rowwise (default: the model's plan), or "
-                             "'derive': a plan derived from the module structure (tplower plan writes it out)")
+    parser.add_argument("--plan", metavar="FILE|auto|derive",
+                        help="JSON/YAML mapping module name/glob -> colwise|rowwise (default: the model's plan), "
+                             "'auto': the transformers model's own plan, or 'derive': a plan derived from the module "
+                             "structure (tplower plan writes it out)")
     parser.add_argument("--steps", type=int, default=2,
                         help="training steps checked against one process (default 2, at least 1)")
     parser.add_argument("--batch-size", type=int, default=16, help="sentences per forward batch (default 16)")
@@ -60,14 +66,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan(option: str | None, model: str) -> dict[str, Any] | None:
-    if option == "derive":
+    """``--plan`` as a mapping: a file, ``auto`` (transformers' own plan) or ``derive`` (any letter case).
+
+    Raises:
+        TPLowerError: a file that cannot be read or parsed, or ``auto`` on a model that ships no plan (the message
+            points at ``derive``).
+    """
+    from ..run import load_plan
+
+    plan = plan_keyword(option)
+    if plan == "derive":
         from .plan import derive_for
 
         return dict(derive_for(model).plan)
-    return load_plan(option) if option else None
+    if plan == "auto":
+        from ..plans.hf import model_tp_plan
+        from ..run.models import skeleton
+
+        built = skeleton(model)
+        try:
+            return dict(model_tp_plan(built))
+        except TPLowerError:
+            raise TPLowerError(f"--plan auto: {model} ({type(built).__name__}) ships no tensor-parallel plan; use "
+                               "--plan derive (a plan derived from its module structure), its default plan (no "
+                               "--plan) or --plan FILE") from None
+    return load_plan(plan) if plan else None
+
+
+def _codegen_mesh(path: str) -> list[list[Any]] | None:
+    """The ``MESH`` a file of ``tplower codegen`` was emitted for, read without running it (``None``: none found)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MESH" for t in node.targets):
+            try:
+                mesh = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+            return mesh if isinstance(mesh, list) else None
+    return None
+
+
+def _check_codegen(path: str | None, model: str, dp: int, tp: int, plan: str | None) -> None:
+    """A ``--codegen FILE`` that exists must have been emitted for this run's mesh ``dp`` x ``tp``.
+
+    Raises:
+        TPLowerError: it was emitted for another mesh; the message gives the ``tplower codegen`` command that emits
+            it for this one.
+    """
+    if path is None or not Path(path).is_file():
+        return
+    want = [["dp", dp], ["tp", tp]]
+    got = _codegen_mesh(path)
+    if got is not None and got != want:
+        text = ",".join(f"{n}={s}" for n, s in got if isinstance(n, str) and isinstance(s, int)) or repr(got)
+        with_plan = f" --plan {plan}" if plan else ""
+        raise TPLowerError(f"--codegen {path!r} was emitted for mesh {text}, this run's mesh is dp={dp},tp={tp}; emit "
+                           f"it again with tplower codegen --model {model}{with_plan} --mesh dp={dp},tp={tp} -o {path} "
+                           "(or remove the file and the run writes a new one)")
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
+    from ..run import RunConfig, RunError, texts_from, torchrun_env
+
     env = torchrun_env()
     dp = args.dp
     if env is not None:
@@ -79,13 +142,15 @@ def _config(args: argparse.Namespace) -> RunConfig:
     if world < 1:
         raise RunError(f"--nproc {world} must be at least 1")
     tp = args.tp if args.tp is not None else max(world // dp, 1)
+    codegen = _codegen_path(args.codegen, args.model, tp)
+    _check_codegen(codegen, args.model, dp, tp, args.plan)
     return RunConfig(model=args.model, world=world, tp=tp, dp=dp, texts=texts_from(args.input),
                      plan=_plan(args.plan, args.model), steps=args.steps, batch_size=args.batch_size,
                      lr=args.lr, repeat=args.repeat, tolerance=args.tolerance,
                      timeout=args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0,
                      backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,
                      checkpoint=args.checkpoint, compile=args.compile,
-                     codegen=_codegen_path(args.codegen, args.model, tp))
+                     codegen=codegen)
 
 
 def _codegen_path(value: str | None, model: str, tp: int) -> str | None:
@@ -95,16 +160,21 @@ def _codegen_path(value: str | None, model: str, tp: int) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run; exit code 0 when every difference from one process is within the tolerance, 1 otherwise, 2 on error."""
-    try:
-        cfg = _config(args)
-        if cfg.progress and torchrun_env() is None:
-            print(f"tplower run: {cfg.model}, checking the plan, then starting {cfg.world} processes ...",
-                  file=sys.stderr, flush=True)
-        report = run(cfg)
-    except TPLowerError as exc:
-        print(f"tplower run: error: {exc}", file=sys.stderr)
-        return 2
+    """Run; exit code 0 when every difference from one process is within the tolerance, 1 otherwise, 2 on error.
+
+    Raises:
+        TPLowerError: bad input or a failed rank (:class:`tplower.run.RunError`; printed as one line).
+    """
+    from ..run import check_config, format_report, run, torchrun_env, verdict, write_json
+
+    cfg = _config(args)
+    spawn = torchrun_env() is None
+    if spawn:  # under torchrun each rank checks as it joins
+        check_config(cfg)
+    if cfg.progress and spawn:
+        procs = count(cfg.world, "process", "processes")
+        print(f"tplower run: {cfg.model}: plan checked, starting {procs} ...", file=sys.stderr, flush=True)
+    report = run(cfg, checked=spawn)
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return 0
     print(format_report(report, cfg))

@@ -13,19 +13,19 @@ ranks are local gloo processes (``--nproc``); rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
-from ..testing import RankFailure, run_processes
+from ..core.words import count
+from .errors import non_negative_float, positive_float, positive_int
+from .target import add_model_arguments, build_module, check_plan, import_attr, plan_value
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["add_arguments", "main"]
 
@@ -33,50 +33,24 @@ _DEFAULT_TEXTS = 4  # sentences of the built-in list verify embeds
 _LLAMA_TOKENS = 16  # bytes of each sentence llama-tiny reads
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, model_help: str = "a model tplower run knows") -> None:
-    """``--model NAME`` or ``--module PKG:ATTR`` (one required), and ``--plan FILE|auto``: a model and its plan."""
-    from ..run.models import MODELS
-
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", choices=sorted(MODELS), help=model_help)
-    src.add_argument("--module", metavar="PKG:ATTR", help="import ATTR from PKG: a callable returning the model")
-    parser.add_argument("--plan", metavar="FILE|auto", help="plan file (YAML/JSON) or 'auto' (a transformers "
-                        "model's own plan); default for --model: its plan")
-    parser.add_argument("--experts", default="tp", choices=("tp", "ep"),
-                        help="with --plan auto, how mixture-of-experts blocks are parallelized: tp (tensor "
-                             "parallelism inside the experts, default) or ep (expert parallelism: experts sharded "
-                             "by index, tokens dispatched to them)")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tplower verify``."""
     add_model_arguments(parser)
-    parser.add_argument("--nproc", type=int, default=2, help="local gloo processes, one per tp rank (default 2)")
-    parser.add_argument("--input", metavar="FILE", help="inputs: torch.save file (--module) or sentences (--model)")
+    parser.add_argument("--nproc", type=positive_int, default=2,
+                        help="local gloo processes, one per tp rank (default 2)")
+    parser.add_argument("--input", metavar="FILE", help="inputs: a file of torch.save (.pt) for --module, sentences "
+                        "(one a line) for --model; default: PKG:example_inputs, or built-in sentences")
     parser.add_argument("--input-placement", action="append", default=[], metavar="KEY=PLACEMENT",
                         help="an input the parallel model takes sharded, e.g. 0=S(1) (repeatable; default R)")
     parser.add_argument("--output-placement", default=None, metavar="PLACEMENT",
                         help="placement of the parallel model's output tensor, e.g. S(1) (default R)")
-    parser.add_argument("--steps", type=int, default=1, help="passes; above 1 each is followed by an SGD step")
-    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default by dtype)")
-    parser.add_argument("--rtol", type=float, default=None, help="relative tolerance (default by dtype)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is ended")
+    parser.add_argument("--steps", type=positive_int, default=1,
+                        help="passes; above 1 each is followed by an SGD step")
+    parser.add_argument("--atol", type=non_negative_float, default=None, help="absolute tolerance (default by dtype)")
+    parser.add_argument("--rtol", type=non_negative_float, default=None, help="relative tolerance (default by dtype)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the run is ended")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _import(path: str) -> tuple[Any, Any]:
-    """``PKG:ATTR`` -> (the attribute, the module)."""
-    mod_name, sep, attr = path.partition(":")
-    if not sep or not mod_name or not attr:
-        raise TPLowerError(f"--module {path!r}: write it as PKG:ATTR, e.g. mypkg.models:build")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise TPLowerError(f"--module {path!r}: cannot import {mod_name!r}: {exc}") from None
-    if not hasattr(mod, attr):
-        raise TPLowerError(f"--module {path!r}: {mod_name!r} has no attribute {attr!r}")
-    return getattr(mod, attr), mod
 
 
 def _placements(items: list[str]) -> dict[int | str, str]:
@@ -85,8 +59,19 @@ def _placements(items: list[str]) -> dict[int | str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
             raise TPLowerError(f"--input-placement {item!r}: write it as KEY=PLACEMENT, e.g. 0=S(1)")
+        _placement(f"--input-placement {item!r}", value)
         out[int(key) if key.isdigit() else key] = value
     return out
+
+
+def _placement(option: str, value: str) -> None:
+    """Check the syntax of one placement of the 1-D ``tp`` mesh here, not in every rank."""
+    from ..core.placements import parse_placements
+
+    try:
+        parse_placements(value, ("tp",), ndim=1, arg=option)
+    except (ValueError, TypeError) as exc:
+        raise TPLowerError(str(exc)) from None
 
 
 def _texts(path: str | None) -> list[str]:
@@ -96,6 +81,8 @@ def _texts(path: str | None) -> list[str]:
 
 
 def _model_inputs(name: str, tokenizer: Any, texts: list[str]) -> dict[str, torch.Tensor]:
+    import torch
+
     from ..run.models import LLAMA_TINY, LLAMA_TINY_CONFIG
 
     if name == LLAMA_TINY:
@@ -115,7 +102,7 @@ def _builder(spec: dict[str, Any]) -> tuple[Callable[[], nn.Module], Any]:
         name = spec["model"]
         tokenizer = load_model(name)[1]
         return (lambda: load_model(name)[0]), _model_inputs(name, tokenizer, spec["texts"])
-    factory, mod = _import(spec["module"])
+    factory, mod = import_attr(spec["module"])
     inputs = spec["inputs"]
     if inputs is None:
         inputs = getattr(mod, "example_inputs", None)
@@ -134,6 +121,8 @@ def _bar(done: int, total: int) -> None:
 
 
 def _rank_body(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any] | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from ..verification.verifier import verify
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -144,46 +133,87 @@ def _rank_body(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any] | 
     return {**report.to_dict(), "table": report.table()} if rank == 0 else None
 
 
-def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    if args.nproc < 1:
-        raise TPLowerError(f"--nproc {args.nproc}: at least 1")
-    plan: Any = args.plan
-    if args.model is not None:
-        from ..run.models import check_tp, model_spec
+def _module_inputs(args: argparse.Namespace, mod: Any) -> Any:
+    """The inputs of ``--module``: ``--input FILE`` read here, else ``None`` (the ranks read ``PKG:example_inputs``).
 
-        check_tp(args.model, args.nproc)
+    Raises:
+        TPLowerError: an ``--input`` that is not a readable ``torch.save`` file (a ``PKG:ATTR`` there is named
+            as such), or neither ``--input`` nor ``PKG:example_inputs``.
+    """
+    from pathlib import Path
+
+    pkg = args.module.partition(":")[0]
+    if args.input is None:
+        if getattr(mod, "example_inputs", None) is None:
+            raise TPLowerError(f"--module {args.module!r} needs example inputs: {pkg!r} has no example_inputs and no "
+                               "--input was given; pass --input FILE.pt (torch.save of a tensor, a tuple of "
+                               f"positional inputs or a dict of keyword inputs) or define example_inputs in {pkg!r} "
+                               "(one of those, or a function returning one)")
+        return None
+    if not Path(args.input).is_file():
+        code = ":" in args.input and not Path(args.input.partition(":")[0]).exists()
+        hint = (f"; inputs defined in code come from example_inputs in the --module's package ({pkg}:example_inputs "
+                "is read when --input is not given)") if code else ""
+        raise TPLowerError(f"--input {args.input!r} is not a file: --input takes a file path (.pt, written by "
+                           f"torch.save){hint}")
+    import torch
+
+    try:
+        return torch.load(args.input, weights_only=True)
+    except Exception as exc:
+        raise TPLowerError(f"--input {args.input!r} cannot be read as a torch.save file ({type(exc).__name__}: "
+                           f"{exc}); write it with torch.save(inputs, path) (a tensor, tuple or dict)") from None
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything the ranks need, checked here: the model, the plan resolved on it at ``--nproc``, the inputs.
+
+    Raises:
+        TPLowerError: any bad input (one line), before a rank starts.
+    """
+    plan: Any = plan_value(args.plan)
+    mesh = (("tp",), (args.nproc,))
+    if args.output_placement is not None:
+        _placement("--output-placement", args.output_placement)
+    placements = _placements(args.input_placement)
+    if args.model is not None:
+        from ..run.models import check_tp, model_spec, skeleton
+
+        check_tp(args.model, args.nproc, "--nproc")
         if plan is None:
             plan = dict(model_spec(args.model).plan)
-        return {"model": args.model, "module": None, "texts": _texts(args.input), "inputs": None,
-                **_common(args, plan)}
-    _import(args.module)  # fail here, not in every rank
+        texts = _texts(args.input)
+        check_plan(skeleton(args.model), plan, *mesh, experts=args.experts, command="verify")
+        return {"model": args.model, "module": None, "texts": texts, "inputs": None,
+                **_common(args, plan, placements)}
+    _, mod = import_attr(args.module)
     if plan is None:
-        raise TPLowerError("--module needs --plan FILE or --plan auto")
-    inputs = torch.load(args.input, weights_only=True) if args.input else None
-    return {"model": None, "module": args.module, "texts": None, "inputs": inputs, **_common(args, plan)}
+        raise TPLowerError("--module needs --plan FILE, --plan auto or --plan derive")
+    inputs = _module_inputs(args, mod)
+    check_plan(build_module(args.module, meta=True), plan, *mesh, experts=args.experts, command="verify")
+    return {"model": None, "module": args.module, "texts": None, "inputs": inputs, **_common(args, plan, placements)}
 
 
-def _common(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
-    if isinstance(plan, str) and plan != "auto" and not Path(plan).is_file():
-        raise TPLowerError(f"--plan {plan!r}: no such file (or write 'auto')")
+def _common(args: argparse.Namespace, plan: Any, placements: dict[int | str, str]) -> dict[str, Any]:
     return {"plan": plan, "experts": args.experts, "steps": args.steps, "atol": args.atol, "rtol": args.rtol,
-            "input_placements": _placements(args.input_placement), "output_placement": args.output_placement,
+            "input_placements": placements, "output_placement": args.output_placement,
             "progress": not args.no_progress and not args.json}
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run; exit 0 when the plan matches one process, 1 on a divergence, 2 on an error."""
-    try:
-        spec = _spec(args)
-        if spec["progress"]:
-            print(f"tplower verify: starting {args.nproc} processes ...", file=sys.stderr, flush=True)
-        results = run_processes(args.nproc, _rank_body, spec, timeout=args.timeout)
-    except (TPLowerError, ValueError, TypeError, OSError) as exc:
-        print(f"tplower verify: error: {exc}", file=sys.stderr)
-        return 2
-    except RankFailure as exc:
-        print(f"tplower verify: error: {exc}", file=sys.stderr)
-        return 2
+    """Run; exit 0 when the plan matches one process, 1 on a divergence, 2 on an error.
+
+    Raises:
+        TPLowerError: bad input, found before any rank starts (printed as one line by :mod:`tplower.cli.errors`).
+        tplower.testing.RankFailure: a rank died or raised (printed as one line naming the cause).
+    """
+    from ..testing import run_processes
+
+    spec = _spec(args)
+    if spec["progress"]:
+        procs = count(args.nproc, "process", "processes")
+        print(f"tplower verify: starting {procs} ...", file=sys.stderr, flush=True)
+    results = run_processes(args.nproc, _rank_body, spec, timeout=args.timeout)
     report = results[0]
     assert report is not None
     table = report.pop("table")

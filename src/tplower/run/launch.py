@@ -82,12 +82,15 @@ def _init_from_env(cfg: RunConfig) -> str:
     return device
 
 
-def run(cfg: RunConfig) -> dict[str, Any] | None:
+def run(cfg: RunConfig, *, checked: bool = False) -> dict[str, Any] | None:
     """Run ``cfg``: check it, start or join the ranks, return rank 0's report (``None`` on other ranks).
 
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set) the
     world is the launcher's and ``cfg.world`` must equal it; otherwise
     ``cfg.world`` processes are spawned on ``cfg.backend``.
+
+    ``checked``: :func:`check_config` already passed (the command line checks
+    before it says it starts processes); else it runs here first.
 
     Raises:
         RunError: a bad config (before any process starts), a rank that
@@ -106,7 +109,8 @@ def run(cfg: RunConfig) -> dict[str, Any] | None:
             return rank_main(rank, world, cfg, device)
         finally:
             dist.destroy_process_group()
-    check_config(cfg)
+    if not checked:
+        check_config(cfg)
     try:
         results = run_processes(cfg.world, _spawned, cfg, backend=cfg.backend, timeout=cfg.timeout)
     except RankFailure as exc:

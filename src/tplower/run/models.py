@@ -26,17 +26,18 @@ hook) on tplower's path, by :func:`localize_heads` on DTensor's.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
+from ..plans.keys import check_plan_keys
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the names and plans here load without it
+    import torch
+    from torch import nn
 
 __all__ = [
     "LLAMA_TINY",
@@ -167,6 +168,7 @@ def llama_tiny_plan() -> dict[str, str]:
         MissingPackageError: ``transformers`` is not installed.
     """
     _require((("transformers", "transformers"),), LLAMA_TINY)
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..plans.hf import model_tp_plan
@@ -226,6 +228,8 @@ def load_model(name: str, *, device: str | torch.device = "cpu") -> tuple[nn.Mod
     Raises:
         TPLowerError, MissingPackageError: as :func:`model_spec`.
     """
+    import torch
+
     model_spec(name)
     model: nn.Module
     from transformers.utils import logging as hf_logging
@@ -253,6 +257,8 @@ def skeleton(name: str) -> nn.Module:
     Raises:
         TPLowerError, MissingPackageError: as :func:`model_spec`.
     """
+    import torch
+
     model_spec(name)
     from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 
@@ -301,36 +307,10 @@ def check_plan_modules(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, l
         plan key -> the module names it matches, in model order.
 
     Raises:
-        TPLowerError: a key matches no module; the message shows close names.
+        TPLowerError: a key matches no module; the message shows close names
+            (:func:`tplower.plans.keys.check_plan_keys`).
     """
-    names = [n for n, _ in model.named_modules() if n]
-    out: dict[str, list[str]] = {}
-    for key in plan:
-        parts = key.split(".")
-        hits = [n for n in names if _match(n, parts)]
-        if not hits:
-            raise TPLowerError(f"plan key {key!r} names no module of {type(model).__name__}; "
-                               f"{_near_names(names, parts)}. Fix the key (module names as in "
-                               "model.named_modules(), '*' for one name part such as a layer index)")
-        out[key] = hits
-    return out
-
-
-def _match(name: str, parts: Sequence[str]) -> bool:
-    got = name.split(".")
-    return len(got) == len(parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(got, parts, strict=True))
-
-
-def _near_names(names: Sequence[str], parts: Sequence[str]) -> str:
-    """What the model has where a key fails: the children of the deepest matching parent."""
-    for depth in range(len(parts) - 1, 0, -1):
-        parent = parts[:depth]
-        kids = sorted({n.split(".")[depth] for n in names
-                       if len(n.split(".")) == depth + 1 and _match(n.rsplit(".", 1)[0], parent)})
-        if kids:
-            return f"{'.'.join(parent)} has: {', '.join(kids)}"
-    tops = sorted({n.split(".")[0] for n in names})
-    return f"top-level modules: {', '.join(tops)}"
+    return check_plan_keys((n for n, _ in model.named_modules()), plan, type(model).__name__)
 
 
 def localize_heads(model: nn.Module, tp: int) -> None:

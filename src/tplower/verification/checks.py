@@ -57,7 +57,7 @@ def _call(model: nn.Module, inputs: Mapping[int | str, Any]) -> Any:
 def model_check(phase: str, module: str, what: str, got: torch.Tensor, want: torch.Tensor, order: int,
                  cmp: Comparer) -> Check:
     d, ok = cmp.diff(got, want)
-    return Check(phase, module, what, "R", d, ok, order=order)
+    return Check(phase, module, what, "R", d, ok, order=order, allowed=cmp.allowed(want))
 
 
 @dataclass
@@ -98,7 +98,8 @@ def point_checks(ref_rec: Recorder, par_rec: Recorder, ref: nn.Module, par: nn.M
                 bias = modules[qual]._parameters.get("bias")
                 cause, sugg = bias_cause(cmp.read(p.value, p.vplace, r.value), r.value, bias, cmp.mesh.size(),
                                           cmp, qual)
-            checks.append(Check("forward", qual, what, format_placements(p.vplace), d, ok, cause, sugg, p.order))
+            checks.append(Check("forward", qual, what, format_placements(p.vplace), d, ok, cause, sugg, p.order,
+                                allowed=cmp.allowed(r.value)))
         if p.gplace is None or (r.grad is None and cmp.allmax(0.0 if p.grad is None else 1.0) == 0):
             continue
         if r.grad is None:
@@ -111,7 +112,7 @@ def point_checks(ref_rec: Recorder, par_rec: Recorder, ref: nn.Module, par: nn.M
             field_name = "in_grad" if kind.startswith("in") else "out_grad"
             cause, sugg = grad_cause(p.grad, p.gplace, r.grad, cmp, field_name, qual, name, biases.get(qual))
         checks.append(Check("backward", qual, f"grad of {what}", format_placements(p.gplace), d, ok, cause, sugg,
-                            p.grad_order))
+                            p.grad_order, allowed=cmp.allowed(r.grad)))
     return checks
 
 
@@ -138,7 +139,7 @@ def input_checks(ref_in: Mapping[int | str, Any], par_in: Mapping[int | str, Any
         place = replicate_partials(places[k])
         d, ok = cmp.compare(p.grad, place, r.grad)
         checks.append(Check("backward", "(model input)", f"grad of input {k!r}", format_placements(place), d, ok,
-                            order=order))
+                            order=order, allowed=cmp.allowed(r.grad)))
     return checks
 
 
@@ -167,13 +168,14 @@ def param_checks(ref: nn.Module, par: nn.Module, cmp: Comparer, phase: str, tick
         if want is None or (isinstance(got, DTensor) and (got.device_mesh.ndim != cmp.mesh.ndim or _packed(place))):
             d, ok = (math.inf, False) if want is None else cmp.diff(got.full_tensor() if isinstance(got, DTensor)
                                                                     else got, want)
-            checks.append(Check(phase, qual, what, _place_text(place), d, ok, order=i))
+            checks.append(Check(phase, qual, what, _place_text(place), d, ok, order=i, allowed=cmp.allowed(want)))
             continue
         d, ok = cmp.compare(local, place, want, floors.get(name.rpartition(".")[0], 0.0))
         cause = sugg = None
         if not ok and phase == "param_grad" and local is not None:
             cause, sugg = param_cause(local, place, want, cmp, qual, name.rpartition(".")[2])
-        checks.append(Check(phase, qual, what, format_placements(place), d, ok, cause, sugg, i))
+        checks.append(Check(phase, qual, what, format_placements(place), d, ok, cause, sugg, i,
+                            allowed=cmp.allowed(want, floors.get(name.rpartition(".")[0], 0.0))))
     return checks
 
 

@@ -76,6 +76,12 @@ class Comparer:
             bad = 0.0 if bool((err <= self.atol + self.rtol * scale).all()) else 1.0
         return self.allmax(d), self.allmax(bad) == 0.0
 
+    def allowed(self, ref: torch.Tensor | None, floor: float = 0.0) -> float:
+        """The largest difference :meth:`diff` lets pass for the one-process tensor ``ref``: ``atol + rtol *
+        max(max|ref|, floor)`` (``atol`` alone for no tensor)."""
+        scale = float(ref.detach().abs().max()) if ref is not None and ref.numel() else 0.0
+        return self.atol + self.rtol * max(scale, floor)
+
     def compare(self, local: torch.Tensor | None, place: Placements, ref: torch.Tensor,
                 floor: float = 0.0) -> tuple[float, bool]:
         if self.allmax(0.0 if local is not None else 1.0) > 0:

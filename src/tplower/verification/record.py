@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from ..core.errors import TPLowerError
-from ..core.placements import replicate_partials
+from ..core.placements import format_placements, replicate_partials
 from ..nn.moves import input_slot
 from ..runtime.boundary import _Boundary
 
-__all__ = ["Point", "Recorder", "Slots", "hook_parallel", "hook_reference"]
+__all__ = ["OpenCall", "Point", "Recorder", "Slots", "hook_parallel", "hook_reference"]
 
 Placements = tuple[Placement, ...]
 #: per module: where each named input arrives (position, keyword) and the output names
@@ -45,14 +45,37 @@ class Point:
 
 
 @dataclass
+class OpenCall:
+    """A boundary's call that has begun and not yet returned: what it received, and what its compute got.
+
+    Attributes:
+        module: the module's qualified name.
+        form: its boundary form (``tp_collective``, ...).
+        received: ``(input name, local shape, declared placement)`` as the module received each input.
+        computed: the same for each input its compute got after the boundary's moves (``None``: the
+            compute had not begun, a move failed).
+    """
+
+    module: str
+    form: str
+    received: list[tuple[str, tuple[int, ...], str]]
+    computed: list[tuple[str, tuple[int, ...], str]] | None = None
+
+
+@dataclass
 class Recorder:
-    """Points keyed by (module, kind, name, call), with forward and backward sequence numbers."""
+    """Points keyed by (module, kind, name, call), with forward and backward sequence numbers.
+
+    ``open``: the parallel model's boundary calls under way, outermost first; the last one is where an
+    exception in the forward was raised (:mod:`tplower.verification.raised`).
+    """
 
     points: dict[tuple[str, str, str, int], Point] = field(default_factory=dict)
     calls: Counter[str] = field(default_factory=Counter)
     seq: int = 0
     grad_seq: int = 0
     active: bool = True
+    open: list[OpenCall] = field(default_factory=list)
 
     def add(self, module: str, kind: str, name: str, t: Any, vplace: Placements | None,
             gplace: Placements | None) -> None:
@@ -169,13 +192,20 @@ def _hook_boundary(module: nn.Module, qual: str, boundary: _Boundary,
     def pre(m: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         rec.calls[qual] += 1
         args, kwargs = _alias(args, kwargs, slots.values())
+        received = []
         for op in form.inputs:
             if op.name in slots:
-                rec.add(qual, "in", op.name, _pick(args, kwargs, *slots[op.name]), op.src,
+                t = _pick(args, kwargs, *slots[op.name])
+                rec.add(qual, "in", op.name, t, op.src,
                         None if op.identity and in_region else replicate_partials(op.src))
+                if isinstance(t, torch.Tensor):
+                    received.append((op.name, tuple(t.shape), format_placements(op.src)))
+        rec.open.append(OpenCall(qual, form.form, received))
         return args, kwargs
 
     def post(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        if rec.open and rec.open[-1].module == qual:
+            rec.open.pop()
         for op in form.outputs:
             rec.add(qual, "out", op.name, _out_item(out, op.name, boundary.outs), readable(op.dst),
                     None if op.identity and in_region else readable(op.grad))
@@ -183,8 +213,14 @@ def _hook_boundary(module: nn.Module, qual: str, boundary: _Boundary,
     inner = boundary.compute
 
     def compute(*args: Any, **kwargs: Any) -> Any:
+        computed = []
         for mv in boundary.ins:
-            rec.add(qual, "in_local", mv.name, _pick(args, kwargs, mv.slot, mv.keyword), mv.dst, mv.grad)
+            t = _pick(args, kwargs, mv.slot, mv.keyword)
+            rec.add(qual, "in_local", mv.name, t, mv.dst, mv.grad)
+            if isinstance(t, torch.Tensor):
+                computed.append((mv.name, tuple(t.shape), format_placements(mv.dst)))
+        if rec.open and rec.open[-1].module == qual:
+            rec.open[-1].computed = computed
         out = inner(*args, **kwargs)
         for mv in boundary.outs if boundary.lookup is None else ():  # a lookup's rows are masked after compute
             rec.add(qual, "out_local", mv.name, _out_item(out, mv.name, boundary.outs),

@@ -33,6 +33,7 @@ gradient ``n`` times too large (a bias added on every rank).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,9 @@ from .checks import (
 )
 from .compare import Comparer
 from .context import verify_context
+from .raised import raised_check
 from .record import Recorder, hook_parallel, hook_reference
-from .report import VerifyReport
+from .report import Check, VerifyReport
 
 __all__ = ["DEFAULT_TOLERANCES", "verify"]
 
@@ -128,6 +130,24 @@ def _placed_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMe
             raise ValueError(f"verify: input_placements[{k!r}]: input {k!r} is not a tensor, it can only be R")
         local[k] = _leaf(v)
     return local, places
+
+
+def _raised_report(par: nn.Module, par_rec: Recorder, ref_rec: Recorder, ref: nn.Module, cmp: Comparer,
+                   failed: Check | None, progress: Callable[[int, int], None] | None) -> VerifyReport:
+    """The report when the parallel forward raised on some rank: the boundaries it passed (their forward values
+    compared) and the one that raised, as a failed check; nothing after it ran."""
+    tick = Ticker(progress, len(par_rec.points))
+    checks = [c for c in point_checks(ref_rec, par_rec, ref, par, cmp, tick) if c.phase == "forward"]
+    if failed is not None:  # its own inputs' comparisons are in the finding (shapes and placements that met)
+        checks = [c for c in checks if c.module != failed.module]
+    if failed is None:
+        failed = Check("forward", "(model)", "the forward raised on another rank, not on this one", "-", math.inf,
+                       False, "ranks computed different shapes", None, par_rec.seq, error="raised on another rank")
+    checks.append(failed)
+    tick.finish()
+    reached = {c.module for c in checks}
+    return VerifyReport(tuple(v for v in verdicts(par, par_rec, checks) if v.module in reached), tuple(checks),
+                        cmp.atol, cmp.rtol, cmp.mesh.size())
 
 
 def _check_args(build_model: Any, mesh: Any, loss_fn: Any, steps: Any, atol: Any, rtol: Any) -> None:
@@ -214,7 +234,11 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
     Returns:
         A :class:`~tplower.verification.report.VerifyReport`, the same on every
         rank: ``ok``, ``first_divergence`` (module, tensor, max difference,
-        likely cause, suggested plan change), ``table()``, ``to_dict()``.
+        likely cause, suggested plan change), ``table()``, ``to_dict()``. A
+        parallel forward that raises inside a boundary (shapes that no longer
+        fit) is a finding too: the check of that module carries the exception
+        in ``error``, the local shapes and placements that met there, and for a
+        linear layer the likely cause and fix; nothing after it runs.
 
     Raises:
         TypeError: ``build_model`` not callable or not returning an
@@ -253,7 +277,14 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
     par_in, in_places = _placed_inputs(args, kwargs, mesh, dict(input_placements or {}))
     ref_out = _first_tensor(_call(ref, ref_in))
     loss(ref_out).backward()
-    local_out = _first_tensor(_call(par, par_in))
+    try:
+        local_out, failed = _first_tensor(_call(par, par_in)), None
+    except Exception as exc:  # a boundary whose shapes no longer fit: a finding, named where it was raised
+        if not par_rec.open:
+            raise
+        failed = raised_check(par, par_rec.open[-1], exc, mesh.size(), par_rec.seq)
+    if cmp.allmax(0.0 if failed is None else 1.0) > 0:  # every rank returns the report alike
+        return _raised_report(par, par_rec, ref_rec, ref, cmp, failed, progress)
     rep = ",".join("R" for _ in range(mesh.ndim))
     out_place = parse_placements(output_placement or rep, mesh.mesh_dim_names, ndim=mesh.ndim,
                                  arg="output_placement", tensor_ndim=ref_out.ndim)

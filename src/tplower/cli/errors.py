@@ -1,0 +1,122 @@
+"""How every ``tplower`` command ends bad input: one line ``tplower <cmd>: error: <what is wrong and the fix>``, exit 2.
+
+The subcommands raise :class:`~tplower.core.errors.TPLowerError` (or argparse
+reports a value it cannot take); :func:`run_command` turns either into that
+one line on standard error, in the parent process, before any rank starts.
+This module imports no torch: the parser and ``--help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+from ..core.errors import TPLowerError
+
+__all__ = ["Parser", "closest", "error_line", "fail", "non_negative_float", "plan_keyword", "positive_float",
+           "positive_int", "run_command"]
+
+#: exit code of every refusal of bad input
+USAGE = 2
+#: the words ``--plan`` takes besides a file (any letter case)
+PLAN_KEYWORDS: tuple[str, ...] = ("auto", "derive")
+
+
+def error_line(command: str, message: object) -> str:
+    """``tplower <command>: error: <message>`` on one line (the message's line breaks become spaces)."""
+    text = " ".join(str(message).split())
+    return f"tplower {command}: error: {text}" if command else f"tplower: error: {text}"
+
+
+def fail(command: str, message: object) -> int:
+    """Print :func:`error_line` to standard error; return the exit code 2."""
+    print(error_line(command, message), file=sys.stderr, flush=True)
+    return USAGE
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) pointing at ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``<prog>: error: <message> (see <prog> --help)`` and exit 2."""
+        self.exit(USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the option).
+    """
+    t = text.strip()
+    if not t.lstrip("+-").isdigit() or int(t) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1 (e.g. 2)")
+    return int(t)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite number of at least 0 (a tolerance).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of at least 0 (e.g. 1e-5)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0 (seconds).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0 (e.g. 600)")
+    return value
+
+
+def closest(word: str, choices: Iterable[str], n: int = 1) -> str:
+    """``" (did you mean 'x'?)"`` for the (up to ``n``) choices nearest ``word``, or ``""`` when none is near."""
+    near = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
+
+
+def plan_keyword(value: str | None) -> str | None:
+    """``--plan`` as given, with ``auto``/``derive`` in any letter case written in lower case."""
+    if value is not None and value.strip().lower() in PLAN_KEYWORDS:
+        return value.strip().lower()
+    return value
+
+
+def run_command(command: str, main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``main(args)``; a :class:`TPLowerError` (or a failed rank) becomes one error line and exit 2.
+
+    With ``--verbose`` a failed rank's whole report (its traceback) is printed
+    first; without, only the one line that names the cause.
+    """
+    try:
+        return int(main(args))
+    except TPLowerError as exc:
+        return fail(command, exc)
+    except Exception as exc:
+        testing: Any = sys.modules.get("tplower.testing")  # only a command that started ranks can meet a RankFailure
+        if testing is None or not isinstance(exc, testing.RankFailure):
+            raise
+        from ..run.launch import explain_failure
+
+        if getattr(args, "verbose", False):
+            print(str(exc), file=sys.stderr)
+        return fail(command, explain_failure(exc, float(getattr(args, "timeout", None) or 0.0)))
