@@ -358,3 +358,21 @@ def _bad_inputs(rank: int, world: int, placements: dict[Any, str]) -> str:
 ])
 def test_bad_input_placements_name_the_input(placements: dict[Any, str], message: str) -> None:
     assert all(message in m for m in run_threaded(2, _bad_inputs, placements))
+
+
+def test_cli_context_checks_each_attention_of_llama_tiny() -> None:
+    import contextlib
+    import io
+    import json
+
+    from tplower.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["verify", "--model", "llama-tiny", "--context", "2", "--nproc", "1", "--context-mode", "allgather",
+                   "--json"])
+    report = json.loads(out.getvalue())
+    assert rc == 0 and report["ok"], report
+    assert [b["module"] for b in report["boundaries"]] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert {b["form"] for b in report["boundaries"]} == {"context allgather"}
+    assert sum(c["phase"] == "param_grad" for c in report["checks"]) == 21  # every parameter of llama-tiny

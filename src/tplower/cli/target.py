@@ -181,7 +181,7 @@ def check_keys(model: nn.Module, plan: Any, experts: str = "tp") -> None:
 
 
 def check_plan(model: nn.Module, plan: Any, names: tuple[str, ...], sizes: tuple[int, ...], *, axis: str = "tp",
-               experts: str = "tp", command: str) -> None:
+               experts: str = "tp", command: str, context: str | None = None, context_mode: str = "ulysses") -> None:
     """Resolve ``plan`` on ``model`` as :func:`tplower.parallelize` would on a mesh of ``sizes``; the model is left
     as it was.
 
@@ -189,7 +189,8 @@ def check_plan(model: nn.Module, plan: Any, names: tuple[str, ...], sizes: tuple
         model: the model, or its meta-device skeleton.
         plan: a mapping, a file path, ``"auto"`` or ``"derive"`` (lower case: :func:`plan_value`).
         names, sizes: the mesh's axes and their sizes.
-        axis, experts: as :func:`tplower.parallelize`.
+        axis, experts, context, context_mode: as :func:`tplower.parallelize` (with ``context``, context
+            parallelism is installed on a copy of ``model``, so its refusals come here too).
         command: the subcommand, for messages.
 
     Raises:
@@ -200,4 +201,12 @@ def check_plan(model: nn.Module, plan: Any, names: tuple[str, ...], sizes: tuple
 
     check_keys(model, plan, experts)
     with fake_mesh(names, sizes, command) as mesh:
-        resolve_plan(model, mesh, plan, axis=axis, experts=experts)
+        resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context)
+        if context is not None:
+            import copy
+
+            from ..context.install import install_context
+            from ..nn.parallelize import attention_tp
+
+            install_context(copy.deepcopy(model), mesh, context, context_mode,
+                            tp_size=attention_tp(model, resolved))

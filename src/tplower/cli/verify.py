@@ -8,6 +8,14 @@ positional inputs or a dict of keyword inputs; for ``--model``: sentences,
 one a line), else ``PKG:example_inputs`` (a tensor, tuple or dict, or a
 function returning one), else the built-in sentences for ``--model``. The
 ranks are local gloo processes (``--nproc``); rank 0 prints.
+
+``--context CP`` checks context parallelism too: the mesh is ``(cp, tp)`` of
+``CP x --nproc`` processes, the model is parallelized with ``context="cp"``
+and checked by :func:`tplower.verification.context.verify_context` (each
+attention module's exchanges, the loss, logits and every gradient); the
+inputs need ``input_ids`` (for a causal LM of ``--model``, ``labels`` are
+the ids, padding ignored; a model without a loss gets verify's default loss
+on its gathered output).
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passes; above 1 each is followed by an SGD step")
     parser.add_argument("--atol", type=non_negative_float, default=None, help="absolute tolerance (default by dtype)")
     parser.add_argument("--rtol", type=non_negative_float, default=None, help="relative tolerance (default by dtype)")
+    parser.add_argument("--context", type=positive_int, default=None, metavar="CP",
+                        help="also split the sequence over CP ranks (context parallelism; CP x --nproc processes)")
+    parser.add_argument("--context-mode", default="ulysses", choices=("ulysses", "allgather"),
+                        help="with --context: all_to_all of heads (ulysses, default) or gathered keys and values")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the run is ended")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,12 +137,31 @@ def _rank_body(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any] | 
 
     from ..verification.verifier import verify
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     build, inputs = _builder(spec)
+    if spec["context"] is not None:
+        mesh = init_device_mesh("cpu", (spec["context"], world // spec["context"]), mesh_dim_names=("cp", "tp"))
+        batch = _with_labels(inputs, spec["pad"]) if spec["causal_lm"] else inputs
+        report = verify(build, spec["plan"], mesh, batch, atol=spec["atol"],
+                        rtol=spec["rtol"], experts=spec["experts"], context="cp", context_mode=spec["context_mode"])
+        return {**report.to_dict(), "table": report.table()} if rank == 0 else None
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     report = verify(build, spec["plan"], mesh, inputs, steps=spec["steps"], atol=spec["atol"], rtol=spec["rtol"],
                     input_placements=spec["input_placements"], output_placement=spec["output_placement"],
                     progress=_bar if rank == 0 and spec["progress"] else None, experts=spec["experts"])
     return {**report.to_dict(), "table": report.table()} if rank == 0 else None
+
+
+def _with_labels(inputs: Any, pad: int | None) -> dict[str, Any]:
+    """A causal LM's batch for ``--context``: ``inputs`` with ``labels`` (the ids, ``-100`` at padding) if absent."""
+    if not isinstance(inputs, dict) or "input_ids" not in inputs:
+        raise TPLowerError("--context needs keyword inputs with 'input_ids' [batch, sequence] (and optionally "
+                           f"'labels'); got {type(inputs).__name__}")
+    if "labels" in inputs:
+        return inputs
+    labels = inputs["input_ids"].clone()
+    if pad is not None:
+        labels[labels == pad] = -100
+    return {**inputs, "labels": labels}
 
 
 def _module_inputs(args: argparse.Namespace, mod: Any) -> Any:
@@ -172,7 +203,14 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         TPLowerError: any bad input (one line), before a rank starts.
     """
     plan: Any = plan_value(args.plan)
-    mesh = (("tp",), (args.nproc,))
+    mesh: tuple[tuple[str, ...], tuple[int, ...]] = (("tp",), (args.nproc,))
+    context = {"context": None, "context_mode": args.context_mode}
+    if args.context is not None:
+        if args.input_placement or args.output_placement is not None or args.steps != 1:
+            raise TPLowerError("--context checks the model's own loss on one pass of the whole batch; drop "
+                               "--input-placement, --output-placement and --steps")
+        mesh = (("cp", "tp"), (args.context, args.nproc))
+        context = {"context": "cp", "context_mode": args.context_mode}
     if args.output_placement is not None:
         _placement("--output-placement", args.output_placement)
     placements = _placements(args.input_placement)
@@ -183,19 +221,26 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         if plan is None:
             plan = dict(model_spec(args.model).plan)
         texts = _texts(args.input)
-        check_plan(skeleton(args.model), plan, *mesh, experts=args.experts, command="verify")
+        check_plan(skeleton(args.model), plan, *mesh, experts=args.experts, command="verify", **context)
         return {"model": args.model, "module": None, "texts": texts, "inputs": None,
                 **_common(args, plan, placements)}
     _, mod = import_attr(args.module)
-    if plan is None:
+    if plan is None and args.context is None:
         raise TPLowerError("--module needs --plan FILE, --plan auto or --plan derive")
     inputs = _module_inputs(args, mod)
-    check_plan(build_module(args.module, meta=True), plan, *mesh, experts=args.experts, command="verify")
+    check_plan(build_module(args.module, meta=True), plan, *mesh, experts=args.experts, command="verify", **context)
     return {"model": None, "module": args.module, "texts": None, "inputs": inputs, **_common(args, plan, placements)}
 
 
 def _common(args: argparse.Namespace, plan: Any, placements: dict[int | str, str]) -> dict[str, Any]:
+    pad, causal_lm = None, False
+    if args.model is not None:
+        from ..run.models import LLAMA_TINY, LLAMA_TINY_CONFIG, model_spec
+
+        pad = LLAMA_TINY_CONFIG["pad_token_id"] if args.model == LLAMA_TINY else None
+        causal_lm = model_spec(args.model).task == "causal_lm"
     return {"plan": plan, "experts": args.experts, "steps": args.steps, "atol": args.atol, "rtol": args.rtol,
+            "context": args.context, "context_mode": args.context_mode, "pad": pad, "causal_lm": causal_lm,
             "input_placements": placements, "output_placement": args.output_placement,
             "progress": not args.no_progress and not args.json}
 
@@ -210,10 +255,11 @@ def main(args: argparse.Namespace) -> int:
     from ..testing import run_processes
 
     spec = _spec(args)
+    world = args.nproc * (args.context or 1)
     if spec["progress"]:
-        procs = count(args.nproc, "process", "processes")
+        procs = count(world, "process", "processes")
         print(f"tplower verify: starting {procs} ...", file=sys.stderr, flush=True)
-    results = run_processes(args.nproc, _rank_body, spec, timeout=args.timeout)
+    results = run_processes(world, _rank_body, spec, timeout=args.timeout)
     report = results[0]
     assert report is not None
     table = report.pop("table")

@@ -20,7 +20,9 @@ Pieces of uneven length are padded to the longest before the exchange and
 the padding dropped after it. The mask is transformers' own for the whole
 sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
 with the batch's global ``attention_mask`` and ``position_ids``, so padding,
-sliding windows and packed documents are as one process builds them), built
+sliding windows and packed documents are as one process builds them; an
+encoder's bidirectional attention, ``is_causal`` false, takes
+``create_bidirectional_mask`` with the whole padding mask), built
 once per batch and kind of layer; the all-gather mode takes the rows of its
 queries. Packed documents (no ``attention_mask``, position ids restarting)
 each get their own causal attention, as transformers gives them without a
@@ -68,6 +70,7 @@ class ContextAttention:
         per_head: names of the module's own parameters that may hold one entry per query head (e.g.
             gpt-oss's ``sinks``): under Ulysses the kernel sees rank ``r``'s slice of those whose leading
             dim is the local head count.
+        causal: the module's ``is_causal`` (an encoder's bidirectional attention: ``False``).
         live: the batch the model is running now (``{"context_split": split}``, set by the model's forward
             pre-hook and emptied after its forward; one dict shared by the model's modules): read when a model's
             layer does not pass its keyword arguments down to attention.
@@ -81,6 +84,7 @@ class ContextAttention:
     config: Any
     per_head: tuple[str, ...] = ()
     live: dict[str, Any] = field(default_factory=dict)
+    causal: bool = True
 
 
 def inner_config(config: Any, inner: str) -> Any:
@@ -111,20 +115,32 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
     the additive mask ``sdpa`` would convert it to in every layer (``0``, and
     ``-inf`` where masked: the same values, made once a batch).
     """
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import (
+        create_bidirectional_mask,
+        create_bidirectional_sliding_window_mask,
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
 
-    key = (id(ca.config), window, ca.mode, like.dtype, like.device)
+    key = (id(ca.config), window, ca.mode, ca.causal, like.dtype, like.device)
     if key not in split.cache:
         b, s = split.position_ids.shape[0], split.layout.length
         embeds = torch.empty((b, s, 1), dtype=like.dtype, device=like.device)
-        make = create_sliding_window_causal_mask if window is not None else create_causal_mask
         config = ca.config
         if window is not None and getattr(config, "sliding_window", None) != window:  # the layer's own window
             config = copy.copy(config)
             config.__dict__["sliding_window"] = window
         mask = split.attention_mask.to(like.device) if split.attention_mask is not None else None
-        whole = make(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None,
-                     position_ids=split.position_ids.to(like.device), allow_is_causal_skip=ca.mode == "ulysses")
+        if ca.causal:
+            make = create_sliding_window_causal_mask if window is not None else create_causal_mask
+            whole = make(config=config, inputs_embeds=embeds, attention_mask=mask, cache=None,
+                         position_ids=split.position_ids.to(like.device), allow_is_causal_skip=ca.mode == "ulysses")
+        else:  # an encoder: every token sees every other one of its row, padding aside
+            make = create_bidirectional_sliding_window_mask if window is not None else create_bidirectional_mask
+            whole = make(config=config, inputs_embeds=embeds, attention_mask=mask,
+                         allow_is_bidirectional_skip=ca.mode == "ulysses")
+            if whole is None and ca.mode == "allgather":  # nothing masked: the queries' rows see every key
+                whole = torch.ones((b, 1, s, s), dtype=torch.bool, device=like.device)
         if ca.mode == "allgather":
             assert isinstance(whole, torch.Tensor), "a mask built without the causal skip is a tensor"
             whole = whole.index_select(2, split.local_index.to(like.device))

@@ -328,7 +328,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         if id(own) not in configs:
             configs[id(own)] = (own, inner_config(own, inners[path]))
         attached.append((m, ContextAttention(mesh, axis, mode, inners[path], _kernel(path, m, inners[path]),
-                                             configs[id(own)][1], _per_head(m), live)))
+                                             configs[id(own)][1], _per_head(m), live,
+                                             causal=bool(getattr(m, "is_causal", True)))))
     for m, ca in attached:
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():

@@ -56,10 +56,10 @@ from .install import install_boundaries, install_hooks
 from .place import place_parameters, place_rest_parameters
 from .resolve import ResolvedPlan, resolve_plan
 
-__all__ = ["InstalledBoundary", "installed_boundary", "parallelize"]
+__all__ = ["InstalledBoundary", "attention_tp", "installed_boundary", "parallelize"]
 
 
-def _attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
+def attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
     """How many ways the plan splits the attention heads: the tp axis's size where it shards a projection of an
     attention module (the Ulysses head check divides by it), else 1."""
     if resolved.axis not in resolved.names:
@@ -204,7 +204,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context)
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
-        install_context(model, mesh, context, context_mode, tp_size=_attention_tp(model, resolved), grad_scale=scale)
+        install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale)
         if context_grads == "mean":
             resolved = dataclasses.replace(resolved, context=None)
     for mp in resolved:

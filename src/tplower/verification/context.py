@@ -38,7 +38,7 @@ from ..context.sequence import gather_sequence, shard_sequence
 from ..core.argcheck import check_mesh
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
-from .checks import Ticker, param_checks
+from .checks import Ticker, _default_loss, _first_tensor, param_checks
 from .compare import Comparer
 from .report import BoundaryVerdict, Check, VerifyReport
 
@@ -71,6 +71,15 @@ def _hook(model: nn.Module, paths: tuple[str, ...], into: dict[str, dict[str, to
         modules[path].register_forward_hook(post)
 
 
+def _accepts(model: nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _build(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -96,8 +105,10 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
             :func:`tplower.parallelize`; ``None``: context parallelism alone).
         mesh: the device mesh: ``(context,)`` or with ``axis`` too; every rank calls this.
         batch: the whole batch as one process sees it: ``input_ids`` ``[B, S]``
-            and ``labels`` (``attention_mask``, ``position_ids`` when given), the
-            same on every rank.
+            (``labels``, ``attention_mask``, ``position_ids`` when given), the
+            same on every rank. With ``labels`` the model's own loss is
+            compared and backpropagated; a model with no loss (an encoder)
+            gets half the sum of squares of its first output, gathered.
         context, context_mode, context_grads, axis, experts: as :func:`tplower.parallelize`.
         balance: as :func:`tplower.shard_sequence`.
         atol, rtol: a tensor passes when ``|parallel - one process| <= atol + rtol * max|one process|``.
@@ -111,7 +122,7 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
     Raises:
         TypeError: ``build_model`` not callable or not returning an ``nn.Module``, ``mesh`` not a
             ``DeviceMesh``, ``batch`` not a mapping.
-        ValueError: ``batch`` without ``input_ids`` or ``labels``.
+        ValueError: ``batch`` without ``input_ids`` (or ``inputs_embeds``).
         TPLowerError: the model does not parallelize with ``context`` (see :func:`tplower.parallelize`).
     """
     if not callable(build_model):
@@ -120,9 +131,8 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
     check_mesh(mesh, "mesh", "verify")
     if not isinstance(batch, Mapping):
         raise TypeError(f"verify: batch must be a mapping (input_ids, labels, ...), got {type(batch).__name__}")
-    if not all(isinstance(batch.get(k), torch.Tensor) for k in ("input_ids", "labels")):
-        raise ValueError("verify: with context=, the batch needs 'input_ids' and 'labels' [batch, sequence] (the "
-                         "model's own loss is compared)")
+    if not isinstance(batch.get("input_ids", batch.get("inputs_embeds")), torch.Tensor):
+        raise ValueError("verify: with context=, the batch needs 'input_ids' [batch, sequence] (or 'inputs_embeds')")
     ref, par = _build(build_model, seed), _build(build_model, seed)
     parallelize(par, mesh, plan, axis=axis, experts=experts, context=context, context_mode=context_mode,
                 context_grads=context_grads)
@@ -132,14 +142,19 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
     par_rec: dict[str, dict[str, torch.Tensor]] = {}
     _hook(ref, installed.modules, ref_rec)
     _hook(par, installed.modules, par_rec)
-    want = ref(**batch, use_cache=False)
-    want.loss.backward()
-    got = par(**shard_sequence(batch, mesh, context, balance=balance))
-    got.loss.backward()
-    cmp = _WorldComparer(mesh, atol, rtol, mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group(0))
-
     def whole(t: torch.Tensor) -> torch.Tensor:
         return gather_sequence(t, mesh, context, balance=balance)
+
+    want = ref(**batch, **({"use_cache": False} if _accepts(ref, "use_cache") else {}))
+    got = par(**shard_sequence(batch, mesh, context, balance=balance))
+    own_loss = getattr(want, "loss", None) is not None
+    if own_loss:
+        want_loss, got_loss = want.loss, got.loss
+    else:  # no loss of its own (an encoder): half the sum of squares of its first output, made whole over the axis
+        want_loss, got_loss = _default_loss(_first_tensor(want)), _default_loss(whole(_first_tensor(got)))
+    want_loss.backward()
+    got_loss.backward()
+    cmp = _WorldComparer(mesh, atol, rtol, mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group(0))
 
     def check(phase: str, module: str, what: str, where: str, got: torch.Tensor | None, want: torch.Tensor | None,
               order: int) -> Check:
@@ -147,7 +162,8 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
             return Check(phase, module, what, where, 0.0, True, order=order, allowed=cmp.allowed(None))
         return Check(phase, module, what, where, *cmp.diff(got, want), order=order, allowed=cmp.allowed(want))
 
-    checks = [check("forward", "", "loss", "R", got.loss.detach(), want.loss.detach(), 0)]
+    checks = [check("forward", "", "loss" if own_loss else "loss on the gathered output", "R", got_loss.detach(),
+                    want_loss.detach(), 0)]
     rows = []
     where = f"S(1) over {context!r}"
     for i, path in enumerate(installed.modules, start=1):
@@ -158,9 +174,9 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
                     whole(p["grad"]) if "grad" in p else None, r.get("grad"), i)
         checks += [fwd, bwd]
         rows.append(BoundaryVerdict(path, f"context {context_mode}", fwd.max_diff, bwd.max_diff, fwd.ok and bwd.ok))
-    logits = got.logits.detach()
-    if logits.shape[-1] == want.logits.shape[-1]:
-        checks.append(check("forward", "", "logits (gathered)", where, whole(logits), want.logits.detach(),
-                            len(rows) + 1))
+    first, first_want = _first_tensor(got).detach(), _first_tensor(want).detach()
+    if first.shape[-1] == first_want.shape[-1]:
+        name = "logits" if getattr(want, "logits", None) is not None else "output"
+        checks.append(check("forward", "", f"{name} (gathered)", where, whole(first), first_want, len(rows) + 1))
     checks += param_checks(ref, par, cmp, "param_grad", Ticker(None, 0))
     return VerifyReport(tuple(rows), tuple(checks), atol, rtol, mesh.size())

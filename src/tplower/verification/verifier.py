@@ -52,6 +52,7 @@ from .checks import (
     Placements,
     Ticker,
     _call,
+    _default_loss,
     _first_tensor,
     input_checks,
     model_check,
@@ -80,10 +81,6 @@ def _build(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"verify: build_model() must return an nn.Module, got {type(model).__name__}")
     return model
-
-
-def _default_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().sum() / 2
 
 
 def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
