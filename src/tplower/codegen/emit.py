@@ -198,7 +198,8 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
         "",
         "from __future__ import annotations",
         "",
-        *(["import torch", ""] if uses_torch else []),
+        # one import block: where the file lives, torch and tplower are both third-party (ruff's isort, I001)
+        *(["import torch"] if uses_torch else []),
         "import tplower.codegen",
         "",
         f"AXIS = {quote(axis)}",
