@@ -2,9 +2,20 @@
 
 The fast path beside DTensor's ``redistribute``: the same answers, forward
 and backward, on plain local tensors.
+
+The names below are the public API. Every subpackage is an attribute too,
+imported on first use so that ``import tplower`` stays quick:
+``tplower.codegen.emit(...)``, ``tplower.verification.derived.verify_derived(...)``.
+``tplower.verify`` is the verifier's function; its modules live in the
+package ``tplower.verification``.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .context.sequence import gather_sequence, shard_sequence
@@ -80,3 +91,18 @@ __all__ = [
     "verify",
     "vocab_parallel_cross_entropy",
 ]
+
+
+if TYPE_CHECKING:  # type checkers see the named modules; any other attribute stays an error for them
+    from . import codegen as codegen  # the attribute, imported on first use at run time
+else:
+
+    def __getattr__(name: str) -> ModuleType:
+        """A subpackage or module of tplower named as an attribute (``tplower.codegen``), imported on first use.
+
+        Raises:
+            AttributeError: ``name`` is neither a public name nor a module of tplower.
+        """
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
