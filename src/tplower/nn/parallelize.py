@@ -84,7 +84,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             :mod:`tplower.plans.hf`; a ``config.base_model_tp_plan`` given
             for a model with a ``base_model_prefix`` is put under it), or
             ``"derive"``: a plan derived from the module structure
-            (:func:`tplower.plans.derive.derive_plan`). A key
+            (:func:`tplower.plans.derive.derive_plan`); both names in any
+            case (``"Auto"``), and a file of either name is not read. A key
             may also name a parameter (``layers.*.self_attn.sinks``): it is
             placed as the style places a parameter.
         axis: the tensor-parallel mesh axis HF styles shard on.

@@ -30,7 +30,6 @@ from ..adapters.lora import redirect_to_base
 from ..core.errors import TPLowerError
 from ..core.placements import format_placement, format_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
-from ..plans.derive import derive_plan
 from ..plans.entries import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad
@@ -261,10 +260,8 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
     summed = (context,) if context is not None else ()
     if plan is None:
         plan = {}
-    if isinstance(plan, str) and plan == "derive":  # at this axis' size: attention it cannot split stays whole
-        names = mesh.mesh_dim_names or ()
-        plan = derive_plan(model, axis=axis, tp=mesh.size(names.index(axis)) if axis in names else None).plan
-    plan = resolve_model_plan(plan, model, experts=experts)
+    tp = mesh.size(names_.index(axis)) if axis in names_ else None
+    plan = resolve_model_plan(plan, model, experts=experts, axis=axis, tp=tp)
     lowerer = mesh_lowerer(mesh)
     config = getattr(model, "config", None)
     modules = dict(model.named_modules())

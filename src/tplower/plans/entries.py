@@ -103,6 +103,7 @@ __all__ = [
     "load_plan",
     "match_plan",
     "matching_keys",
+    "plan_name",
     "resolve_entry",
     "style_kind",
 ]
@@ -116,6 +117,16 @@ ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "loca
                                                 "packed", "partial_tail", "masked_lookup", "uneven",
                                                 "optional_inputs", "share", "expert_dispatch", "style")
 _LOCAL_ATTR_RULES = ("divide",)
+#: plans named by a string, in any case: the model's own (``"auto"``) and one derived from its modules
+PLAN_NAMES: tuple[str, ...] = ("auto", "derive")
+
+
+def plan_name(plan: object) -> str | None:
+    """``"auto"`` or ``"derive"`` where ``plan`` is a ``str`` naming one of them in any case (``"Auto"``,
+    ``"DERIVE"``), else ``None`` (a mapping, a ``Path``, or a string that is a plan file's path)."""
+    if isinstance(plan, str) and plan.lower() in PLAN_NAMES:
+        return plan.lower()
+    return None
 
 
 @dataclass(frozen=True)
@@ -269,9 +280,14 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
 
     Raises:
         TPLowerError: an unreadable file, a top level that is not a mapping,
-            or a schema error (naming the module, the field and the value).
+            a schema error (naming the module, the field and the value), or
+            a plan name (``"auto"``, ``"derive"``, in any case) instead of a file.
         TypeError: ``source`` is neither a mapping nor a path.
     """
+    if (name := plan_name(source)) is not None:
+        raise TPLowerError(f"load_plan: {source!r} is the plan name {name!r}, built from a model ('auto': its own "
+                           "tp_plan, 'derive': derived from its modules), not a file; parallelize, verify and "
+                           "codegen.emit take it, load_plan reads a mapping or a YAML/JSON file")
     if isinstance(source, str | Path):
         path = Path(source)
         try:

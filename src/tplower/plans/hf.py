@@ -25,13 +25,16 @@ from typing import Any
 from torch import nn
 
 from ..core.errors import TPLowerError
-from .entries import PlanValue, load_plan, matching_keys
+from .derive import derive_plan
+from .entries import PlanValue, load_plan, matching_keys, plan_name
 
-__all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_ep_plan", "model_tp_plan", "param_key_placement",
-           "resolve_model_plan"]
+__all__ = ["AUTO", "COLWISE_STYLES", "DERIVE", "PACKED_PARTS", "model_ep_plan", "model_tp_plan",
+           "param_key_placement", "resolve_model_plan"]
 
-#: the plan argument that means "the model's own plan"
+#: the plan argument that means "the model's own plan" (any case: :func:`tplower.plans.entries.plan_name`)
 AUTO = "auto"
+#: the plan argument that means "a plan derived from the model's module structure" (any case)
+DERIVE = "derive"
 
 
 def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
@@ -61,7 +64,8 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     plan = _shipped_plan(model, "tp")
     if plan is None:
         raise TPLowerError(f"plan='auto': {type(model).__name__} has no tp_plan, _tp_plan or "
-                           "config.base_model_tp_plan; pass a plan mapping")
+                           "config.base_model_tp_plan; use plan='derive' (a plan derived from its module "
+                           "structure; `tplower plan` shows it) or pass a plan mapping")
     return plan
 
 
@@ -130,17 +134,20 @@ def _resolve_keys(plan: Mapping[str, PlanValue], model: nn.Module) -> dict[str, 
 
 
 def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *,
-                       experts: str = "tp") -> dict[str, PlanValue]:
+                       experts: str = "tp", axis: str = "tp", tp: int | None = None) -> dict[str, PlanValue]:
     """The plan keyed by ``model``'s own names.
 
     Args:
-        plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`), a
-            mapping, or a YAML/JSON file path.
+        plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`),
+            ``"derive"`` (:func:`tplower.plans.derive.derive_plan`), either
+            in any case (``"Auto"``), a mapping, or a YAML/JSON file path.
         model: the model it is for.
         experts: with ``"auto"``: ``"tp"`` (tensor parallelism inside the
             experts, the model's ``tp_plan``) or ``"ep"`` (its ``ep_plan``'s
             keys over the ``tp_plan``: experts sharded by index, tokens
             dispatched).
+        axis, tp: with ``"derive"``: the tensor-parallel axis and its size
+            (``None``: unknown), as :func:`~tplower.plans.derive.derive_plan` takes them.
 
     Returns:
         The checked plan, each key resolved on its own by one rule for every
@@ -154,10 +161,13 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
         they never warn.
 
     Raises:
-        TPLowerError: as :func:`tplower.plans.entries.load_plan`, or ``"auto"`` on a
-            model without a plan.
+        TPLowerError: as :func:`tplower.plans.entries.load_plan`, ``"auto"`` on a
+            model without a plan, or ``"derive"`` on one no rule matches.
     """
-    if isinstance(plan, str) and plan == AUTO:
+    name = plan_name(plan)
+    if name == DERIVE:  # at the axis' size where known: attention it cannot split stays whole
+        return _resolve_keys(load_plan(derive_plan(model, axis=axis, tp=tp).plan), model)
+    if name == AUTO:
         inner, _ = _wrapped_model(model)
         if experts == "ep":  # the expert-parallel keys replace the tensor-parallel ones they name
             shipped = {**model_tp_plan(inner), **model_ep_plan(inner)}
