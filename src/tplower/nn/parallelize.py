@@ -71,7 +71,7 @@ def _attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
-                replicate_rest: bool = True, cover: str = "reduce") -> nn.Module:
+                replicate_rest: bool = True, cover: str = "reduce", strict: bool = True) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -121,6 +121,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             leaves those parameters plain tensors. Each rank's gradient of
             such a parameter is taken as whole, as before: a parameter used
             on a sharded activation needs a plan entry (``P(sum)`` gradient).
+        strict: a plan key that names no module or parameter of the model
+            is an error (default), which names the closest names the model
+            has; ``False``: such keys are left out with a warning. Keys the
+            model's own transformers plan ships for layers its config lacks
+            (a dense ``mlp.gate_proj`` key of a model whose layers are all
+            experts) name nothing silently either way.
 
     Returns:
         ``model`` itself. Every parameter the plan places is an
@@ -143,6 +149,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             neither ``"reduce"`` nor ``"refuse"``, or ``context_mode`` neither
             ``"ulysses"`` nor ``"allgather"``.
         TPLowerError: a plan error (naming the module, field and value), a
+            plan key that names nothing (with ``strict``), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), attention split over
             a tp that does not divide the config's head counts (a parameter
@@ -187,7 +194,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             raise TPLowerError("parallelize: context= sums every parameter's gradient over the context axis, which "
                                "replicate_rest=False would leave plain (and unsummed) for the parameters the plan "
                                "does not place; drop replicate_rest=False")
-    resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context)
+    resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context, strict=strict)
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         install_context(model, mesh, context, context_mode, tp_size=_attention_tp(model, resolved))
     for mp in resolved:

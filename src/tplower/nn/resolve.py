@@ -33,7 +33,7 @@ from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..plans.entries import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad
-from ..plans.hf import param_key_placement, resolve_model_plan
+from ..plans.hf import param_key_placement, resolve_model_plan, shipped_keys
 from ..runtime.boundary import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move
 from ..runtime.params import ParamLayout, check_plain_parameter
 from . import checks, moves
@@ -237,17 +237,19 @@ def _check_ties(model: nn.Module, resolved: tuple[ModulePlan, ...]) -> None:
 
 
 def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
-                 axis: str = "tp", experts: str = "tp", context: str | None = None) -> ResolvedPlan:
+                 axis: str = "tp", experts: str = "tp", context: str | None = None,
+                 strict: bool = True) -> ResolvedPlan:
     """Resolve ``plan`` on ``model`` and ``mesh``: :class:`ResolvedPlan`, the model left exactly as it was.
 
     Args:
-        model, mesh, plan, axis, experts, context: as :func:`tplower.parallelize` (``plan=None``: no module
-            is planned; with ``context``, context parallelism alone).
+        model, mesh, plan, axis, experts, context, strict: as :func:`tplower.parallelize` (``plan=None``: no
+            module is planned; with ``context``, context parallelism alone).
 
     Raises:
         TPLowerError: every refusal :func:`tplower.parallelize` makes before it changes the model (a plan
-            error naming the module, field and value; a module already parallelized; attention split over a
-            tp that does not divide the head counts; a ``context`` axis the mesh lacks; ...).
+            error naming the module, field and value; with ``strict``, a key naming nothing; a module already
+            parallelized; attention split over a tp that does not divide the head counts; a ``context`` axis
+            the mesh lacks; ...).
     """
     names_ = tuple(mesh.mesh_dim_names or ())
     if context is not None and context not in names_:
@@ -266,7 +268,8 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
     config = getattr(model, "config", None)
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in modules]
-    matched = redirect_to_base(match_plan(plan, [*modules, *params]), modules)  # LoRA layers: their base
+    matched = redirect_to_base(match_plan(plan, [*modules, *params], strict=strict, owner=type(model).__name__,
+                                          may_miss=shipped_keys(model)), modules)  # LoRA layers: their base
     entries = {qual: resolve_entry(plan[key], key, kind=_kind(modules[qual]), axis=axis)
                for qual, key in matched.items() if qual in modules}
     for name, key in matched.items():  # keys that name a parameter: place it within its module's entry

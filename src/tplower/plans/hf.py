@@ -29,7 +29,7 @@ from .derive import derive_plan
 from .entries import PlanValue, load_plan, matching_keys, plan_name
 
 __all__ = ["AUTO", "COLWISE_STYLES", "DERIVE", "PACKED_PARTS", "model_ep_plan", "model_tp_plan",
-           "param_key_placement", "resolve_model_plan"]
+           "param_key_placement", "resolve_model_plan", "shipped_keys"]
 
 #: the plan argument that means "the model's own plan" (any case: :func:`tplower.plans.entries.plan_name`)
 AUTO = "auto"
@@ -52,6 +52,27 @@ def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
         if base:
             plan = _resolve_keys(dict(base), model)
     return {str(k): str(v) for k, v in plan.items()} if plan else None
+
+
+def shipped_keys(model: nn.Module) -> frozenset[str]:
+    """Every key of ``model``'s own plans (``tp_plan``/``ep_plan`` and the config's base plans, of the model or
+    of a wrapper's model) in each spelling that may name something of it (:func:`_spellings`).
+
+    A transformers plan ships keys for every layer kind of its architecture (dense MLPs and experts alike); a
+    config may lack some, so such keys name nothing without being a mistake.
+    """
+    inner, _ = _wrapped_model(model)
+    keys: set[str] = set()
+    for kind in ("tp", "ep"):
+        for source in (inner, getattr(inner, "config", None)):
+            for attr in (f"{kind}_plan", f"_{kind}_plan", f"base_model_{kind}_plan"):
+                try:
+                    plan = getattr(source, attr, None)
+                except Exception:  # a property that cannot build its plan: it ships nothing
+                    plan = None
+                if isinstance(plan, Mapping):
+                    keys.update(str(k) for k in plan)
+    return frozenset(s for k in keys for s in _spellings(k, model))
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -155,7 +176,8 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
         the model's ``base_model_prefix`` (a ``config.base_model_tp_plan``
         key on a ``*ForCausalLM``), else under a wrapper's model (a PEFT
         ``PeftModel``'s ``get_base_model()``); a key naming nothing stays as
-        written (``parallelize`` warns about it). For ``"auto"`` the shipped
+        written (``parallelize`` refuses it, unless the model's own plan
+        ships it: :func:`shipped_keys`). For ``"auto"`` the shipped
         keys that name nothing of this model are left out (a plan ships keys
         for dense and MoE layers alike; a config may have only one kind), so
         they never warn.

@@ -26,7 +26,6 @@ hook) on tplower's path, by :func:`localize_heads` on DTensor's.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from ..core.errors import TPLowerError
+from ..plans.keys import glob_regex, unmatched_key_message
 
 __all__ = [
     "LLAMA_TINY",
@@ -295,42 +295,25 @@ def check_tp(name: str, tp: int, option: str = "--tp") -> None:
 
 
 def check_plan_modules(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Match every plan key against the model's module names (``*`` is one name part).
+    """Match every plan key against the model's module names (as :func:`tplower.parallelize` matches them:
+    ``*`` within one name part, ``**`` any number of parts).
 
     Returns:
         plan key -> the module names it matches, in model order.
 
     Raises:
-        TPLowerError: a key matches no module; the message shows close names.
+        TPLowerError: a key matches no module; the message
+            (:func:`tplower.plans.keys.unmatched_key_message`) shows the closest names.
     """
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, list[str]] = {}
     for key in plan:
-        parts = key.split(".")
-        hits = [n for n in names if _match(n, parts)]
+        rx = glob_regex(key)
+        hits = [n for n in names if rx.fullmatch(n)]
         if not hits:
-            raise TPLowerError(f"plan key {key!r} names no module of {type(model).__name__}; "
-                               f"{_near_names(names, parts)}. Fix the key (module names as in "
-                               "model.named_modules(), '*' for one name part such as a layer index)")
+            raise TPLowerError(unmatched_key_message(key, names, type(model).__name__))
         out[key] = hits
     return out
-
-
-def _match(name: str, parts: Sequence[str]) -> bool:
-    got = name.split(".")
-    return len(got) == len(parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(got, parts, strict=True))
-
-
-def _near_names(names: Sequence[str], parts: Sequence[str]) -> str:
-    """What the model has where a key fails: the children of the deepest matching parent."""
-    for depth in range(len(parts) - 1, 0, -1):
-        parent = parts[:depth]
-        kids = sorted({n.split(".")[depth] for n in names
-                       if len(n.split(".")) == depth + 1 and _match(n.rsplit(".", 1)[0], parent)})
-        if kids:
-            return f"{'.'.join(parent)} has: {', '.join(kids)}"
-    tops = sorted({n.split(".")[0] for n in names})
-    return f"top-level modules: {', '.join(tops)}"
 
 
 def localize_heads(model: nn.Module, tp: int) -> None:
