@@ -149,7 +149,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             neither ``"reduce"`` nor ``"refuse"``, or ``context_mode`` neither
             ``"ulysses"`` nor ``"allgather"``.
         TPLowerError: a plan error (naming the module, field and value), a
-            plan key that names nothing (with ``strict``), a
+            plan key that names nothing (with ``strict``), an attention's
+            query/key/value projections split in part (some colwise, the
+            others unplanned; :func:`tplower.nn.checks.check_qkv_siblings`), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), attention split over
             a tp that does not divide the config's head counts (a parameter

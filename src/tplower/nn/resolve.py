@@ -285,6 +285,7 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         resolved.append(resolve_module(module, qual, entries[qual], lowerer, axis, config, summed))
     _check_ties(model, tuple(resolved))
+    checks.check_qkv_siblings(model, {mp.qual: dict(mp.layouts) for mp in resolved}, axis)
     return ResolvedPlan(axis, experts, lowerer.names, lowerer.shape, tuple(plan.items()), tuple(resolved), context)
 
 
