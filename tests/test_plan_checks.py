@@ -52,16 +52,20 @@ def test_the_message_names_the_key_the_closest_names_and_what_is_there() -> None
     names = [n for n, _ in _Toy().named_modules()] + [n for n, _ in _Toy().named_parameters()]
     assert unmatched_key_message("layers.*.mlp.upp", names, "_Toy") == (
         "plan key 'layers.*.mlp.upp' names no module of _Toy; did you mean 'layers.*.mlp.up'? layers.*.mlp has: "
-        f"down, up. {FIX}")
+        f"down, up. {FIX}"
+    )
     assert unmatched_key_message("layer.*.mlp.up", names, "_Toy") == (
         f"plan key 'layer.*.mlp.up' names no module of _Toy; did you mean 'layers.*.mlp.up'? top-level names: "
-        f"layers. {FIX}")
+        f"layers. {FIX}"
+    )
     # a key without its prefix: the names that end as it does, layer indices written '*'
     assert unmatched_key_message("mlp.down", names, "_Toy").startswith(
-        "plan key 'mlp.down' names no module of _Toy; did you mean 'layers.*.mlp.down'?")
+        "plan key 'mlp.down' names no module of _Toy; did you mean 'layers.*.mlp.down'?"
+    )
     assert unmatched_key_message("layers.0.mlp.up.wieght", names, "_Toy") == (
         "plan key 'layers.0.mlp.up.wieght' names no module of _Toy; did you mean 'layers.0.mlp.up.weight'? "
-        f"layers.0.mlp.up has: bias, weight. {FIX}")
+        f"layers.0.mlp.up has: bias, weight. {FIX}"
+    )
 
 
 def _misspelled(rank: int, world: int) -> dict[str, Any]:
@@ -71,8 +75,11 @@ def _misspelled(rank: int, world: int) -> dict[str, Any]:
         parallelize(model, mesh, {"upp": "colwise", "down": "rowwise"})
     untouched = not any(isinstance(p, DTensor) for p in model.parameters())
     loose = parallelize(_MLP(), mesh, {"upp": "colwise", "down": "rowwise"}, strict=False)
-    return {"msg": str(exc.value), "untouched": untouched,
-            "loose": {n: type(p).__name__ for n, p in loose.named_parameters()}}
+    return {
+        "msg": str(exc.value),
+        "untouched": untouched,
+        "loose": {n: type(p).__name__ for n, p in loose.named_parameters()},
+    }
 
 
 def test_a_misspelled_key_is_an_error_and_strict_false_keeps_the_warning() -> None:
@@ -80,28 +87,39 @@ def test_a_misspelled_key_is_an_error_and_strict_false_keeps_the_warning() -> No
         warnings.simplefilter("always")
         got = run_threaded(2, _misspelled)
     for rank in got:
-        assert rank["msg"] == (f"plan key 'upp' names no module of _MLP; did you mean 'up'? top-level names: down, up. "
-                               f"{FIX}; or pass strict=False to leave keys that name nothing out with a warning")
+        assert rank["msg"] == (
+            f"plan key 'upp' names no module of _MLP; did you mean 'up'? top-level names: down, up. "
+            f"{FIX}; or pass strict=False to leave keys that name nothing out with a warning"
+        )
         assert rank["untouched"]
-        assert rank["loose"] == {"up.weight": "DTensor", "up.bias": "DTensor", "down.weight": "DTensor",
-                                 "down.bias": "DTensor"}
+        assert rank["loose"] == {
+            "up.weight": "DTensor",
+            "up.bias": "DTensor",
+            "down.weight": "DTensor",
+            "down.bias": "DTensor",
+        }
     said = [str(w.message) for w in caught if "matches no module" in str(w.message)]
-    assert said and all(m == "tplower: plan key 'upp' matches no module; did you mean 'up'? top-level names: down, up"
-                        for m in said)
+    assert said and all(
+        m == "tplower: plan key 'upp' matches no module; did you mean 'up'? top-level names: down, up" for m in said
+    )
 
 
 def test_tplower_run_gives_the_same_message() -> None:
     transformers = pytest.importorskip("transformers")
     from tplower.run.models import check_plan_modules
 
-    bert = transformers.BertModel(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-                                                          num_attention_heads=2, intermediate_size=32))
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    )
     with pytest.raises(TPLowerError) as exc:
         check_plan_modules(bert, {"encoder.layer.*.attention.self.querry": "colwise"})
     assert str(exc.value) == (
         "plan key 'encoder.layer.*.attention.self.querry' names no module of BertModel; did you mean "
         "'encoder.layer.*.attention.self.query'? encoder.layer.*.attention.self has: dropout, key, query, value. "
-        f"{FIX}")
+        f"{FIX}"
+    )
 
 
 def _shipped(rank: int, world: int, ref: nn.Module) -> int:
@@ -146,21 +164,36 @@ class _Fused(nn.Module):
 
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "q_only": (_Layers, {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}),
-    "query_key": (lambda: _Layers(("query", "key", "value")), {"layers.*.self_attn.query": "colwise",
-                                                                "layers.*.self_attn.key": "colwise"}),
-    "replicated": (_Layers, {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "replicate",
-                             "layers.*.self_attn.v_proj": "replicate"}),
-    "all_three": (_Layers, {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                            "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}),
+    "query_key": (
+        lambda: _Layers(("query", "key", "value")),
+        {"layers.*.self_attn.query": "colwise", "layers.*.self_attn.key": "colwise"},
+    ),
+    "replicated": (
+        _Layers,
+        {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "replicate",
+            "layers.*.self_attn.v_proj": "replicate",
+        },
+    ),
+    "all_three": (
+        _Layers,
+        {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise",
+            "layers.*.self_attn.o_proj": "rowwise",
+        },
+    ),
     "fused": (_Fused, {"qkv": "colwise", "o": "rowwise"}),
 }
 REFUSED = {
     "q_only": "plan: attention 'layers.*.self_attn' splits ['q_proj'] over axis 'tp' but not its sibling projections "
-              "['k_proj', 'v_proj'] (each rank would hold heads / tp queries against every head's keys and values: "
-              "mismatched shapes in the attention); add 'layers.*.self_attn.k_proj': 'colwise', "
-              "'layers.*.self_attn.v_proj': 'colwise' to the plan, or leave ['q_proj'] whole",
+    "['k_proj', 'v_proj'] (each rank would hold heads / tp queries against every head's keys and values: "
+    "mismatched shapes in the attention); add 'layers.*.self_attn.k_proj': 'colwise', "
+    "'layers.*.self_attn.v_proj': 'colwise' to the plan, or leave ['q_proj'] whole",
     "query_key": "plan: attention 'layers.*.self_attn' splits ['query', 'key'] over axis 'tp' but not its sibling "
-                 "projections ['value']",
+    "projections ['value']",
 }
 
 

@@ -25,8 +25,7 @@ _FIX = "Fix the key (module names as in model.named_modules(), '*' for one name 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:
     """The regular expression of a plan key: ``*`` within one dotted part, ``**`` any number of whole parts."""
-    parts = [r"[^.]+(?:\.[^.]+)*" if p == "**" else re.escape(p).replace(r"\*", r"[^.]*")
-             for p in pattern.split(".")]
+    parts = [r"[^.]+(?:\.[^.]+)*" if p == "**" else re.escape(p).replace(r"\*", r"[^.]*") for p in pattern.split(".")]
     return re.compile(r"\.".join(parts))
 
 
@@ -81,8 +80,11 @@ def key_hint(key: str, names: Sequence[str]) -> str:
         kids = _children(parent, names) if depth else sorted({n.split(".")[0] for n in names if n})
         if not kids:
             continue
-        fixes = [k for k in (".".join([*parts[:depth], c, *parts[depth + 1:]]) for c in _close(parts[depth], kids))
-                 if _names_key(k, names)] or _anywhere(key, names)
+        fixes = [
+            k
+            for k in (".".join([*parts[:depth], c, *parts[depth + 1 :]]) for c in _close(parts[depth], kids))
+            if _names_key(k, names)
+        ] or _anywhere(key, names)
         mean = f"did you mean {' or '.join(map(repr, fixes))}? " if fixes else ""
         where = f"{parent} has" if depth else "top-level names"
         return f"{mean}{where}: {', '.join(kids)}"
