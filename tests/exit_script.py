@@ -13,6 +13,9 @@ with exit code 17. Options:
   a teardown that joins the workers while Python is whole, one of them drops the last reference while the
   interpreter finalizes and the process aborts ("terminate called without an active exception").
 * ``--tplower-shutdown``: end with ``tplower.shutdown()`` instead of ``dist.destroy_process_group()``.
+* ``--no-teardown``: end with neither, as a script that forgets ``dist.destroy_process_group()`` does.
+* ``--rank1-leaves-first``: after its last line rank 0 waits until rank 1's process has exited (gone, or a
+  zombie not yet reaped), so that rank 0's exit handlers run with its peer gone.
 """
 
 from __future__ import annotations
@@ -44,6 +47,36 @@ def _check_at_exit() -> None:
     print(f"rank {rank}: no gloo thread alive at exit", flush=True)
 
 
+def _rank1_leaves_first() -> None:
+    """Rank 1 leaves its pid in a file (the rendezvous port names it); rank 0 waits until that process ended."""
+    import tempfile
+    import time
+
+    path = os.path.join(tempfile.gettempdir(), f"tplower-exit-{os.environ['MASTER_PORT']}.pid")
+    if os.environ["RANK"] == "1":
+        with open(path + ".part", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".part", path)
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                pid = f.read().strip()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state in ("Z", "X"):
+                break
+        except FileNotFoundError:  # no file yet, or the process is gone
+            if os.path.exists(path):
+                break
+        time.sleep(0.05)
+    else:
+        print("rank 0: rank 1 did not exit within 60 s", flush=True)
+    print("rank 0: rank 1 has exited", flush=True)
+    os.remove(path)
+
+
 atexit.register(_check_at_exit)  # first registered, so it runs after every other handler
 
 import torch  # noqa: E402
@@ -73,6 +106,8 @@ works = [dist.all_reduce(torch.ones(1 << 14), async_op=True) for _ in range(queu
 del works
 if "--tplower-shutdown" in sys.argv:
     tplower.shutdown()
-else:
+elif "--no-teardown" not in sys.argv:
     dist.destroy_process_group()
 print(f"rank {dist.get_rank() if dist.is_initialized() else os.environ['RANK']}: done", flush=True)
+if "--rank1-leaves-first" in sys.argv:
+    _rank1_leaves_first()

@@ -147,7 +147,8 @@ def test_match_plan_globs():
                    "layers.1.x.mlp.up": "**.x.**"}
     with pytest.raises(TPLowerError, match="matches plan keys"):
         match_plan({"layers.*.mlp.up": "colwise", "layers.0.*.up": "rowwise"}, names)
-    with pytest.raises(TPLowerError, match="match no module"):
+    with pytest.raises(TPLowerError, match=r"plan key 'nothing\.\*' names no module of the model; top-level names: "
+                                           "head, layers"):
         match_plan({"nothing.*": "colwise"}, names)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

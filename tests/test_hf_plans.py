@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tplower import TPLowerError
 from tplower.nn.parallelize import parallelize
-from tplower.plans.entries import match_plan
+from tplower.plans.entries import load_plan, match_plan
 from tplower.plans.hf import model_tp_plan, resolve_model_plan
 from tplower.testing import RankFailure, run_threaded
 
@@ -134,6 +134,18 @@ def test_prefix_is_one_rule_per_key_for_every_model(model_type: str) -> None:
 def test_auto_on_a_model_without_a_plan_names_the_model() -> None:
     with pytest.raises(TPLowerError, match="plan='auto': Linear has no tp_plan"):
         model_tp_plan(nn.Linear(2, 2))
+    with pytest.raises(TPLowerError, match=r"plan='auto': Linear has no tp_plan.* use plan='derive'"):
+        resolve_model_plan("Auto", nn.Linear(2, 2))
+
+
+def test_plan_names_are_read_in_any_case_and_never_as_files() -> None:
+    """``"Auto"`` is transformers' own plan of the model (``tp_plan``: every key names a module of Llama), not a
+    file of that name; ``load_plan`` says a plan name is no file."""
+    ref = _tiny("llama")
+    for name in ("auto", "Auto", "AUTO"):
+        assert resolve_model_plan(name, ref) == dict(ref.tp_plan), name
+    with pytest.raises(TPLowerError, match=r"load_plan: 'Derive' is the plan name 'derive'.*not a file"):
+        load_plan("Derive")
 
 
 class _Emb(nn.Module):

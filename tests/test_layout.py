@@ -69,6 +69,36 @@ def test_public_names_unchanged() -> None:
     assert callable(tplower.parallelize) and callable(tplower.verify)  # functions, not the modules of the same name
 
 
+_LAZY = """
+import sys, tplower
+before = sorted(m for m in ("tplower.codegen", "tplower.verification.derived") if m in sys.modules)
+got = [tplower.codegen.emit, tplower.verification.derived.verify_derived]  # before any import names them
+same = [got[0] is sys.modules["tplower.codegen.emit"].emit,
+        got[1] is sys.modules["tplower.verification.derived"].verify_derived]
+missing = []
+for owner, name in ((tplower, "codegenn"), (tplower.verification, "derivd"), (tplower, "_private")):
+    try:
+        getattr(owner, name)
+    except AttributeError as exc:
+        missing.append(str(exc))
+print(before, same, missing, sep="\\n")
+"""
+
+
+def test_subpackages_are_attributes_imported_on_first_use() -> None:
+    """In a fresh interpreter: ``import tplower`` leaves the code generator and the derived-plan verifier unimported,
+    and ``tplower.codegen.emit`` / ``tplower.verification.derived.verify_derived`` are the functions their modules
+    define; a name that is no module is the usual ``AttributeError``."""
+    done = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=120,
+                          env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(ROOT / "src"),
+                               "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "[]", "[True, True]",
+        "[\"module 'tplower' has no attribute 'codegenn'\", \"module 'tplower.verification' has no attribute "
+        "'derivd'\", \"module 'tplower' has no attribute '_private'\"]"]
+
+
 @pytest.mark.skipif(LINT is None, reason="import-linter is not installed (pip install -e '.[dev]')")
 @pytest.mark.parametrize(("where", "line", "shown"), [
     ("nn/parallelize.py", "from ..codegen import emit", "tplower.nn.parallelize -> tplower.codegen"),

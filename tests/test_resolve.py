@@ -71,6 +71,9 @@ CASES: dict[str, tuple[Any, dict[str, Any], list[str]]] = {
                                                 "encoder.layer.0.attention.output.dense",
                                                 "encoder.layer.0.intermediate.dense"]),
 }
+# the plan names in any case: the same hand tables
+CASES["llama_Auto"] = (CASES["llama"][0], {"plan": "Auto"}, CASES["llama"][2])
+CASES["bert_DERIVE"] = (_bert, {"plan": "DERIVE"}, CASES["bert_derive"][2])
 
 COLWISE = {"form": "tp_collective", "params": {"weight": "S(0)"}, "ins": ["R->R grad P(sum)"], "outs": [],
            "experts": None, "local_attrs": {}}
@@ -91,6 +94,7 @@ WANT = {
                     "encoder.layer.0.attention.output.dense": {**ROWWISE, "params": {"weight": "S(1)", "bias": "R"}},
                     "encoder.layer.0.intermediate.dense": {**COLWISE, "params": {"weight": "S(0)", "bias": "S(0)"}}},
 }
+WANT["llama_Auto"], WANT["bert_DERIVE"] = WANT["llama"], WANT["bert_derive"]
 
 
 def _body(rank: int, world: int) -> dict[str, Any]:

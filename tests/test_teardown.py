@@ -64,6 +64,33 @@ def test_a_training_script_ends_with_no_gloo_thread_and_no_abort(args: tuple[str
         assert f"rank {rank}: no gloo thread alive at exit" in proc.stdout, output
 
 
+# A script that never calls destroy_process_group(): tplower's exit handler destroys the default group (a local
+# call) and joins gloo's workers. On the tree before it, both cases below exited 17 (3 gloo threads alive at the
+# script's last handler) on the ranks whose group was still up. With rank 1 gone before rank 0's handlers run,
+# the handler must neither wait for it nor hang. Run 5 times in a row with TPLOWER_SLOW=1.
+NO_TEARDOWN = [("--no-teardown", "--rank1-leaves-first"),
+               pytest.param(("--no-teardown", "--import-late", "--queued", "50"), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("args", NO_TEARDOWN, ids=lambda a: "-".join(x.lstrip("-") for x in a))
+def test_a_script_that_never_destroys_the_group_ends_cleanly(args: tuple[str, ...]) -> None:
+    proc = _torchrun(*args)
+    output = proc.stdout + proc.stderr
+    assert ABORT not in output, output
+    assert proc.returncode == 0, output
+    for rank in (0, 1):
+        assert f"rank {rank}: done" in proc.stdout, output
+        assert f"rank {rank}: no gloo thread alive at exit" in proc.stdout, output
+    if "--rank1-leaves-first" in args:
+        assert "rank 0: rank 1 has exited" in proc.stdout, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(5))
+def test_a_script_that_never_destroys_the_group_ends_cleanly_every_time(run: int) -> None:
+    test_a_script_that_never_destroys_the_group_ends_cleanly(("--no-teardown", "--queued", "50"))
+
+
 def _released_after_destroy(rank: int, world: int) -> dict[str, object]:
     import torch.distributed as dist
 

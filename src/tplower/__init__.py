@@ -6,10 +6,21 @@ and backward, on plain local tensors.
 The names below are imported on first use (PEP 562), so that ``import
 tplower`` and the ``tplower`` command's ``--help`` do not load torch; ``from
 tplower import parallelize`` and ``tplower.parallelize`` work as before.
+Every subpackage is an attribute too, imported on first use:
+``tplower.codegen.emit(...)``, ``tplower.verification.derived.verify_derived(...)``.
+``tplower.verify`` is the verifier's function; its modules live in the
+package ``tplower.verification``.
+
+At interpreter exit, a default process group the script left initialized is
+destroyed (a local call, no collective) and what tplower holds is released
+(:mod:`tplower.core.teardown`), so a script that forgets
+``destroy_process_group()`` still exits cleanly.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
@@ -131,3 +142,15 @@ __all__ = [
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals(), subpackages=True)
+
+
+def _exit_hook() -> None:
+    """tplower's teardown at interpreter exit, when torch.distributed was loaded at all (registered at ``import
+    tplower``, so it runs before the exit handlers of what was imported earlier)."""
+    if "torch.distributed" in sys.modules:
+        from .core import teardown
+
+        teardown._at_exit()
+
+
+atexit.register(_exit_hook)

@@ -149,7 +149,7 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
         mesh: a live device mesh this rank is in (a ``fake`` process group
             will do: nothing communicates); its axis names and sizes are
             written into the file.
-        plan: as :func:`tplower.parallelize` (a mapping, a YAML/JSON path or ``"auto"``).
+        plan: as :func:`tplower.parallelize` (a mapping, a YAML/JSON path, ``"auto"`` or ``"derive"``).
         axis: the tensor-parallel axis HF styles shard on.
         experts: as :func:`tplower.parallelize`: with ``"auto"``, ``"tp"``
             (tensor parallelism inside the experts) or ``"ep"`` (expert
@@ -172,7 +172,9 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
     if experts not in ("tp", "ep"):
         raise ValueError(f"emit: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts), "
                          "'ep' (expert parallelism)")
-    resolved = resolve_model_plan(plan, model, experts=experts)
+    names = tuple(mesh.mesh_dim_names or ())
+    resolved = resolve_model_plan(plan, model, experts=experts, axis=axis,
+                                  tp=mesh.size(names.index(axis)) if axis in names else None)
     plan_text = _plan_text(resolved)
     _, found = _boundaries(model, mesh, resolved, axis, "emit", quiet=False)
     axes = _mesh_axes(mesh)
@@ -198,7 +200,8 @@ def emit(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str
         "",
         "from __future__ import annotations",
         "",
-        *(["import torch", ""] if uses_torch else []),
+        # one import block: where the file lives, torch and tplower are both third-party (ruff's isort, I001)
+        *(["import torch"] if uses_torch else []),
         "import tplower.codegen",
         "",
         f"AXIS = {quote(axis)}",

@@ -22,10 +22,14 @@ SIGABRT) after all the script's work is done. The workers outlive
 :func:`release_destroyed_groups` drops all of them for the groups that are
 no longer registered with torch.distributed and collects while Python is
 whole, so each group's destructor joins its workers. It runs by itself at
-interpreter exit once tplower has bound a group (an ``atexit`` handler,
-registered when this module is imported: ``atexit`` handlers run before
-finalizing begins), so a script that ends with
-``dist.destroy_process_group()`` is safe.
+interpreter exit (an ``atexit`` handler, registered when this module is
+imported with ``import tplower``: ``atexit`` handlers run before finalizing
+begins), so a script that ends with ``dist.destroy_process_group()`` is
+safe, and so is one that forgets it: if the default group is still
+initialized at exit, the handler destroys it first. Destroying is a local
+call (no collective, no store access), so it does not wait for ranks that
+have already exited. Exit handlers registered *before* ``import tplower``
+run after this one and find no process group.
 :func:`shutdown` is the one call for a script that wants the groups gone
 now: it destroys the default group (and with it every other) and releases.
 
@@ -179,8 +183,10 @@ def shutdown() -> None:
     initialized, then :func:`release_destroyed_groups`: the gloo worker
     threads are joined before this returns, unless the caller still holds a
     ``ProcessGroup`` itself (``mesh.get_group()`` kept in a variable: ``del``
-    it first). Not needed after ``dist.destroy_process_group()`` (tplower's
-    exit hook releases then), but harmless; do not call
+    it first). tplower's exit hook does the same at interpreter exit, so a
+    script need not call it; it is for ending distributed work earlier
+    (before more work in the same process). Harmless after
+    ``dist.destroy_process_group()``; do not call
     ``destroy_process_group()`` after it (torch raises on a second destroy).
     Call it on every rank. Runs no collective. It raises nothing of its own;
     an error of ``destroy_process_group`` propagates.
@@ -192,9 +198,14 @@ def shutdown() -> None:
 
 def _at_exit() -> None:
     # atexit handlers run before the interpreter starts finalizing, so a group destructor that joins its
-    # workers here lets them drop Python objects normally. Never raise at exit.
+    # workers here lets them drop Python objects normally. A default group the script left up is destroyed
+    # first: destroy_process_group is local (each backend's shutdown, no collective), so ranks that already
+    # exited are not waited for. Never raise at exit.
     with contextlib.suppress(Exception):  # a failing teardown must not mask the script's own exit status
-        if _bound and not dist.is_initialized():
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            release_destroyed_groups()
+        elif _bound:
             release_destroyed_groups()
 
 

@@ -72,7 +72,8 @@ def attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
-                context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce") -> nn.Module:
+                context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce",
+                strict: bool = True) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -85,7 +86,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             :mod:`tplower.plans.hf`; a ``config.base_model_tp_plan`` given
             for a model with a ``base_model_prefix`` is put under it), or
             ``"derive"``: a plan derived from the module structure
-            (:func:`tplower.plans.derive.derive_plan`). A key
+            (:func:`tplower.plans.derive.derive_plan`); both names in any
+            case (``"Auto"``), and a file of either name is not read. A key
             may also name a parameter (``layers.*.self_attn.sinks``): it is
             placed as the style places a parameter.
         axis: the tensor-parallel mesh axis HF styles shard on.
@@ -130,6 +132,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             leaves those parameters plain tensors. Each rank's gradient of
             such a parameter is taken as whole, as before: a parameter used
             on a sharded activation needs a plan entry (``P(sum)`` gradient).
+        strict: a plan key that names no module or parameter of the model
+            is an error (default), which names the closest names the model
+            has; ``False``: such keys are left out with a warning. Keys the
+            model's own transformers plan ships for layers its config lacks
+            (a dense ``mlp.gate_proj`` key of a model whose layers are all
+            experts) name nothing silently either way.
 
     Returns:
         ``model`` itself. Every parameter the plan places is an
@@ -153,6 +161,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             ``"ulysses"`` nor ``"allgather"``, or ``context_grads`` neither
             ``"sum"`` nor ``"mean"``.
         TPLowerError: a plan error (naming the module, field and value), a
+            plan key that names nothing (with ``strict``), an attention's
+            query/key/value projections split in part (some colwise, the
+            others unplanned; :func:`tplower.nn.checks.check_qkv_siblings`), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), attention split over
             a tp that does not divide the config's head counts (a parameter
@@ -201,7 +212,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             raise TPLowerError("parallelize: context= sums every parameter's gradient over the context axis, which "
                                "replicate_rest=False would leave plain (and unsummed) for the parameters the plan "
                                "does not place; drop replicate_rest=False")
-    resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context)
+    resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context, strict=strict)
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
         install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale)

@@ -30,11 +30,10 @@ from ..adapters.lora import redirect_to_base
 from ..core.errors import TPLowerError
 from ..core.placements import format_placement, format_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
-from ..plans.derive import derive_plan
 from ..plans.entries import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad
-from ..plans.hf import param_key_placement, resolve_model_plan
+from ..plans.hf import param_key_placement, resolve_model_plan, shipped_keys
 from ..runtime.boundary import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move
 from ..runtime.params import ParamLayout, check_plain_parameter
 from . import checks, moves
@@ -238,17 +237,19 @@ def _check_ties(model: nn.Module, resolved: tuple[ModulePlan, ...]) -> None:
 
 
 def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
-                 axis: str = "tp", experts: str = "tp", context: str | None = None) -> ResolvedPlan:
+                 axis: str = "tp", experts: str = "tp", context: str | None = None,
+                 strict: bool = True) -> ResolvedPlan:
     """Resolve ``plan`` on ``model`` and ``mesh``: :class:`ResolvedPlan`, the model left exactly as it was.
 
     Args:
-        model, mesh, plan, axis, experts, context: as :func:`tplower.parallelize` (``plan=None``: no module
-            is planned; with ``context``, context parallelism alone).
+        model, mesh, plan, axis, experts, context, strict: as :func:`tplower.parallelize` (``plan=None``: no
+            module is planned; with ``context``, context parallelism alone).
 
     Raises:
         TPLowerError: every refusal :func:`tplower.parallelize` makes before it changes the model (a plan
-            error naming the module, field and value; a module already parallelized; attention split over a
-            tp that does not divide the head counts; a ``context`` axis the mesh lacks; ...).
+            error naming the module, field and value; with ``strict``, a key naming nothing; a module already
+            parallelized; attention split over a tp that does not divide the head counts; a ``context`` axis
+            the mesh lacks; ...).
     """
     names_ = tuple(mesh.mesh_dim_names or ())
     if context is not None and context not in names_:
@@ -261,15 +262,14 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
     summed = (context,) if context is not None else ()
     if plan is None:
         plan = {}
-    if isinstance(plan, str) and plan == "derive":  # at this axis' size: attention it cannot split stays whole
-        names = mesh.mesh_dim_names or ()
-        plan = derive_plan(model, axis=axis, tp=mesh.size(names.index(axis)) if axis in names else None).plan
-    plan = resolve_model_plan(plan, model, experts=experts)
+    tp = mesh.size(names_.index(axis)) if axis in names_ else None
+    plan = resolve_model_plan(plan, model, experts=experts, axis=axis, tp=tp)
     lowerer = mesh_lowerer(mesh)
     config = getattr(model, "config", None)
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in modules]
-    matched = redirect_to_base(match_plan(plan, [*modules, *params]), modules)  # LoRA layers: their base
+    matched = redirect_to_base(match_plan(plan, [*modules, *params], strict=strict, owner=type(model).__name__,
+                                          may_miss=shipped_keys(model)), modules)  # LoRA layers: their base
     entries = {qual: resolve_entry(plan[key], key, kind=_kind(modules[qual]), axis=axis)
                for qual, key in matched.items() if qual in modules}
     for name, key in matched.items():  # keys that name a parameter: place it within its module's entry
@@ -285,6 +285,7 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         resolved.append(resolve_module(module, qual, entries[qual], lowerer, axis, config, summed))
     _check_ties(model, tuple(resolved))
+    checks.check_qkv_siblings(model, {mp.qual: dict(mp.layouts) for mp in resolved}, axis)
     return ResolvedPlan(axis, experts, lowerer.names, lowerer.shape, tuple(plan.items()), tuple(resolved), context)
 
 

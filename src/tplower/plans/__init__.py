@@ -7,6 +7,7 @@ parameter, what a derived plan would say) is answered from the plan, the
 model's structure and the mesh's axis names alone:
 
 * :mod:`~tplower.plans.entries`: plan entries, files and matching (:class:`BoundaryEntry`, :func:`load_plan`);
+* :mod:`~tplower.plans.keys`: plan keys against a model's names, and the message for a key that names nothing;
 * :mod:`~tplower.plans.styles`: transformers' style names as entries;
 * :mod:`~tplower.plans.hf`: a transformers model's own plan (``"auto"``) and its parameter keys;
 * :mod:`~tplower.plans.expert_layout`: the dim a style splits in an experts module's parameters;

@@ -83,15 +83,15 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placement
+from .keys import glob_regex, key_hint, matching_keys, unmatched_key_message
 from .styles import HF_STYLES, PARAMETER_ONLY_STYLES, entry_from_style  # re-exported: they lived here
 
 __all__ = [
@@ -103,6 +103,7 @@ __all__ = [
     "load_plan",
     "match_plan",
     "matching_keys",
+    "plan_name",
     "resolve_entry",
     "style_kind",
 ]
@@ -116,6 +117,16 @@ ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "loca
                                                 "packed", "partial_tail", "masked_lookup", "uneven",
                                                 "optional_inputs", "share", "expert_dispatch", "style")
 _LOCAL_ATTR_RULES = ("divide",)
+#: plans named by a string, in any case: the model's own (``"auto"``) and one derived from its modules
+PLAN_NAMES: tuple[str, ...] = ("auto", "derive")
+
+
+def plan_name(plan: object) -> str | None:
+    """``"auto"`` or ``"derive"`` where ``plan`` is a ``str`` naming one of them in any case (``"Auto"``,
+    ``"DERIVE"``), else ``None`` (a mapping, a ``Path``, or a string that is a plan file's path)."""
+    if isinstance(plan, str) and plan.lower() in PLAN_NAMES:
+        return plan.lower()
+    return None
 
 
 @dataclass(frozen=True)
@@ -269,9 +280,14 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
 
     Raises:
         TPLowerError: an unreadable file, a top level that is not a mapping,
-            or a schema error (naming the module, the field and the value).
+            a schema error (naming the module, the field and the value), or
+            a plan name (``"auto"``, ``"derive"``, in any case) instead of a file.
         TypeError: ``source`` is neither a mapping nor a path.
     """
+    if (name := plan_name(source)) is not None:
+        raise TPLowerError(f"load_plan: {source!r} is the plan name {name!r}, built from a model ('auto': its own "
+                           "tp_plan, 'derive': derived from its modules), not a file; parallelize, verify and "
+                           "codegen.emit take it, load_plan reads a mapping or a YAML/JSON file")
     if isinstance(source, str | Path):
         path = Path(source)
         try:
@@ -315,33 +331,29 @@ def _check_value(value: Any, key: str) -> None:
     resolve_entry(value, key, kind=style_kind(value))
 
 
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    parts = [r"[^.]+(?:\.[^.]+)*" if p == "**" else re.escape(p).replace(r"\*", r"[^.]*")
-             for p in pattern.split(".")]
-    return re.compile(r"\.".join(parts))
-
-
-def matching_keys(keys: Iterable[str], names: Iterable[str]) -> set[str]:
-    """The ``keys`` (exact names or globs, as plan keys) that name at least one of ``names``; no warning."""
-    names = list(names)
-    present = set(names)
-    out = set()
-    for key in keys:
-        if key in present or ("*" in key and any(_glob_regex(key).fullmatch(n) for n in names)):
-            out.add(key)
-    return out
-
-
-def match_plan(plan: Mapping[str, PlanValue], names: Iterable[str]) -> dict[str, str]:
+def match_plan(plan: Mapping[str, PlanValue], names: Iterable[str], *, strict: bool = False,
+               owner: str = "the model", may_miss: Collection[str] = ()) -> dict[str, str]:
     """Which plan key governs each module name: ``{module name: plan key}``, in ``names`` order.
 
     An exact key wins over globs; a name matched by two globs and no exact
-    key is an error. A key matching no name gives a warning.
+    key is an error. A key matching no name is an error with ``strict``, else
+    a warning; both say what the model has there
+    (:func:`tplower.plans.keys.unmatched_key_message`).
+
+    Args:
+        plan: ``{key: value}``.
+        names: the qualified names keys may name (modules, and parameters).
+        strict: a key naming nothing raises (default: warns).
+        owner: the model's class name, for the message.
+        may_miss: keys that may name nothing, silently (those a transformers
+            model's own plan ships for layers its config may lack).
 
     Raises:
-        TPLowerError: a name matched by several globs, or a plan matching no name at all.
+        TPLowerError: a name matched by several globs, a plan matching no name at all, or, with ``strict``, a
+            key matching no name.
     """
-    globs = {k: _glob_regex(k) for k in plan if "*" in k}
+    names = list(names)
+    globs = {k: glob_regex(k) for k in plan if "*" in k}
     out: dict[str, str] = {}
     used: set[str] = set()
     for name in names:
@@ -356,8 +368,14 @@ def match_plan(plan: Mapping[str, PlanValue], names: Iterable[str]) -> dict[str,
             out[name] = hits[0]
         used.add(out[name])
     if plan and not out:
-        raise TPLowerError(f"plan keys {list(plan)[:5]} match no module of the model")
-    for key in plan:
-        if key not in used:
-            warnings.warn(f"tplower: plan key {key!r} matches no module", stacklevel=3)
+        head = f"none of the plan's {len(plan)} keys {list(plan)[:5]} names a module of {owner}; " if len(plan) > 1 \
+            else ""
+        raise TPLowerError(head + unmatched_key_message(next(iter(plan)), names, owner))
+    missed = [k for k in plan if k not in used and k not in may_miss]
+    if missed and strict:
+        more = f" (and {len(missed) - 1} more: {missed[1:6]})" if len(missed) > 1 else ""
+        raise TPLowerError(f"{unmatched_key_message(missed[0], names, owner)}{more}; or pass strict=False to "
+                           "leave keys that name nothing out with a warning")
+    for key in missed:
+        warnings.warn(f"tplower: plan key {key!r} matches no module; {key_hint(key, names)}", stacklevel=3)
     return out

@@ -25,13 +25,16 @@ from typing import Any
 from torch import nn
 
 from ..core.errors import TPLowerError
-from .entries import PlanValue, load_plan, matching_keys
+from .derive import derive_plan
+from .entries import PlanValue, load_plan, matching_keys, plan_name
 
-__all__ = ["AUTO", "COLWISE_STYLES", "PACKED_PARTS", "model_ep_plan", "model_tp_plan", "param_key_placement",
-           "resolve_model_plan"]
+__all__ = ["AUTO", "COLWISE_STYLES", "DERIVE", "PACKED_PARTS", "model_ep_plan", "model_tp_plan",
+           "param_key_placement", "resolve_model_plan", "shipped_keys"]
 
-#: the plan argument that means "the model's own plan"
+#: the plan argument that means "the model's own plan" (any case: :func:`tplower.plans.entries.plan_name`)
 AUTO = "auto"
+#: the plan argument that means "a plan derived from the model's module structure" (any case)
+DERIVE = "derive"
 
 
 def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
@@ -51,6 +54,27 @@ def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in plan.items()} if plan else None
 
 
+def shipped_keys(model: nn.Module) -> frozenset[str]:
+    """Every key of ``model``'s own plans (``tp_plan``/``ep_plan`` and the config's base plans, of the model or
+    of a wrapper's model) in each spelling that may name something of it (:func:`_spellings`).
+
+    A transformers plan ships keys for every layer kind of its architecture (dense MLPs and experts alike); a
+    config may lack some, so such keys name nothing without being a mistake.
+    """
+    inner, _ = _wrapped_model(model)
+    keys: set[str] = set()
+    for kind in ("tp", "ep"):
+        for source in (inner, getattr(inner, "config", None)):
+            for attr in (f"{kind}_plan", f"_{kind}_plan", f"base_model_{kind}_plan"):
+                try:
+                    plan = getattr(source, attr, None)
+                except Exception:  # a property that cannot build its plan: it ships nothing
+                    plan = None
+                if isinstance(plan, Mapping):
+                    keys.update(str(k) for k in plan)
+    return frozenset(s for k in keys for s in _spellings(k, model))
+
+
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's own tensor-parallel plan: ``tp_plan`` / ``_tp_plan``, else the config's under the prefix.
 
@@ -61,7 +85,8 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     plan = _shipped_plan(model, "tp")
     if plan is None:
         raise TPLowerError(f"plan='auto': {type(model).__name__} has no tp_plan, _tp_plan or "
-                           "config.base_model_tp_plan; pass a plan mapping")
+                           "config.base_model_tp_plan; use plan='derive' (a plan derived from its module "
+                           "structure; `tplower plan` shows it) or pass a plan mapping")
     return plan
 
 
@@ -130,17 +155,20 @@ def _resolve_keys(plan: Mapping[str, PlanValue], model: nn.Module) -> dict[str, 
 
 
 def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *,
-                       experts: str = "tp") -> dict[str, PlanValue]:
+                       experts: str = "tp", axis: str = "tp", tp: int | None = None) -> dict[str, PlanValue]:
     """The plan keyed by ``model``'s own names.
 
     Args:
-        plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`), a
-            mapping, or a YAML/JSON file path.
+        plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`),
+            ``"derive"`` (:func:`tplower.plans.derive.derive_plan`), either
+            in any case (``"Auto"``), a mapping, or a YAML/JSON file path.
         model: the model it is for.
         experts: with ``"auto"``: ``"tp"`` (tensor parallelism inside the
             experts, the model's ``tp_plan``) or ``"ep"`` (its ``ep_plan``'s
             keys over the ``tp_plan``: experts sharded by index, tokens
             dispatched).
+        axis, tp: with ``"derive"``: the tensor-parallel axis and its size
+            (``None``: unknown), as :func:`~tplower.plans.derive.derive_plan` takes them.
 
     Returns:
         The checked plan, each key resolved on its own by one rule for every
@@ -148,16 +176,20 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
         the model's ``base_model_prefix`` (a ``config.base_model_tp_plan``
         key on a ``*ForCausalLM``), else under a wrapper's model (a PEFT
         ``PeftModel``'s ``get_base_model()``); a key naming nothing stays as
-        written (``parallelize`` warns about it). For ``"auto"`` the shipped
+        written (``parallelize`` refuses it, unless the model's own plan
+        ships it: :func:`shipped_keys`). For ``"auto"`` the shipped
         keys that name nothing of this model are left out (a plan ships keys
         for dense and MoE layers alike; a config may have only one kind), so
         they never warn.
 
     Raises:
-        TPLowerError: as :func:`tplower.plans.entries.load_plan`, or ``"auto"`` on a
-            model without a plan.
+        TPLowerError: as :func:`tplower.plans.entries.load_plan`, ``"auto"`` on a
+            model without a plan, or ``"derive"`` on one no rule matches.
     """
-    if isinstance(plan, str) and plan == AUTO:
+    name = plan_name(plan)
+    if name == DERIVE:  # at the axis' size where known: attention it cannot split stays whole
+        return _resolve_keys(load_plan(derive_plan(model, axis=axis, tp=tp).plan), model)
+    if name == AUTO:
         inner, _ = _wrapped_model(model)
         if experts == "ep":  # the expert-parallel keys replace the tensor-parallel ones they name
             shipped = {**model_tp_plan(inner), **model_ep_plan(inner)}

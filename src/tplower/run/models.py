@@ -301,14 +301,15 @@ def check_tp(name: str, tp: int, option: str = "--tp") -> None:
 
 
 def check_plan_modules(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Match every plan key against the model's module names (``*`` is one name part).
+    """Match every plan key against the model's module names (as :func:`tplower.parallelize` matches them:
+    ``*`` within one name part, ``**`` any number of parts).
 
     Returns:
         plan key -> the module names it matches, in model order.
 
     Raises:
-        TPLowerError: a key matches no module; the message shows close names
-            (:func:`tplower.plans.keys.check_plan_keys`).
+        TPLowerError: a key matches no module; the message
+            (:func:`tplower.plans.keys.unmatched_key_message`) shows the closest names.
     """
     return check_plan_keys((n for n, _ in model.named_modules()), plan, type(model).__name__)
 

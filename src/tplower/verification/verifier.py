@@ -186,7 +186,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
             process group the ranks share the global generator: return
             copies of one model built beforehand.
         plan: as :func:`tplower.parallelize` takes it (a mapping, a YAML/JSON
-            file or ``"auto"``).
+            file, ``"auto"`` or ``"derive"``).
         mesh: the device mesh; every rank of it calls ``verify``.
         example_inputs: the whole inputs, the same on every rank: a tensor,
             a tuple/list of positional inputs or a mapping of keyword inputs.
