@@ -295,6 +295,7 @@ def test_call_cache_keys_exactly_counts_hits_and_keeps_its_bound() -> None:
         calls.store(x, ["S(0)"], "R", None, None, "list")  # mutable: never stored
         calls.store(x, _Spec("S(0)"), "R", None, None, "mutable")  # hashable, but it could change: never stored
         calls.store(x, "S(0)", {"tp": "R"}, None, None, "mapping")
+        calls.store(x, (_Key(),), "R", None, None, "tuple of another object")  # only strings and placements
         calls.store(x, "S(0)", "R", None, [8, 3], "list shape")
         assert len(calls) == 1
         calls.store(x, "S(0)", "R", "P(sum)", None, "q")

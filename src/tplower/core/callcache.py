@@ -14,10 +14,11 @@ argument of the wrong type) misses and takes the full path, which checks it.
 
 What may be stored, and why that is exact:
 
-* placements given as ``str`` or ``tuple`` (or ``None`` for ``grad``):
-  immutable, so a stored key cannot change behind the cache. A list or a
-  mapping is never stored (a list cannot be hashed; a mapping or another
-  sequence could change); those calls always take the full path.
+* placements given as a ``str`` or a ``tuple`` of strings and PyTorch
+  placements (or ``None`` for ``grad``): immutable, so a stored key cannot
+  change behind the cache. A list or a mapping is never stored (a list
+  cannot be hashed; a mapping or another sequence could change); those
+  calls always take the full path.
 * ``global_shape`` ``None``, a ``torch.Size``, or a tuple of plain ``int``:
   and the lookup insists on the same, since ``(8.0, 3) == (8, 3)`` and
   ``True == 1`` in Python; a float or a bool takes the full path and its
@@ -35,6 +36,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 import torch
+from torch.distributed.tensor.placement_types import Placement
 
 from .cache import LRUCache
 
@@ -44,7 +46,8 @@ V = TypeVar("V")
 
 
 def _storable_spec(spec: object) -> bool:
-    return type(spec) is str or type(spec) is tuple
+    """Whether ``spec`` cannot change after the call: a string, or a tuple of strings and placements."""
+    return type(spec) is str or (type(spec) is tuple and all(type(p) is str or isinstance(p, Placement) for p in spec))
 
 
 def _exact_shape(shape: object) -> bool:
@@ -74,7 +77,7 @@ class CallCache(LRUCache[Hashable, V], Generic[V]):
         """The stored program of this call, or ``None`` (then the full path runs and stores it).
 
         ``local`` must be a plain ``torch.Tensor`` (the caller checks its
-        type first). Never raises: an unhashable argument is a miss.
+        type first). An unhashable argument is a miss, not an error.
         """
         if global_shape is not None and not _exact_shape(global_shape):
             return None
