@@ -6,6 +6,7 @@ Imports nothing else of tplower (the layer contract in ``pyproject.toml``):
 * :mod:`~tplower.core.transitions`: the pure planner (steps, shapes, bytes).
 * :mod:`~tplower.core.collectives`: the collectives on local tensors and the one autograd Function.
 * :mod:`~tplower.core.redistribute`: :class:`MeshLowerer` (plans bound to a live mesh) and ``redistribute_local``.
+* :mod:`~tplower.core.callcache`: ``redistribute_local``'s fast path (a call seen before goes straight to its program).
 * :mod:`~tplower.core.lowering`: the seed API (``classify_tp_transition``, ``TPExecutionOp``, ...).
 * :mod:`~tplower.core.dispatch`: expert parallelism's token exchange (``plan_dispatch``, ``dispatch_tokens``,
   ``combine_tokens``) over one differentiable variable-split ``all_to_all``.

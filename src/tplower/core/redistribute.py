@@ -3,7 +3,9 @@
 A :class:`MeshLowerer` belongs to one ``DeviceMesh``: it checks once that each
 axis's process group orders its ranks as the mesh does, keeps a cache of
 bound programs keyed on ``(src, dst, grad, shape, device)`` (least recently
-used dropped beyond :func:`tplower.set_cache_size`'s bound), and runs them.
+used dropped beyond :func:`tplower.set_cache_size`'s bound), and runs them;
+in front of that cache, ``redistribute_local`` finds the program of a call it
+has seen by the call's own arguments (:mod:`tplower.core.callcache`).
 Everything it cannot lower goes to DTensor's ``redistribute`` (forward and
 backward), logged at debug level with the reason.
 """
@@ -29,6 +31,7 @@ from .agreement import debug_enabled
 from .argcheck import check_bool, check_local_tensor, check_mesh, check_shape
 from .binding import bind_step
 from .cache import CacheInfo, LRUCache
+from .callcache import CallCache, IdentityMap
 from .debug_path import name_type_error
 from .errors import TPLowerError
 from .mesh_facts import axis_order, mesh_facts
@@ -41,12 +44,14 @@ from .placements import (
     replicate_partials,
 )
 from .program import Program
-from .traced import _TRACED, _slot
+from .traced import _TRACED, _slot, _traced_dims, _traced_slot
 from .transitions import global_shape_from_local, plan_transition
 
 __all__ = ["MeshLowerer", "bind_step", "mesh_lowerer", "redistribute_local"]
 
 log = logging.getLogger("tplower")
+
+_is_compiling = torch.compiler.is_compiling  # bound once: read on every call
 
 
 def _key(spec: Any) -> Hashable:
@@ -92,6 +97,8 @@ class MeshLowerer:
         self.orders: tuple[tuple[int, ...] | None, ...] = tuple(
             self._axis_order(i, list(mesh_ranks[i]), list(group_ranks[i])) for i in range(mesh.ndim))
         self._cache: LRUCache[Hashable, Program] = LRUCache()
+        #: the programs of calls seen before, keyed on redistribute_local's arguments as given (its fast path)
+        self.calls: CallCache[Program] = CallCache(self._cache)
         self._flat_group: ProcessGroup | None = None
         self._planned_dims: LRUCache[Hashable, tuple[frozenset[int] | None]] = LRUCache()
         #: run the debug check on every call (``TPLOWER_DEBUG=1`` when the lowerer was made)
@@ -129,6 +136,7 @@ class MeshLowerer:
         self._groups = None
         self._flat_group = None
         self._cache.clear()
+        self.calls.clear()
         self._planned_dims.clear()
 
     @property
@@ -166,7 +174,7 @@ class MeshLowerer:
             # Traced, a cache lookup would make the graph guard on the cache's contents: a first trace on a
             # cold cache would guard on the program being absent and recompile at the next call, which finds
             # it. So the lookup runs untraced, at trace time, and the trace reads the program from an
-            # attribute of its own that never changes (_traced_program).
+            # attribute of its own that never changes (tplower.core.traced).
             dims = _traced_dims(self, src, dst, grad, len(local_shape), global_shape, device_type)
             # The sizes of the dims the placements shard are part of the plan: the graph specializes on them.
             planned = tuple(int(s) if dims is None or i in dims else 1 for i, s in enumerate(local_shape))
@@ -285,27 +293,9 @@ def _traced_lowerer_slot(mesh: DeviceMesh) -> str:
     return _slot(mesh_lowerer(mesh))
 
 
-@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
-def _traced_dims(lowerer: MeshLowerer, src: PlacementsLike, dst: PlacementsLike, grad: PlacementsLike | None,
-                 ndim: int, global_shape: Sequence[int] | None, device_type: str) -> tuple[int, ...] | None:
-    """:meth:`MeshLowerer._dims` run at trace time, untraced: its result is a constant of the graph."""
-    dims = lowerer._dims(src, dst, grad, ndim, global_shape, device_type)[1]
-    return None if dims is None else tuple(sorted(dims))
-
-
-@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
-def _traced_slot(lowerer: MeshLowerer, src: PlacementsLike, dst: PlacementsLike, planned: tuple[int, ...],
-                 device_type: str, grad: PlacementsLike | None, global_shape: Sequence[int] | None) -> str:
-    """The program's attribute of :data:`_TRACED`, looked up (or built) at trace time, untraced.
-
-    A trace reads the program as ``_TRACED.<slot>``: its own guard source,
-    bound once and never rebound, so the guard holds for every later call
-    whatever happens to the caches.
-    """
-    return _slot(lowerer._program(src, dst, planned, device_type, grad, global_shape))
-
-
-_LOWERERS: weakref.WeakKeyDictionary[DeviceMesh, MeshLowerer] = weakref.WeakKeyDictionary()
+# Keyed on the mesh object itself, held weakly: the map must not keep meshes (and, through DTensor's
+# weakref-keyed caches, their stale plans) alive after the caller drops them.
+_LOWERERS: IdentityMap[MeshLowerer] = IdentityMap()
 
 
 def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
@@ -315,15 +305,11 @@ def mesh_lowerer(mesh: DeviceMesh) -> MeshLowerer:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
         TPLowerError: this rank is not part of ``mesh``.
     """
-    try:
-        lowerer = _LOWERERS.get(mesh)
-    except TypeError:  # not weak-referenceable: certainly not a mesh
-        check_mesh(mesh, "mesh", "mesh_lowerer")
-        raise
-    if lowerer is None or lowerer._mesh_ref() is not mesh:  # an equal but other mesh object
+    lowerer = _LOWERERS.get(mesh)
+    if lowerer is None:
         check_mesh(mesh, "mesh", "mesh_lowerer")
         lowerer = MeshLowerer(mesh)
-        _LOWERERS[mesh] = lowerer
+        _LOWERERS.put(mesh, lowerer)
     return lowerer
 
 
@@ -380,7 +366,19 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     sum/avg/max/min) DTensor's ``redistribute`` runs it, forward and
     backward. Shards follow mesh coordinates even where an axis's process
     group orders its ranks differently (DTensor gets uneven shards wrong there).
+
+    A call whose arguments were seen before (the same mesh object, placements
+    given as the same strings or tuples, global shape, local shape and
+    device) goes straight to its program (:mod:`tplower.core.callcache`);
+    every other call is checked in full first.
     """
+    if not _is_compiling():
+        lowerer = _LOWERERS.get(mesh)
+        if lowerer is not None and type(local) is torch.Tensor:
+            if check is False or (check is None and not lowerer.debug):
+                prog = lowerer.calls.lookup(local, src, dst, grad, global_shape)
+                if prog is not None:
+                    return prog(local)
     try:
         # Traced, the lookup would guard on the map of lowerers (and a first use would make the lowerer inside
         # the graph): it runs untraced at trace time, as the program lookup does.
@@ -395,11 +393,13 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
         return lowerer.checked(local, src, dst, grad=grad, global_shape=global_shape)
     if type(local) is not torch.Tensor:  # a Parameter passes; a DTensor, a list or None does not
         check_local_tensor(local, "local", "redistribute_local")
-    if global_shape is not None and not isinstance(global_shape, tuple | list):  # never iterate a tensor or array
+    if global_shape is not None:  # every time: a cached key does not tell (8.0, 3) from (8, 3)
         check_shape(global_shape, "global_shape", "redistribute_local")
     try:
         prog = lowerer.program(src, dst, local.shape, local.device.type, grad=grad, global_shape=global_shape)
     except TypeError:  # e.g. an unhashable spec fails in the cache lookup: name the argument instead
         name_type_error(lowerer.names, src, dst, grad, global_shape)
         raise
+    if type(local) is torch.Tensor and not _is_compiling():
+        lowerer.calls.store(local, src, dst, grad, global_shape, prog)
     return prog(local)

@@ -8,7 +8,12 @@ and lowerers, :mod:`tplower.runtime.interned`'s per-call layouts).
 
 from __future__ import annotations
 
-__all__ = ["_TRACED", "_slot"]
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["_TRACED", "_slot", "_traced_dims", "_traced_slot"]
 
 
 class _TracedObjects:
@@ -33,3 +38,50 @@ def _slot(obj: object) -> str:
         setattr(_TRACED, slot, obj)
         _TRACED_SLOTS[id(obj)] = slot
     return slot
+
+
+class _Lowerer(Protocol):
+    """What the traced lookups call of a :class:`~tplower.core.redistribute.MeshLowerer` (which imports this
+    module, so it is typed by this protocol)."""
+
+    def _dims(
+        self, src: Any, dst: Any, grad: Any, ndim: int, global_shape: Sequence[int] | None, device_type: str
+    ) -> tuple[Hashable, frozenset[int] | None]: ...
+
+    def _program(
+        self,
+        src: Any,
+        dst: Any,
+        local_shape: Sequence[int],
+        device_type: str,
+        grad: Any,
+        global_shape: Sequence[int] | None,
+    ) -> object: ...
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_dims(
+    lowerer: _Lowerer, src: Any, dst: Any, grad: Any, ndim: int, global_shape: Sequence[int] | None, device_type: str
+) -> tuple[int, ...] | None:
+    """``lowerer._dims`` run at trace time, untraced: its result is a constant of the graph."""
+    dims = lowerer._dims(src, dst, grad, ndim, global_shape, device_type)[1]
+    return None if dims is None else tuple(sorted(dims))
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_slot(
+    lowerer: _Lowerer,
+    src: Any,
+    dst: Any,
+    planned: tuple[int, ...],
+    device_type: str,
+    grad: Any,
+    global_shape: Sequence[int] | None,
+) -> str:
+    """The program's attribute of :data:`_TRACED`, looked up (or built) at trace time, untraced.
+
+    A trace reads the program as ``_TRACED.<slot>``: its own guard source,
+    bound once and never rebound, so the guard holds for every later call
+    whatever happens to the caches.
+    """
+    return _slot(lowerer._program(src, dst, planned, device_type, grad, global_shape))
