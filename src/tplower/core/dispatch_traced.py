@@ -9,7 +9,8 @@ variable-split exchange is an operator of its own, ``tplower::split_exchange``
 matrix (the host read every dropless dispatcher makes, here inside the
 operator) and runs the same exchange as the eager dispatch; the trace only
 learns that its output has some number of rows (an unbacked size, made by the
-operator's fake kernel, so no ``capture_scalar_outputs`` is needed). Its
+operator's fake kernel: no ``capture_scalar_outputs`` or
+``capture_dynamic_output_shape_ops`` needed, with or without ``fullgraph``). Its
 backward is the same operator with the matrix transposed (backward is a
 transition too). Every other step is a traced tensor operation:
 
@@ -36,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
 from .backends import backend_caps, backend_name_for
 from .collectives import _fc_all_gather, keep_backward
@@ -77,7 +79,17 @@ def split_exchange(x: torch.Tensor, matrix: torch.Tensor, rank: int, group_name:
 
 @split_exchange.register_fake
 def _split_exchange_fake(x: torch.Tensor, matrix: torch.Tensor, rank: int, group_name: str) -> torch.Tensor:
-    return x.new_empty((torch.library.get_ctx().new_dynamic_size(), *x.shape[1:]))
+    ctx = torch.library.get_ctx()
+    shape_env = getattr(ctx, "_shape_env", None)
+    if shape_env is None:
+        rows = ctx.new_dynamic_size()
+    else:
+        # A sum of counts, always a valid size: made directly, as torch's own device-mesh operator makes its
+        # coordinate, so that a plain torch.compile traces it too (new_dynamic_size asks for fullgraph=True or
+        # capture_dynamic_output_shape_ops, and is a graph break without them).
+        rows = shape_env.create_unbacked_symint()
+        _constrain_range_for_size(rows, min=0)
+    return x.new_empty((rows, *x.shape[1:]))
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: torch.Tensor) -> None:
