@@ -10,7 +10,9 @@ carries the mode into backward on the calling thread). Bytes sent per rank
 follow the ring conventions of :mod:`tplower.core.transitions`
 (``all_reduce`` ``2(n-1)/n`` of the tensor, ``all_gather`` and
 ``reduce_scatter`` ``n-1`` pieces, ``all_to_all`` every row bound for another
-rank), so they compare across libraries.
+rank), so they compare across libraries. The compiled expert dispatch's
+exchange (``tplower::split_exchange``, an operator whose kernel issues the
+``all_to_all``) counts as that ``all_to_all``.
 
 The mode sees every operator call, so it costs time: count on an untimed step.
 """
@@ -77,7 +79,7 @@ class CollectiveTraffic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         ns, name = func.namespace, func._opname
-        if ns in ("c10d", "_c10d_functional"):
+        if ns in ("c10d", "_c10d_functional") or (ns, name) == ("tplower", "split_exchange"):
             self._count(ns, name, args)
         return func(*args, **(kwargs or {}))
 
@@ -104,5 +106,7 @@ class CollectiveTraffic(TorchDispatchMode):
             self._record("all_to_all", _a2a_sent(args[1], args[4], n, rank))
         elif name == "all_to_all_single":
             self._record("all_to_all", _a2a_sent(args[0], args[2], n, rank))
+        elif name == "split_exchange":  # (rows, matrix [n, n] of rows s -> d, group rank, group name)
+            self._record("all_to_all", _a2a_sent(args[0], args[1][args[2]].tolist(), n, rank))
         elif name in ("broadcast_", "broadcast"):
             self._record("broadcast", 0)

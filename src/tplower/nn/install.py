@@ -30,6 +30,7 @@ from ..runtime.fanout import link_fanouts
 from ..runtime.rest_params import RestParams
 from ..state.full_state import patch_save_pretrained, register_full_load
 from .coverage import install_coverage
+from .moves import known_sizes
 from .place import place_module
 from .resolve import ModulePlan, ResolvedPlan, bind_compute, resolve_module
 
@@ -45,7 +46,8 @@ def install_module(module: nn.Module, mp: ModulePlan, lowerer: MeshLowerer, axis
     compute = bind_compute(module, mp)
     if mp.num_experts is not None:
         compute = ExpertDispatch(compute, mp.num_experts, lowerer, lowerer.names.index(axis), mp.qual)
-    boundary = _Boundary(mp.info, module, compute, mp.ins, mp.outs, lowerer, mp.layouts, mp.lookup)
+    outs = known_sizes(module, mp.outs, mp.ins, dict(mp.layouts), mp.num_experts is not None, lowerer, axis)
+    boundary = _Boundary(mp.info, module, compute, mp.ins, outs, lowerer, mp.layouts, mp.lookup)
     if mp.tail:
         boundary.tail = mp.tail
         boundary.tail_rep = tuple(Replicate() for _ in lowerer.names)

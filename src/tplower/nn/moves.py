@@ -3,6 +3,7 @@
 Pure reading of a module's ``forward`` signature and a boundary form: the
 position or keyword of each declared input, the slot of each declared output,
 which mesh axes a move must learn a global size on (:func:`sized_axes`),
+which gathered outputs have a global size install knows (:func:`known_sizes`),
 whether the outputs open a sharded region for dropout (:func:`opens_region`),
 and a vocabulary-parallel lookup's rows (:func:`lookup`). Used by
 :mod:`tplower.nn.resolve`; nothing here changes a module.
@@ -29,8 +30,8 @@ from ..plans.forms import BoundaryForm, BoundaryOp
 from ..runtime.boundary import _Lookup, _Move
 from ..runtime.params import ParamLayout
 
-__all__ = ["input_moves", "input_slot", "live_reason", "lookup", "opens_region", "output_moves", "output_slot",
-           "without_absent_inputs"]
+__all__ = ["input_moves", "input_slot", "known_sizes", "live_reason", "lookup", "opens_region", "output_moves",
+           "output_slot", "without_absent_inputs"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                inspect.Parameter.VAR_POSITIONAL)
@@ -131,6 +132,59 @@ def output_moves(ops: tuple[BoundaryOp, ...], entry: BoundaryEntry, module: str,
                            f"module {module!r}, output {op.name!r}", op.name in entry.uneven,
                            _sized_axes(op, entry.uneven, known)))
     return tuple(moves)
+
+
+def _param_sizes(module: nn.Module, layouts: Mapping[str, ParamLayout], axis: str) -> set[tuple[int, int]]:
+    """``(global size, packed parts)`` of each dim the module's parameters shard along mesh axis ``axis``."""
+    found = set()
+    for name, layout in layouts.items():
+        names = tuple(layout.mesh.mesh_dim_names or ())
+        p = module._parameters.get(name)
+        q = layout.placements[names.index(axis)] if axis in names else None
+        if isinstance(q, Shard) and p is not None:
+            found.add((int(p.shape[q.dim]), layout.packed))
+    return found
+
+
+def _known(mv: _Move, module: nn.Module, ins: tuple[_Move, ...], layouts: Mapping[str, ParamLayout],
+           experts: bool, lowerer: MeshLowerer, axis: str) -> _Move:
+    sharded = [i for i, p in enumerate(mv.src) if isinstance(p, Shard)]
+    if not mv.uneven or len(sharded) != 1 or lowerer.names[sharded[0]] != axis:
+        return mv
+    if experts:  # its tokens, cut from its first input (the hidden states, whole on the axis)
+        cut = [j for j, m in enumerate(ins) if m.slot == 0 and m.dst == mv.src
+               and not any(isinstance(p, Shard) for p in m.src)]
+        return dataclasses.replace(mv, like_input=cut[0]) if cut else mv
+    sizes = _param_sizes(module, layouts, axis)
+    shard = mv.src[sharded[0]]
+    if len(sizes) != 1 or not isinstance(shard, Shard) or shard.dim != -1:
+        return mv
+    (size, packed), = sizes
+    n, c = lowerer.shape[sharded[0]], lowerer.coord[sharded[0]]
+    return dataclasses.replace(mv, param_size=(size, packed * chunk_size_and_offset(size // packed, n, c)[0]))
+
+
+def known_sizes(module: nn.Module, outs: tuple[_Move, ...], ins: tuple[_Move, ...],
+                layouts: Mapping[str, ParamLayout], experts: bool, lowerer: MeshLowerer, axis: str
+                ) -> tuple[_Move, ...]:
+    """``outs`` with the global size of each gathered ``uneven`` dim that install knows: no exchange per call.
+
+    An output whose sizes would be exchanged each call (``uneven``: one
+    ``all_gather`` of sizes, a graph break under ``torch.compile``) needs no
+    exchange when its global size is known here:
+
+    * an expert-parallel block's output (``experts``) is its tokens, cut from
+      its first input (whole on the axis): that input's size, read at each
+      call (``like_input``);
+    * an output the entry's axis shards on its last dim (``S(-1)``: its
+      features) of a module whose parameters shard one global size along that
+      axis (a colwise ``lm_head`` of a vocabulary that does not divide): that
+      size and this rank's ``torch.chunk`` piece of it (``param_size``).
+
+    Other moves are returned as they are. The moves keep ``uneven`` (generated
+    code still exchanges sizes). Reads the module's parameters' global shapes.
+    """
+    return tuple(_known(mv, module, ins, layouts, experts, lowerer, axis) for mv in outs)
 
 
 def lookup(module: nn.Module, entry: BoundaryEntry, layouts: Mapping[str, ParamLayout], fwd: Callable[..., Any],

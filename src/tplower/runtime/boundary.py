@@ -29,7 +29,7 @@ from ..plans.forms import BoundaryForm, Placements
 from .dropout import DropoutStreams
 from .interned import intern, traced
 from .params import ParamLayout, local_parameter
-from .uneven import agreed_global_shape, exchanged_global_shape
+from .uneven import agreed_global_shape, exchanged_global_shape, known_global_shape
 
 __all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "shared_move", "tie_outputs"]
 
@@ -52,6 +52,12 @@ class _Move:
     #: not declared ``uneven``, mesh axes along which the source shards a dim the move changes and whose global size
     #: install cannot know: sizes exchanged (eager) or checked equal (compiled) each call (:func:`agreed_global_shape`)
     sized: tuple[int, ...] = ()
+    #: an output whose global size along the one dim its source shards is known without exchanging sizes
+    #: (:func:`known_global_shape`): the index in the boundary's input moves of the input it was cut from (an
+    #: expert-parallel block's tokens; ``-1``: none), or the ``(global size, this rank's piece)`` of that dim
+    #: that the module's sharded parameters give it (a vocabulary that does not divide: the lm_head's logits)
+    like_input: int = -1
+    param_size: tuple[int, int] | None = None
 
 
 _Mover = Callable[[torch.Tensor, MeshLowerer, _Move, tuple[int, ...] | None], torch.Tensor]
@@ -167,6 +173,8 @@ class _Static:
     #: the outputs leave a sharded region open (``True``: sharded along the axis), closed (``False``: replicated
     #: or partial) or as it was (``None``): where dropout switches streams (:mod:`tplower.runtime.dropout`)
     region: bool | None = None
+    #: an output move reads an input's size before its move (``like_input``): the call keeps those values
+    like: bool = False
     key: int = field(default=0, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
@@ -239,7 +247,8 @@ class _Boundary:
                              any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
                              self.params,
                              self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
-                             self.share, self.share_n, func, self.tie, self.region))
+                             self.share, self.share_n, func, self.tie, self.region,
+                             any(mv.like_input >= 0 for mv in self.outs)))
         object.__setattr__(self, "static", st)
         object.__setattr__(self, "static_key", st.key)
 
@@ -249,11 +258,16 @@ class _Boundary:
         args_l = list(args)
         fans = self.fan if st.fanned else (None,) * len(st.ins)
         moved: list[Any] = []
+        cut: dict[int, Any] = {}  # by input move, its value before the move (an output sized like it reads it)
         for i, (mv, fan) in enumerate(zip(st.ins, fans, strict=True)):
             if mv.keyword is not None and mv.keyword in kwargs:
+                if st.like:
+                    cut[i] = kwargs[mv.keyword]
                 kwargs[mv.keyword] = _move_in(self, st, kwargs[mv.keyword], i, fan)
                 moved.append(kwargs[mv.keyword])
             elif 0 <= mv.slot < len(args_l):
+                if st.like:
+                    cut[i] = args_l[mv.slot]
                 args_l[mv.slot] = _move_in(self, st, args_l[mv.slot], i, fan)
                 moved.append(args_l[mv.slot])
         lookup = st.lookup
@@ -281,7 +295,7 @@ class _Boundary:
                 owner.__dict__["padding_idx"] = pad
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        result = _outputs(self, st, out, bias)
+        result = _outputs(self, st, out, bias, cut)
         if st.region is not None and not torch.compiler.is_compiling():
             streams = self.streams
             if streams is not None and owner.training:
@@ -333,8 +347,11 @@ def _mask_ids(b: _Boundary, lk: _Lookup, args: list[Any], kwargs: dict[str, Any]
     return mine
 
 
-def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool) -> Any:
-    """Move ``value`` by input (``out`` false) or output move ``i``; ``None`` passes through."""
+def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool, cut: dict[int, Any] | None = None) -> Any:
+    """Move ``value`` by input (``out`` false) or output move ``i``; ``None`` passes through.
+
+    ``cut``: the inputs' values before their moves, by input move (outputs sized by an input read them).
+    """
     mv = st.outs[i] if out else st.ins[i]
     if value is None:
         return None
@@ -343,7 +360,10 @@ def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool) -> Any:
     if mv.uneven or mv.sized or st.lowerer.debug:  # these name the module in messages: the boundary's own move does
         mv = b.outs[i] if out else b.ins[i]
     gshape: tuple[int, ...] | None = None
-    if mv.uneven:
+    if mv.like_input >= 0 or mv.param_size is not None:  # known at install: no exchange (no graph break)
+        gshape = known_global_shape(value, mv.src, st.lowerer, mv.where, params=mv.param_size,
+                                    cut_from=(cut or {}).get(mv.like_input))
+    elif mv.uneven:
         gshape = exchanged_global_shape(value, mv.src, st.lowerer, mv.where)
     elif mv.sized:
         gshape = agreed_global_shape(value, mv.src, mv.sized, st.lowerer, mv.where)
@@ -361,14 +381,15 @@ def _reduce_tail_grad(st: _Static, out: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, tail], dim=-1)
 
 
-def _outputs(b: _Boundary, st: _Static, out: Any, bias: torch.Tensor | None = None) -> Any:
+def _outputs(b: _Boundary, st: _Static, out: Any, bias: torch.Tensor | None = None,
+             cut: dict[int, Any] | None = None) -> Any:
     is_seq = isinstance(out, tuple | list)
     items = list(out) if is_seq else [out]
     for i, mv in enumerate(st.outs):
         if mv.slot >= len(items):
             raise TPLowerError(f"module {b.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
                                f"returned {len(items)} value(s)")
-        items[mv.slot] = _apply(b, st, items[mv.slot], i, True)
+        items[mv.slot] = _apply(b, st, items[mv.slot], i, True, cut)
     if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
         items[0] = items[0] + bias.to(items[0].dtype)
     if st.tail:

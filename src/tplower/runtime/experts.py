@@ -22,6 +22,12 @@ as this rank's piece of the tokens (the boundary chunks replicated inputs
 Each expert's gradient collects every token routed to it, so the expert weights'
 gradients are whole on their rank (no reduction); the hidden states' and the
 routing weights' gradients come back through the same exchanges.
+
+Under ``torch.compile`` the same steps run as
+:func:`tplower.core.dispatch_traced.traced_experts`: the counts stay tensors
+and the exchange is one operator whose row count the trace leaves unbacked,
+so a train step traces as one graph for every routing (no graph break, no
+recompile), with the eager dispatch's rows and bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 from ..core.dispatch import combine_tokens, dispatch_tokens, plan_dispatch
+from ..core.dispatch_traced import traced_experts
 from ..core.errors import TPLowerError
 from ..core.redistribute import MeshLowerer
 
@@ -57,6 +64,9 @@ class ExpertDispatch:
                  module: str) -> None:
         self.forward, self.num_experts, self.lowerer, self.axis, self.module = (
             forward, num_experts, lowerer, axis, module)
+        order, coord = lowerer.orders[axis], lowerer.coord[axis]
+        #: this rank's rank in the axis's process group (the experts it holds: ``rank * E/n ..``)
+        self.group_rank = coord if order is None else order[coord]
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                  top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,6 +74,9 @@ class ExpertDispatch:
             raise TPLowerError(f"module {self.module!r}: expert parallelism needs the routing indices and weights "
                                "as its second and third inputs (forward(hidden_states, top_k_index, "
                                "top_k_weights))")
+        if torch.compiler.is_compiling():
+            return traced_experts(self.forward, hidden_states, top_k_index, top_k_weights, self.num_experts,
+                                  self.lowerer.shape[self.axis], self.group_rank, self.lowerer.groups[self.axis])
         plan = plan_dispatch(top_k_index, self.num_experts, self.lowerer.groups[self.axis])
         rows = dispatch_tokens(hidden_states, plan)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)

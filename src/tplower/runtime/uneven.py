@@ -23,6 +23,12 @@ same :class:`TPLowerError` on every rank for others), and under
 on every rank before any collective of its data, never a wrong shape or a
 backend abort. Sizes travel on the CPU when the axis's group carries CPU
 tensors (``cpu:gloo,cuda:nccl``), so a CUDA model does not wait on its device.
+
+Where install knows the global size of an output's gathered dim, nothing is
+exchanged (:func:`known_global_shape`, no collective, no graph break): the
+parameters that shard it give it (a vocabulary that does not divide: the
+lm_head's logits), or the input the output was cut from does (an
+expert-parallel block's tokens).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from ..core.errors import TPLowerError
 from ..core.redistribute import MeshLowerer
 from ..core.transitions import chunk_size_and_offset
 
-__all__ = ["agreed_global_shape", "exchanged_global_shape"]
+__all__ = ["agreed_global_shape", "exchanged_global_shape", "known_global_shape"]
 
 
 def _size_device(lowerer: MeshLowerer, axis: int, device: torch.device) -> torch.device:
@@ -158,3 +164,44 @@ def agreed_global_shape(local: torch.Tensor, src: Sequence[Placement], axes: Seq
         _traced_even_check(local, src, axes, lowerer, where)
         return None
     return _exchanged_global_shape(local, src, lowerer, where, axes)
+
+
+def known_global_shape(local: torch.Tensor, src: Sequence[Placement], lowerer: MeshLowerer, where: str, *,
+                       params: tuple[int, int] | None = None, cut_from: object = None) -> tuple[int, ...]:
+    """The global shape of ``local``, whose one sharded dim has a global size known without an exchange; local.
+
+    Args:
+        local: this rank's local tensor (only its shape is read).
+        src: one placement per mesh axis; exactly one is a ``Shard`` (of dim ``d``).
+        lowerer: the mesh's lowerer (this rank's coordinates).
+        where: what is moved (``module 'lm_head', output 'out'``), for the message.
+        params: ``(global size, this rank's piece)`` of dim ``d``, which the
+            module's sharded parameters give it (known at install); or
+        cut_from: the tensor ``local`` was cut from (its size along ``d`` is
+            the global size, this rank's ``torch.chunk`` piece of it ``local``'s).
+
+    Raises:
+        TPLowerError: ``cut_from`` is not a tensor of ``local``'s dims, or this
+            rank's size of dim ``d`` is not its piece (the message names the
+            dim, the axis and both sizes). Other ranks are not asked (that is
+            the point); ``TPLOWER_DEBUG=1`` checks that every rank's sizes
+            agree before each collective.
+    """
+    axis = next(j for j, p in enumerate(src) if isinstance(p, Shard))
+    shard = src[axis]
+    assert isinstance(shard, Shard)
+    d, c = shard.dim % local.ndim, lowerer.coord[axis]
+    if params is not None:
+        size, piece = params
+        whose = "the module's sharded parameters give it"
+    elif isinstance(cut_from, torch.Tensor) and cut_from.ndim == local.ndim:
+        size = cut_from.shape[d]
+        piece = chunk_size_and_offset(size, lowerer.shape[axis], c)[0]
+        whose = "it was cut from"
+    else:
+        raise TPLowerError(f"{where}: its global size is that of the input it was cut from, which was not given as "
+                           f"a tensor of {local.ndim} dims")
+    if local.shape[d] != piece:
+        raise TPLowerError(f"{where}: dim {d} is {local.shape[d]} on this rank (coordinate {c} of mesh axis "
+                           f"{lowerer.names[axis]!r}), not its torch.chunk piece {piece} of the {size} {whose}")
+    return (*local.shape[:d], size, *local.shape[d + 1:])
