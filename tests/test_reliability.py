@@ -136,7 +136,8 @@ def test_a_dying_rank_is_named_and_nothing_is_left(how, reliability_report, tmp_
                             ("rank 1 gives up mid-run" in failed[1])), failed
     assert after_death < 30  # the survivor is ended soon after, not at the process group's timeout
     assert multiprocessing.active_children() == []
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tplower-*"))) == before
+    # nothing of this run is left; another process's folders may come and go meanwhile (only new ones count)
+    assert not set(glob.glob(os.path.join(tempfile.gettempdir(), "tplower-*"))) - before
     reliability_report["faults injected"] = reliability_report.get("faults injected", 0) + 1
 
 
