@@ -117,6 +117,7 @@ def _exchange_op(rank: int, world: int) -> dict[str, Any]:
 
     from tplower.core.dispatch import all_to_all_splits
     from tplower.core.dispatch_traced import split_exchange
+    from tplower.core.traffic import CollectiveTraffic
 
     group = torch.distributed.group.WORLD
     matrix = [[2, 3], [0, 4]]  # rank 1 sends nothing to rank 0
@@ -138,8 +139,10 @@ def _exchange_op(rank: int, world: int) -> dict[str, Any]:
         (ye * seed).sum().backward()
         assert x.grad is not None and xe.grad is not None
         worst.append(max(float((y - ye).abs().max()), float((x.grad - xe.grad).abs().max())))
+    with CollectiveTraffic() as traffic:  # the operator counts as the all_to_all its kernel issues
+        split_exchange(torch.zeros(sum(matrix[rank]), 3), torch.tensor(matrix), rank, group.group_name)
     return {"worst": worst, "breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"]}
+            "graphs": counters["stats"]["unique_graphs"], "traffic": (dict(traffic.counts), traffic.sent)}
 
 
 def _ep_body(rank: int, world: int) -> dict[str, Any]:
@@ -190,8 +193,10 @@ def test_expert_parallel_train_step_compiles_once_without_a_break(ep_ranks: list
 
 
 def test_split_exchange_is_the_variable_split_exchange(vocab_ranks: list[dict[str, Any]]) -> None:
-    for r in vocab_ranks:
-        assert r["exchange"] == {"worst": [0.0, 0.0], "breaks": 0, "graphs": 1}, r["exchange"]
+    # by hand: rank 0 sends 3 rows of 3 float32 (36 B) to rank 1, rank 1 none to rank 0
+    for r, sent in zip(vocab_ranks, (36, 0), strict=True):
+        assert r["exchange"] == {"worst": [0.0, 0.0], "breaks": 0, "graphs": 1,
+                                 "traffic": ({"all_to_all": 1}, sent)}, r["exchange"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
