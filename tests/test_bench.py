@@ -192,3 +192,24 @@ def test_context_table_reads_each_variant_against_one_process() -> None:
     lines = context_table(res)
     assert lines[2] == "| one process | 4000 | 1.00 | 160.00 | 1.00 | - | 0.00 | - |"
     assert lines[3] == "| cp ulysses | 2000 | 0.50 | 88.00 | 0.55 | all_to_all 32 | 12.00 | 12.00 |"
+
+
+def test_moe_table_sets_compiled_expert_parallelism_beside_its_peers() -> None:
+    from tplower.bench.phases import BenchResult
+    from tplower.bench.report import moe_table, target_lines
+
+    def row(name: str, ms: float, **compiled: object) -> dict[str, object]:
+        return {"variant": name, "train_step_ms": ms, "loss_diff": 0.0, "collectives": {"all_to_all": 4},
+                "sent_bytes": 1024, "error": "", **compiled}
+
+    res = BenchResult(config={}, meta={}, moe=[
+        row("tplower_ep", 100.0), row("transformers_ep", 125.0),
+        row("tplower_ep_compiled", 80.0, compile_s=30.0, graphs=1, breaks=0),
+        {"variant": "transformers_ep_compiled", "error": "Unsupported: a reason"}])
+    lines = moe_table(res)
+    assert lines[2] == "| tplower_ep | 100.0 | 0.80 | 0.0e+00 | all_to_all 4 | 1.0 KiB | - |"
+    # its peer is transformers' compiled EP, which failed here: no ratio
+    assert lines[4] == "| tplower_ep_compiled | 80.0 | - | 0.0e+00 | all_to_all 4 | 1.0 KiB | 30, 1, 0 |"
+    assert lines[5] == "| transformers_ep_compiled | error: Unsupported: a reason | | | | | |"
+    assert "- MoE layer train step, tplower expert parallelism compiled/eager 0.80 (80.0 vs 100.0 ms; 1 graph(s), " \
+           "0 break(s), compile 30 s)" in target_lines(res)

@@ -42,19 +42,37 @@ BACKENDS = ("aot_eager", "inductor") if os.environ.get("TPLOWER_SLOW") == "1" el
 
 
 def _qwen3_moe() -> Any:
-    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=8, max_position_embeddings=32, tie_word_embeddings=False)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return transformers.Qwen3MoeForCausalLM(config).float().train()
 
 
 def _llama() -> Any:
-    config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=4, head_dim=8,
-                                      max_position_embeddings=32, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=257,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(config).float()
@@ -105,8 +123,13 @@ def _compiled_steps(ref: Any, mesh: Any, backend: str, experts: str) -> dict[str
     compiled = torch.compile(models[0], backend=cnt, fullgraph=True)
     tokens = 9 if experts == "ep" else 8
     worst = _steps(compiled, [*models, copy.deepcopy(ref)], ref.config.vocab_size, tokens)
-    return {"worst": worst, "frames": int(cnt.frame_count), "graphs": counters["stats"]["unique_graphs"],
-            "breaks": sum(counters["graph_break"].values()), "model": models[1]}
+    return {
+        "worst": worst,
+        "frames": int(cnt.frame_count),
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "model": models[1],
+    }
 
 
 def _exchange_op(rank: int, world: int) -> dict[str, Any]:
@@ -117,6 +140,7 @@ def _exchange_op(rank: int, world: int) -> dict[str, Any]:
 
     from tplower.core.dispatch import all_to_all_splits
     from tplower.core.dispatch_traced import split_exchange
+    from tplower.core.traffic import CollectiveTraffic
 
     group = torch.distributed.group.WORLD
     matrix = [[2, 3], [0, 4]]  # rank 1 sends nothing to rank 0
@@ -138,8 +162,14 @@ def _exchange_op(rank: int, world: int) -> dict[str, Any]:
         (ye * seed).sum().backward()
         assert x.grad is not None and xe.grad is not None
         worst.append(max(float((y - ye).abs().max()), float((x.grad - xe.grad).abs().max())))
-    return {"worst": worst, "breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"]}
+    with CollectiveTraffic() as traffic:  # the operator counts as the all_to_all its kernel issues
+        split_exchange(torch.zeros(sum(matrix[rank]), 3), torch.tensor(matrix), rank, group.group_name)
+    return {
+        "worst": worst,
+        "breaks": sum(counters["graph_break"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
+        "traffic": (dict(traffic.counts), traffic.sent),
+    }
 
 
 def _ep_body(rank: int, world: int) -> dict[str, Any]:
@@ -180,8 +210,7 @@ def vocab_ranks() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_expert_parallel_train_step_compiles_once_without_a_break(ep_ranks: list[dict[str, Any]],
-                                                                  backend: str) -> None:
+def test_expert_parallel_train_step_compiles_once_without_a_break(ep_ranks: list[dict[str, Any]], backend: str) -> None:
     for r in ep_ranks:
         ep = r[backend]
         assert ep["breaks"] == 0 and ep["frames"] == 1 and ep["graphs"] == 1, ep  # three routings, one graph
@@ -190,8 +219,11 @@ def test_expert_parallel_train_step_compiles_once_without_a_break(ep_ranks: list
 
 
 def test_split_exchange_is_the_variable_split_exchange(vocab_ranks: list[dict[str, Any]]) -> None:
-    for r in vocab_ranks:
-        assert r["exchange"] == {"worst": [0.0, 0.0], "breaks": 0, "graphs": 1}, r["exchange"]
+    # by hand: rank 0 sends 3 rows of 3 float32 (36 B) to rank 1, rank 1 none to rank 0
+    for r, sent in zip(vocab_ranks, (36, 0), strict=True):
+        assert r["exchange"] == {"worst": [0.0, 0.0], "breaks": 0, "graphs": 1, "traffic": ({"all_to_all": 1}, sent)}, (
+            r["exchange"]
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -209,8 +241,11 @@ def test_a_rank_whose_size_is_not_its_piece_says_so() -> None:
     lowerer = cast(MeshLowerer, types.SimpleNamespace(coord=(1,), shape=(2,), names=("tp",)))
     logits = torch.zeros(2, 3, 128)
     assert known_global_shape(logits, (Shard(-1),), lowerer, "lm_head", params=(257, 128)) == (2, 3, 257)
-    with pytest.raises(TPLowerError, match=r"lm_head: dim 2 is 129 on this rank \(coordinate 1 of mesh axis 'tp'\), "
-                                           r"not its torch.chunk piece 128 of the 257"):
+    with pytest.raises(
+        TPLowerError,
+        match=r"lm_head: dim 2 is 129 on this rank \(coordinate 1 of mesh axis 'tp'\), "
+        r"not its torch.chunk piece 128 of the 257",
+    ):
         known_global_shape(torch.zeros(2, 3, 129), (Shard(-1),), lowerer, "lm_head", params=(257, 128))
     tokens = torch.zeros(9, 4)
     assert known_global_shape(torch.zeros(4, 4), (Shard(0),), lowerer, "experts", cut_from=tokens) == (9, 4)

@@ -321,7 +321,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
     if "moe" in cfg.phases:
         from .moe import moe_phase
 
-        res.moe = moe_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
+        rounds = cfg.model_steps if cfg.compile_backend is None else max(cfg.model_steps, cfg.compiled_steps)
+        res.moe = moe_phase(rounds, timeout=cfg.timeout, compile_backend=cfg.compile_backend, progress=progress)
     if "loss" in cfg.phases:
         from .loss import loss_phase
 

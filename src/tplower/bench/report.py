@@ -123,21 +123,23 @@ def model_table(res: BenchResult) -> list[str]:
 
 
 def moe_table(res: BenchResult) -> list[str]:
-    """Markdown rows of the MoE phase: step time, difference from one process, collectives and bytes per rank."""
+    """Markdown rows of the MoE phase: step time, difference from one process, collectives and bytes per rank;
+    for a compiled row its first step (the compile), its graphs and its graph breaks."""
     head = ["variant", "train step ms", "step / transformers' same kind", "loss diff", "collectives per step",
-            "sent per rank per step"]
+            "sent per rank per step", "compile s, graphs, breaks"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {r["variant"]: r for r in res.moe}
     for r in res.moe:
         if r.get("error"):
-            lines.append(f"| {r['variant']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['variant']} | error: {r['error']} | | | | | |")
             continue
-        kind = r["variant"].rpartition("_")[2]
+        kind = r["variant"].partition("_")[2]  # ep, tp, ep_compiled
         peer = by.get(f"transformers_{kind}") if r["variant"].startswith("tplower_") else None
         ratio = _ratio(r["train_step_ms"], peer["train_step_ms"]) if peer and not peer.get("error") else "-"
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["collectives"].items())) or "none"
+        comp = f"{r['compile_s']:.0f}, {r['graphs']}, {r['breaks']}" if "compile_s" in r else "-"
         lines.append(f"| {r['variant']} | {r['train_step_ms']:.1f} | {ratio} | {r['loss_diff']:.1e} | {calls} | "
-                     f"{format_bytes(r['sent_bytes'])} |")
+                     f"{format_bytes(r['sent_bytes'])} | {comp} |")
     return lines
 
 
@@ -238,13 +240,20 @@ def target_lines(res: BenchResult) -> list[str]:
                        f"{dc['forward_ms'] / tc['forward_ms']:.2f} (tplower {tc['train_step_ms']:.1f} ms, "
                        f"parallelize_module {dc['train_step_ms']:.1f} ms per step)")
     moe = {r["variant"]: r for r in res.moe if not r.get("error")}
-    for kind, what in (("ep", "expert parallelism"), ("tp", "tensor parallelism inside the experts")):
+    for kind, what in (("ep", "expert parallelism"), ("tp", "tensor parallelism inside the experts"),
+                       ("ep_compiled", "expert parallelism compiled")):
         t, h = moe.get(f"tplower_{kind}"), moe.get(f"transformers_{kind}")
         if t and h:
             ratio = t["train_step_ms"] / h["train_step_ms"]
             out.append(f"- MoE layer train step, {what}: tplower/transformers {ratio:.2f}"
                        f" ({t['train_step_ms']:.1f} vs {h['train_step_ms']:.1f} ms); bytes sent per rank "
                        f"{format_bytes(t['sent_bytes'])} vs {format_bytes(h['sent_bytes'])}")
+    tc, te = moe.get("tplower_ep_compiled"), moe.get("tplower_ep")
+    if tc and te:
+        out.append(f"- MoE layer train step, tplower expert parallelism compiled/eager "
+                   f"{tc['train_step_ms'] / te['train_step_ms']:.2f} ({tc['train_step_ms']:.1f} vs "
+                   f"{te['train_step_ms']:.1f} ms; {tc['graphs']} graph(s), {tc['breaks']} break(s), "
+                   f"compile {tc['compile_s']:.0f} s)")
     by_loss: dict[str, dict[str, Any]] = {r["variant"]: r for r in res.loss}
     lg, lv = by_loss.get("gathered"), by_loss.get("vocab_parallel")
     if lg and lv:

@@ -26,7 +26,9 @@ such, so the gradients of the hidden states and of the routing weights are
 exact. A rank that sends or receives nothing, an expert that receives no
 token, and any ``top_k`` all work. Split sizes are host integers: planning
 reads the counts on the host once per step (as every variable-split
-dispatcher does); under ``torch.compile`` that is a graph break.
+dispatcher does). Under ``torch.compile`` those reads would be graph breaks:
+the same steps run there as :mod:`tplower.core.dispatch_traced` (the counts
+kept as tensors, the exchange one operator).
 """
 
 from __future__ import annotations

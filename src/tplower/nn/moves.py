@@ -6,7 +6,8 @@ which mesh axes a move must learn a global size on (:func:`sized_axes`),
 which gathered outputs have a global size install knows (:func:`known_sizes`),
 whether the outputs open a sharded region for dropout (:func:`opens_region`),
 and a vocabulary-parallel lookup's rows (:func:`lookup`). Used by
-:mod:`tplower.nn.resolve`; nothing here changes a module.
+:mod:`tplower.nn.resolve` (and :func:`known_sizes` by :mod:`tplower.nn.install`,
+once the parameters are placed); nothing here changes a module.
 """
 
 from __future__ import annotations
