@@ -49,6 +49,15 @@ def _first_tensor(out: Any) -> torch.Tensor:
                     "tensor first element for the loss")
 
 
+def _build(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_model()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"verify: build_model() must return an nn.Module, got {type(model).__name__}")
+    return model
+
+
 def _default_loss(out: torch.Tensor) -> torch.Tensor:
     """Half the sum of squares of the output (float32): the loss ``verify`` takes when none is given."""
     return out.float().square().sum() / 2

@@ -38,7 +38,7 @@ from ..context.sequence import gather_sequence, shard_sequence
 from ..core.argcheck import check_mesh
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
-from .checks import Ticker, _default_loss, _first_tensor, param_checks
+from .checks import Ticker, _build, _default_loss, _first_tensor, param_checks
 from .compare import Comparer
 from .report import BoundaryVerdict, Check, VerifyReport
 
@@ -78,15 +78,6 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _build(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build_model()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"verify: build_model() must return an nn.Module, got {type(model).__name__}")
-    return model
 
 
 def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] | str | Path | None,

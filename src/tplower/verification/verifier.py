@@ -51,6 +51,7 @@ from ..plans.entries import PlanValue
 from .checks import (
     Placements,
     Ticker,
+    _build,
     _call,
     _default_loss,
     _first_tensor,
@@ -74,15 +75,6 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-9, 1e-7), torch.float32: (1e-5, 1e-4),
     torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (1e-3, 1e-3),
 }
-def _build(build_model: Callable[[], nn.Module], seed: int) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build_model()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"verify: build_model() must return an nn.Module, got {type(model).__name__}")
-    return model
-
-
 def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
