@@ -58,16 +58,21 @@ def positive_int(text: str) -> int:
     return int(t)
 
 
+def _number(text: str) -> float:
+    """``float(text)``, or NaN for text that is no number (the callers refuse both alike)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def non_negative_float(text: str) -> float:
     """An argparse ``type``: a finite number of at least 0 (a tolerance).
 
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of at least 0 (e.g. 1e-5)")
     return value
@@ -79,10 +84,7 @@ def positive_float(text: str) -> float:
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0 (e.g. 600)")
     return value
