@@ -28,6 +28,7 @@ from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, Placements
 from .dropout import DropoutStreams
 from .interned import intern, traced
+from .overlap import can_overlap, overlapped_call
 from .params import ParamLayout, local_parameter
 from .uneven import agreed_global_shape, exchanged_global_shape
 
@@ -167,6 +168,8 @@ class _Static:
     #: the outputs leave a sharded region open (``True``: sharded along the axis), closed (``False``: replicated
     #: or partial) or as it was (``None``): where dropout switches streams (:mod:`tplower.runtime.dropout`)
     region: bool | None = None
+    #: run as one node whose input gradient's all_reduce overlaps the weight gradient (:mod:`tplower.runtime.overlap`)
+    overlap: bool = False
     key: int = field(default=0, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
@@ -175,7 +178,7 @@ class _Static:
 
 #: the attributes of :class:`_Boundary` a :class:`_Static` is made from
 _STATIC_FROM = frozenset({"lowerer", "move", "ins", "fan", "outs", "params", "info", "lookup", "tail", "tail_rep",
-                          "tail_grad", "share", "share_n", "compute", "owner", "tie", "region"})
+                          "tail_grad", "share", "share_n", "compute", "owner", "tie", "region", "overlap"})
 
 #: module types whose output depends on every input and parameter for any data (no tie needed, see :func:`_tie`)
 _DIRECT = (nn.Linear, nn.Embedding, nn.LayerNorm)
@@ -223,6 +226,8 @@ class _Boundary:
         #: streams (:func:`tplower.runtime.dropout.install_dropout_streams`; ``None``: nothing to switch)
         self.region: bool | None = None
         self.streams: DropoutStreams | None = None
+        #: overlap the input gradient's all_reduce with the weight gradient where the boundary allows it
+        self.overlap = False
         #: per input move, the key of the sibling group that shares it (:mod:`tplower.runtime.fanout`), or ``None``
         self.fan: tuple[str | None, ...] = (None,) * len(ins)
         self._restatic()
@@ -235,16 +240,22 @@ class _Boundary:
     def _restatic(self) -> None:
         compute = self.compute
         func = compute.__func__ if isinstance(compute, MethodType) and compute.__self__ is self.owner else None
+        overlap = self.overlap and can_overlap(self.owner, func, self.ins, self.params, self.move is _lowered,
+                                               self.lookup is None and self.info.deferred_bias is None)
         st = intern(_Static(self.lowerer, self.move, tuple(replace(mv, where="") for mv in self.ins),
                              any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
                              self.params,
                              self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
-                             self.share, self.share_n, func, self.tie, self.region))
+                             self.share, self.share_n, func, self.tie, self.region, overlap))
         object.__setattr__(self, "static", st)
         object.__setattr__(self, "static_key", st.key)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        st: _Static = traced(self.static_key) if torch.compiler.is_compiling() else self.static
+        compiling = torch.compiler.is_compiling()
+        st: _Static = traced(self.static_key) if compiling else self.static
+        if st.overlap and not compiling and \
+                (fused := overlapped_call(self.owner, st.lowerer, st.ins[0], st.params, args, kwargs)) is not None:
+            return self._finish(st, fused, None)
         owner = self.owner
         args_l = list(args)
         fans = self.fan if st.fanned else (None,) * len(st.ins)
@@ -281,10 +292,14 @@ class _Boundary:
                 owner.__dict__["padding_idx"] = pad
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        return self._finish(st, out, bias)
+
+    def _finish(self, st: _Static, out: Any, bias: torch.Tensor | None) -> Any:
+        """Move the outputs, add the deferred bias, switch dropout streams where a sharded region opens or closes."""
         result = _outputs(self, st, out, bias)
         if st.region is not None and not torch.compiler.is_compiling():
             streams = self.streams
-            if streams is not None and owner.training:
+            if streams is not None and self.owner.training:
                 if st.region:
                     streams.open()
                 else:
