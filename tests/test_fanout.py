@@ -15,9 +15,9 @@ the shared move saves collectives; counted by hand:
   inputs' (2 + 2). Without sharing, 5 all-gathers forward (and 5 length
   exchanges) and 5 reduce-scatters backward.
 
-With ``parallelize(..., overlap=True)`` (the default) the eager siblings
-are fused nodes that each all-reduce their own input gradient (7), so the
-eager sharing is checked with ``overlap=False``.
+With ``parallelize(..., overlap=True)`` the eager siblings are fused nodes
+that each all-reduce their own input gradient (7); the sharing is checked
+with the default ``overlap=False``.
 
 Values and every gradient (input included) equal one process; the user's
 tensor carries nothing afterwards; a tensor changed in place between two

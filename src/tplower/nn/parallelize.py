@@ -73,7 +73,7 @@ def _attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
                 context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce",
-                overlap: bool = True) -> nn.Module:
+                overlap: bool = False) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -122,20 +122,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             without ``context`` and the loss's gradient is the axis size, so
             that average is one process's gradient; reduce them yourself
             otherwise, or they are this rank's tokens' part).
-        overlap: a column-parallel ``nn.Linear`` whose input moves ``R -> R``
-            with a ``P(sum)`` gradient runs as one autograd node that starts
-            the input gradient's ``all_reduce`` before it computes the weight
-            and bias gradients, and waits for it last (Megatron's
-            asynchronous input-gradient all-reduce;
-            :mod:`tplower.runtime.overlap`); same gradients bit for bit.
-            Eager only (a compiled graph is the compiler's to schedule), and
-            not under autocast. Siblings that read one tensor (q, k, v) then
-            all-reduce their input gradients each, overlapped, where
-            ``False`` sums them and all-reduces once after every product
-            (equal up to the order of a floating-point sum): more bytes,
-            measured faster on 2 CPU cores with gloo. ``False``: the
-            transition and the linear are two nodes, the all_reduce after
-            both products.
+        overlap: ``True``: a column-parallel ``nn.Linear`` whose input moves
+            ``R -> R`` with a ``P(sum)`` gradient runs as one autograd node
+            that starts the input gradient's ``all_reduce`` before it
+            computes the weight and bias gradients, and waits for it last
+            (Megatron's asynchronous input-gradient all-reduce;
+            :mod:`tplower.runtime.overlap`); the same gradients bit for bit.
+            Eager only (a compiled graph is the compiler's to schedule), not
+            under autocast. Siblings that read one tensor (q, k, v) then
+            all-reduce their input gradients each, overlapped, instead of
+            their sum once (equal up to the order of a floating-point sum):
+            more bytes. For a backend whose collectives run beside compute
+            (NCCL's own stream, spare CPU cores). ``False`` (default; on 2
+            CPU cores with 2 gloo ranks the communication has no idle core
+            to run on: MiniLM's train step took 1.03-1.07x as long with
+            ``True``, 60-80 paired rounds): the transition and the linear
+            are two nodes, the all_reduce after both products.
         replicate_rest: every parameter the plan does not place becomes a
             ``Replicate`` DTensor on ``mesh[axis]`` too, a local view while
             its module or that module's parent runs

@@ -19,11 +19,18 @@ share its move when unfused: autograd sums their three input gradients and
 one all_reduce moves the sum, after all three weight gradients. Fused, each
 starts its own all_reduce and overlaps it with its own weight gradient:
 three all_reduces of the same size instead of one (equal up to the order of
-a floating-point sum), which measured faster here (2 CPU cores, gloo:
-MiniLM's train step 0.76-0.80 of the shared one's, paired rounds; one
-shared all_reduce with only ``intermediate.dense`` fused: 0.92-0.94). A
-sibling that takes the unfused path in a call (no grad, autocast, a
-``torch.compile`` trace) shares as before.
+a floating-point sum). A node runs whole before autograd runs the next, so
+the one all_reduce of the sum could only overlap the last sibling's weight
+gradient. A sibling that takes the unfused path in a call (no grad,
+autocast, a ``torch.compile`` trace) shares as before.
+
+Measured on 2 CPU cores, 2 gloo ranks, all-MiniLM-L6-v2's forward and
+backward (paired rounds, the machine shared): at moderate load the fused
+nodes took 1.04-1.07x the unfused pair's time (each sibling its own
+all_reduce; 1.03x with q/k/v still sharing one, 60-80 rounds), at heavy
+load (four times as many runnable threads as cores) 0.76-0.80x (24 rounds).
+With both cores busy computing there is no idle one for gloo's thread, so
+``parallelize`` leaves it off unless asked (``overlap=True``).
 """
 
 from __future__ import annotations
