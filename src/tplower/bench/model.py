@@ -318,27 +318,34 @@ def rss_phase(tp: int = 2, timeout: float = 600.0) -> dict[str, Any]:
 
 
 def model_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0, compile_backend: str | None = None,
-                device: str = "cpu", progress: Callable[[str], None] = lambda _: None
-                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                device: str = "cpu", backend: str | None = None, rss: bool = True,
+                progress: Callable[[str], None] = lambda _: None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Model timing rows (:func:`model_rank`: all-MiniLM-L6-v2; with ``compile_backend`` compiled rows, and
     llama-tiny's too) and the RSS figures (:func:`rss_phase`; CPU only).
 
-    ``device="cuda"``: the ranks run on NCCL, one GPU each (``rank % count``; NCCL may refuse two ranks on one
-    GPU), and the RSS figures are left out (``{}``).
+    ``device="cuda"``: one GPU per rank (``rank % count``), on ``backend`` (default NCCL, which refuses two
+    ranks on one GPU; gloo carries CUDA tensors through the host), and no RSS figures (``{}``), as with
+    ``rss=False``.
 
     Raises:
         tplower.run.models.MissingPackageError: transformers or the MiniLM
             package is missing (the model phase needs them).
+        ValueError: ``device`` is neither ``cpu`` nor ``cuda``, or ``backend`` neither ``gloo`` nor ``nccl``.
     """
     from ..run.models import LLAMA_TINY, MINILM, model_spec
 
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and device == "cpu"):
+        raise ValueError(f"backend={backend!r} for device={device!r}; allowed: gloo, nccl (cuda only)")
     model_spec(MINILM)  # a clear error naming the package, before any process starts
     rows: list[dict[str, Any]] = []
     for name in (MINILM, LLAMA_TINY) if compile_backend is not None else (MINILM,):
-        progress(f"model: {name} step time and its communication floor, tp={tp}, {device}")
-        rows += run_processes(tp, model_rank, rounds, 1, compile_backend, name, True, device,
-                              backend="nccl" if device == "cuda" else "gloo", timeout=timeout)[0]
-    if device == "cuda":
+        progress(f"model: {name} step time and its communication floor, tp={tp}, {device}, {backend}")
+        rows += run_processes(tp, model_rank, rounds, 1, compile_backend, name, True, device, backend=backend,
+                              timeout=timeout)[0]
+    if device == "cuda" or not rss:
         return rows, {}
     progress("model: resident memory per rank")
     return rows, rss_phase(tp, timeout=timeout)
