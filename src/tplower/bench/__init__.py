@@ -1,7 +1,8 @@
 """``tplower bench``: timings and memory of tplower against the raw collective, DTensor and hand-written code.
 
 :mod:`~tplower.bench.phases` runs the phases, :mod:`~tplower.bench.cases` holds the transitions and the
-implementations timed, :mod:`~tplower.bench.model` the real-model phase, :mod:`~tplower.bench.report`
+implementations timed, :mod:`~tplower.bench.model` the real-model phase (:mod:`~tplower.bench.floor` its
+communication floor, :mod:`~tplower.bench.megatron` the hand-written copies), :mod:`~tplower.bench.report`
 the tables and plots. The names below are those of :mod:`~tplower.bench.phases`.
 """
 
