@@ -202,3 +202,54 @@ def test_tiny_llama_gradients_match_unfused_and_one_process() -> None:
     # q, k, v, gate, up per layer (2 layers) and lm_head are colwise linears; o, down rowwise
     assert got["overlapped_modules"] == 11
     assert got["on_off"] < 1e-6 and got["on_one"] < 1e-5 and got["loss"] < 1e-5, got
+
+
+def _starts(rank: int, world: int) -> dict[str, bool]:
+    import torch.distributed as dist
+
+    from tplower.core import collectives as C
+    from tplower.core.overlap import all_reduce_start
+
+    group = dist.group.WORLD
+    x = torch.arange(6.0).reshape(2, 3) * (rank + 1)
+    out = {}
+    for op, native in (("sum", True), ("avg", True), ("avg", False), ("max", True)):
+        want = C.all_reduce(x, group=group, op=op, n=world, native=native)
+        got = all_reduce_start(x.clone(), group=group, op=op, n=world, native=native).wait()
+        out[f"{op}:{native}"] = torch.equal(got, want)
+    empty = torch.empty(0, 3)
+    out["empty"] = all_reduce_start(empty, group=group, op="sum", n=world).wait() is empty
+    return out
+
+
+def test_a_started_all_reduce_equals_the_bound_step() -> None:
+    from tplower.testing import run_threaded
+
+    for got in run_threaded(2, _starts):
+        assert all(got.values()), got
+
+
+def _released(rank: int, world: int) -> str:
+    from tplower.runtime.boundary import _Boundary
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = parallelize(MLP(), mesh, {"up": "colwise", "down": "rowwise"}, overlap=True)
+    x = torch.randn(3, D, requires_grad=True)
+    loss = model(x).sum()
+    b = model.up.__dict__["forward"]
+    assert isinstance(b, _Boundary)
+    mv = b.static.ins[0]
+    b.lowerer.program(mv.src, mv.dst, x.shape, "cpu", grad=mv.grad).release()  # as tplower.shutdown() does
+    try:
+        loss.backward()
+    except Exception as exc:  # the type is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_backward_after_the_groups_were_released_says_so() -> None:
+    from tplower.testing import run_threaded
+
+    for msg in run_threaded(2, _released):
+        assert msg.startswith("TPLowerError: this tplower program's process groups were destroyed"), msg
