@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# The first check on a machine with a GPU, in under 8 minutes; every result lands in one folder.
+# The first check on a machine with a GPU, in under 10 minutes; every result lands in one folder.
 #
 #   benchmarks/device_check.sh [OUT_DIR]          # default OUT_DIR: device-check-out
 #   benchmarks/device_check.sh --dry-run [OUT_DIR] # print each step's command, run nothing (no GPU needed;
 #                                                  # DEVICE_CHECK_GPUS=N: plan for N GPUs, default 1)
 #
-# Steps (each under its own time limit, all within DEVICE_CHECK_BUDGET seconds, default 470):
+# Steps (each under its own time limit, all within DEVICE_CHECK_BUDGET seconds, default 560):
 #   env          nvidia-smi, torch and the GPUs torch sees                      -> env.log
 #   conformance  tplower vs DTensor on CUDA tensors over NCCL, forward and backward
 #                (benchmarks/nccl_conformance.py under torchrun)                 -> conformance.json, conformance.log
 #   run          tplower run --backend nccl: llama-tiny parallelized on NCCL ranks,
 #                checked against one process                                      -> run.json, run.log
 #   bench_micro  tplower bench micro and memory phases on CUDA (NCCL), quick      -> bench_micro/, bench_micro.log
+#   bench_share  the model phase on CUDA ranks, each parallel copy beside its communication floor (the same
+#                copy on a fake group): (step - floor) / floor for tplower (overlap on and off),
+#                parallelize_module and the hand-written Megatron copy (benchmarks/comm_share.py; NCCL with
+#                a GPU per rank, gloo through the host when 2 ranks share one GPU) -> bench_share/, bench_share.log
 #   bench_model  tplower bench model phase with compiled (inductor) and eager rows -> bench_model/, bench_model.log
 #                (MiniLM on spawned gloo ranks: the host CPUs, whatever the GPU count)
-#   summary.txt  one line per step: its exit status and seconds
+#   summary.txt  one line per step: its exit status and seconds; then the communication share lines
 #
 # Ranks: one per GPU (up to 8; tplower run up to 4, a count that divides llama-tiny's heads, and 1 on one GPU,
 # where NCCL cannot put two ranks of the run on one device). With one GPU the other
@@ -28,7 +32,7 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${1:-device-check-out}
 PY=${PYTHON:-python}
-BUDGET=${DEVICE_CHECK_BUDGET:-470}
+BUDGET=${DEVICE_CHECK_BUDGET:-560}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 if [ "$DRY" = 1 ]; then
@@ -84,8 +88,13 @@ step run 100 "$PY" -m tplower.cli run --model llama-tiny --backend nccl --nproc 
 step bench_micro 100 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$np" \
     "$HERE/bench.py" --device cuda --phases micro,memory --quick --no-plots --out "$OUT/bench_micro"
 [ "$DRY" = 0 ] && rm -rf /tmp/torchelastic_* 2>/dev/null
+step bench_share 120 "$PY" "$HERE/comm_share.py" --device cuda --backend auto --rounds 7 --out "$OUT/bench_share"
 step bench_model 200 "$PY" -m tplower.cli bench --phases model --compile --quick --no-plots --out "$OUT/bench_model"
 
 [ "$DRY" = 1 ] && exit 0
+# the communication share of each library's eager step on the GPU ranks, and on the host CPUs (gloo)
+for md in "$OUT/bench_share/share.md" "$OUT/bench_model/bench.md"; do
+    [ -f "$md" ] && grep -h "communication share" "$md" | sed "s|^- |$(basename "$(dirname "$md")"): |" | tee -a "$OUT/summary.txt"
+done
 echo "total: $(( $(date +%s) - start_all ))s; results in $OUT" | tee -a "$OUT/summary.txt"
 exit "$failed"

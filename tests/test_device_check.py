@@ -2,7 +2,7 @@
 
 The script itself runs only where a CUDA GPU is (NCCL, the GPU bench);
 here it must refuse at once (exit status 2, one line on stderr, nothing
-written), and its dry run must list the five steps with commands whose
+written), and its dry run must list the six steps with commands whose
 files and options exist. The NCCL conformance script's CPU twin (gloo, the
 same code) runs with ``TPLOWER_SLOW=1``.
 """
@@ -72,7 +72,7 @@ def test_dry_run_lists_every_step_with_real_files_and_options(tmp_path: Path) ->
     assert res.returncode == 0, res
     steps = dict(re.match(r"(\w+) \((\d+)s\): (.*)", line).group(1, 3)  # type: ignore[union-attr]
                  for line in res.stdout.splitlines())
-    assert list(steps) == ["env", "conformance", "run", "bench_micro", "bench_model"], res.stdout
+    assert list(steps) == ["env", "conformance", "run", "bench_micro", "bench_share", "bench_model"], res.stdout
     assert not (tmp_path / "check").exists()  # a dry run writes nothing
     conformance, micro = steps["conformance"].split(), steps["bench_micro"].split()
     assert "--nproc-per-node" in conformance and conformance[conformance.index("--nproc-per-node") + 1] == "4"
@@ -86,6 +86,12 @@ def test_dry_run_lists_every_step_with_real_files_and_options(tmp_path: Path) ->
     micro_options = _options(micro) - {"--nproc-per-node", "--standalone"}
     assert (micro_options | _options(model)) <= set(re.findall(r"--[a-z-]+", bench_help)), (micro, model)
     assert "--compile" in model and "model" in model[model.index("--phases") + 1]
+    share = steps["bench_share"].split()
+    assert Path(share[1]).name == "comm_share.py" and Path(share[1]).is_file(), share
+    share_help = subprocess.run([sys.executable, share[1], "--help"], capture_output=True, text=True, timeout=120,
+                                cwd=ROOT).stdout
+    assert _options(share) <= set(re.findall(r"--[a-z-]+", share_help)), (share, share_help)
+    assert share[share.index("--device") + 1] == "cuda"
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ the shared move saves collectives; counted by hand:
   inputs' (2 + 2). Without sharing, 5 all-gathers forward (and 5 length
   exchanges) and 5 reduce-scatters backward.
 
+With ``parallelize(..., overlap=True)`` the eager siblings are fused nodes
+that each all-reduce their own input gradient (7); the sharing is checked
+with the default ``overlap=False``.
+
 Values and every gradient (input included) equal one process; the user's
 tensor carries nothing afterwards; a tensor changed in place between two
 siblings is moved again; under ``torch.inference_mode`` (no version
@@ -100,9 +104,9 @@ def _worst_grad(ours: nn.Module, ref: nn.Module) -> float:
     return worst
 
 
-def _eager(mesh: Any, rank: int, world: int, sp: bool) -> dict[str, Any]:
+def _eager(mesh: Any, rank: int, world: int, sp: bool, overlap: bool = False) -> dict[str, Any]:
     ref = _net()
-    model = tplower.parallelize(copy.deepcopy(ref), mesh, SP if sp else PLAIN)
+    model = tplower.parallelize(copy.deepcopy(ref), mesh, SP if sp else PLAIN, overlap=overlap)
     x_ref = _x().requires_grad_()
     ref(x_ref).square().sum().backward()
     x = _x()
@@ -177,6 +181,7 @@ def _compiled(mesh: Any) -> dict[str, Any]:
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     return {"plain": _eager(mesh, rank, world, False), "sp": _eager(mesh, rank, world, True),
+            "overlapped": _eager(mesh, rank, world, False, overlap=True),
             "mutating": _mutating(mesh, rank, world), "alone": _alone(mesh, rank, world),
             "inference": _inference(mesh, rank, world),
             "compiled": _compiled(mesh)}
@@ -184,11 +189,13 @@ def _body(rank: int, world: int) -> dict[str, Any]:
 
 def test_siblings_share_one_move_eager_and_compiled_as_one_process() -> None:
     for res in run_processes(2, _body, timeout=300):
-        plain, sp, comp = res["plain"], res["sp"], res["compiled"]
-        for r in (plain, sp):
+        plain, sp, comp, over = res["plain"], res["sp"], res["compiled"], res["overlapped"]
+        for r in (plain, sp, over):
             assert r["out"] < 1e-5 and r["grads"] < 1e-5 and r["input_grad"] < 1e-5, r
             assert not r["user_tensor_marked"]
         assert plain["counts"].get("all_reduce") == 4, plain["counts"]  # 7 without sharing
+        # overlap=True: each colwise sibling all-reduces its own input gradient, overlapped (tplower.runtime.overlap)
+        assert over["counts"].get("all_reduce") == 7, over["counts"]
         # sequence parallelism: 2 forward gathers of the sequence (shared by q, k, v; mlp.up), each after one
         # exchange of its local length (a sequence is never assumed to divide), 2 forward reduce_scatters (o, down)
         # and each one's dual in backward

@@ -2,7 +2,8 @@
 
 :mod:`~tplower.bench.phases` runs the phases, :mod:`~tplower.bench.cases` holds the transitions and the
 implementations timed (their names, without torch, in :mod:`~tplower.bench.catalog`),
-:mod:`~tplower.bench.model` the real-model phase, :mod:`~tplower.bench.report` the tables and plots. The
+:mod:`~tplower.bench.model` the real-model phase (:mod:`~tplower.bench.floor` its communication floor,
+:mod:`~tplower.bench.megatron` the hand-written copies), :mod:`~tplower.bench.report` the tables and plots. The
 names below are those of :mod:`~tplower.bench.phases`, imported on first use (:mod:`tplower._lazy`).
 """
 

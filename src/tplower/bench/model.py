@@ -1,17 +1,23 @@
 """The model phase of ``tplower bench``: a real model's step time, and per-rank resident memory.
 
 Timing (:func:`model_rank`): all-MiniLM-L6-v2 (the main job's model and plan,
-:data:`tplower.run.models.MINILM_TP_PLAN`) in five copies on every rank of one
+:data:`tplower.run.models.MINILM_TP_PLAN`) in these copies on every rank of one
 ``tp`` group, interleaved round by round:
 
 * ``one_process``: the unsharded model (every rank runs its own copy at the
   same time, so the machine is as loaded as in the parallel runs);
 * ``tplower``: :func:`tplower.parallelize` (the main job's tplower path);
+* ``tplower_no_overlap`` (or ``tplower_overlap``): the same with
+  ``parallelize``'s other ``overlap`` setting (:mod:`tplower.runtime.overlap`);
 * ``codegen``: the same plan through its generated forwards
   (:func:`tplower.codegen.emit` then :func:`tplower.codegen.install`);
 * ``dtensor``: ``parallelize_module`` with Colwise/RowwiseParallel;
 * ``megatron``: the same plan written by hand in Megatron's style
-  (:func:`megatronize`: plain autograd Functions with the collectives in).
+  (:func:`megatronize`: plain autograd Functions with the collectives in);
+* ``<variant>_floor``: each parallel copy but ``codegen`` again on a ``fake``
+  group of the same ranks, every collective a no-op of the same shape: the
+  communication floor, so a row reads as ``(step - floor) / floor``, the
+  share of the step spent communicating (:mod:`tplower.bench.floor`).
 
 Memory (:func:`rss_phase`): per-rank resident set size of the tplower path
 at ``tp=2`` against one process, with the runtime's fixed cost (imports,
@@ -24,96 +30,22 @@ import gc
 import resource
 import statistics
 import time
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..conformance import quiet_dtensor_logs
 from ..testing import run_processes
+from .floor import FLOOR, FLOOR_AXIS, floor_group, with_shares
+from .megatron import megatronize  # re-exported: it lived here
 
 __all__ = ["megatronize", "model_phase", "model_rank", "rss_phase", "rss_rank"]
-
-
-class _CopyToTP(torch.autograd.Function):
-    """``R -> R``, grad ``P``: identity forward, all_reduce backward (Megatron's ``copy_to_tp_region``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """``P -> R``, grad ``R``: all_reduce forward, identity backward (Megatron's ``reduce_from_tp_region``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return g, None
-
-
-def _colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(_CopyToTP.apply(x, self._tp_group), self.weight, self.bias)
-
-
-def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = _ReduceFromTP.apply(F.linear(x, self.weight), self._tp_group)
-    return out if self.bias is None else out + self.bias
-
-
-def megatronize(model: nn.Module, plan: dict[str, Any], group: ProcessGroup) -> nn.Module:
-    """Shard ``model``'s ``nn.Linear`` modules by ``plan`` (``colwise``/``rowwise``) by hand, in place.
-
-    Column-parallel: rows of the weight and bias, input through ``_CopyToTP``.
-    Row-parallel: columns of the weight, output through ``_ReduceFromTP``,
-    bias added once after the reduction. Head counts are made local.
-
-    Raises:
-        ValueError: a plan value other than ``colwise``, ``rowwise`` or a
-            ``local_attrs`` entry, or a module that is not ``nn.Linear``.
-    """
-    from ..run.models import check_plan_modules, localize_heads
-
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    for key, names in check_plan_modules(model, plan).items():
-        style = plan[key]
-        if isinstance(style, dict) and set(style) == {"local_attrs"}:
-            continue
-        if style not in ("colwise", "rowwise"):
-            raise ValueError(f"plan[{key!r}]={style!r}: the hand-written version knows colwise and rowwise")
-        for name in names:
-            mod = model.get_submodule(name)
-            if not isinstance(mod, nn.Linear):
-                raise ValueError(f"plan[{key!r}] matches {name} ({type(mod).__name__}), not an nn.Linear")
-            dim = 0 if style == "colwise" else 1
-            with torch.no_grad():
-                mod.weight = nn.Parameter(mod.weight.chunk(n, dim)[rank].contiguous())
-                if style == "colwise" and mod.bias is not None:
-                    mod.bias = nn.Parameter(mod.bias.chunk(n, 0)[rank].contiguous())
-            mod._tp_group = group  # type: ignore[assignment]
-            fwd = _colwise_forward if style == "colwise" else _rowwise_forward
-            mod.forward = types.MethodType(fwd, mod)  # type: ignore[method-assign]
-    localize_heads(model, n)
-    return model
 
 
 def _task() -> Any:
@@ -134,13 +66,54 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
+def _overlap_default() -> bool:
+    """What :func:`tplower.parallelize` does by default with ``overlap``."""
+    import inspect
+
+    from ..nn.parallelize import parallelize
+
+    default: bool = inspect.signature(parallelize).parameters["overlap"].default
+    return default
+
+
+def _copies(name: str, mesh: DeviceMesh, group: ProcessGroup, load: Callable[[], nn.Module],
+            suffix: str = "", axis: str = "tp") -> dict[str, nn.Module]:
+    """The parallel copies of ``name`` on ``mesh`` (its ``axis``, ``group`` that axis's group), keyed variant+suffix.
+
+    ``tplower`` (``parallelize``'s default), ``tplower_overlap`` or ``tplower_no_overlap`` (the other setting of
+    ``overlap``), and for MiniLM ``codegen`` (real copies only) and ``megatron``; ``dtensor`` always.
+    """
+    from ..codegen.emit import emit, install
+    from ..nn.parallelize import parallelize
+    from ..run.models import MINILM, model_spec
+    from ..run.paths import parallelize_dtensor
+
+    plan = model_spec(name).plan
+    other = not _overlap_default()
+    out: dict[str, nn.Module] = {"tplower" + suffix: parallelize(load(), mesh, plan, axis=axis)}
+    out[("tplower_overlap" if other else "tplower_no_overlap") + suffix] = parallelize(load(), mesh, plan, axis=axis,
+                                                                                        overlap=other)
+    if name == MINILM and not suffix:
+        out["codegen"] = install(load(), mesh, emit(load(), mesh, plan))
+    out["dtensor" + suffix] = load()
+    parallelize_dtensor(out["dtensor" + suffix], mesh, plan, axis=axis)
+    if name == MINILM:
+        out["megatron" + suffix] = megatronize(load(), dict(plan), group)
+    return out
+
+
 def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
-               compile_backend: str | None = None, model_name: str | None = None) -> list[dict[str, Any]]:
+               compile_backend: str | None = None, model_name: str | None = None,
+               floor: bool = True, device: str = "cpu") -> list[dict[str, Any]]:
     """Time forward and training step of the copies on this rank (``tp = world``); rank 0 returns rows.
 
-    ``model_name``: a model of ``tplower run`` (default all-MiniLM-L6-v2 and its shipped plan, in the five
-    copies above; another, e.g. ``llama-tiny`` with its transformers plan, in three: ``one_process``,
-    ``tplower``, ``dtensor``, as the code generator and the hand-written copy are written for MiniLM's plan).
+    ``model_name``: a model of ``tplower run`` (default all-MiniLM-L6-v2 and its shipped plan, in the copies
+    above; another, e.g. ``llama-tiny`` with its transformers plan, in ``one_process``, the two ``tplower``
+    copies and ``dtensor``, as the code generator and the hand-written copy are written for MiniLM's plan).
+
+    ``floor``: also each parallel copy but ``codegen`` on a ``fake`` group of the same ranks, named
+    ``<variant>_floor`` (:mod:`tplower.bench.floor`): the same step with every collective moving nothing.
+    ``device``: ``cpu`` (the ranks' group is gloo) or ``cuda`` (NCCL, one GPU per rank, ``rank % count``).
 
     With ``compile_backend`` (e.g. ``"inductor"``), also ``tplower_compiled``
     and ``dtensor_compiled``: ``torch.compile`` of those two copies (sharing
@@ -152,35 +125,44 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
     Rows: ``model``, ``tp``, ``variant``, ``forward_ms`` and
     ``train_step_ms`` (medians) and their samples.
     """
-    from ..codegen.emit import emit, install
-    from ..nn.parallelize import parallelize
     from ..run.models import MINILM, load_model, model_spec, sentences
-    from ..run.paths import parallelize_dtensor
 
     task = _task()
     make_batch, model_output, training_loss = task.make_batch, task.model_output, task.training_loss
     name = model_name or MINILM
-    spec = model_spec(name)
-    plan, kind = spec.plan, spec.task
+    kind = model_spec(name).task
+    dev = torch.device("cpu")
+    if device == "cuda":
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+
+    def load() -> nn.Module:
+        return load_model(name, device=dev)[0]
 
     quiet_dtensor_logs()
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (1, world), mesh_dim_names=("dp", "tp"))
     models: dict[str, nn.Module] = {}
-    models["one_process"], tok = load_model(name)
-    models["tplower"] = parallelize(load_model(name)[0], mesh, plan)
-    if name == MINILM:
-        models["codegen"] = install(load_model(name)[0], mesh, emit(models["one_process"], mesh, plan))
-    models["dtensor"] = load_model(name)[0]
-    parallelize_dtensor(models["dtensor"], mesh, plan)
-    if name == MINILM:
-        models["megatron"] = megatronize(load_model(name)[0], dict(plan), mesh.get_group("tp"))
+    models["one_process"], tok = load_model(name, device=dev)
+    real = _copies(name, mesh, mesh.get_group("tp"), load)
+    floors: dict[str, nn.Module] = {}
+    if floor:
+        fake, fake_mesh = floor_group(device)
+        floors = _copies(name, fake_mesh, fake, load, FLOOR, FLOOR_AXIS)
+    for key, model in real.items():  # each floor copy right after its real one: a round's pair runs back to back
+        models[key] = model
+        if key + FLOOR in floors:
+            models[key + FLOOR] = floors[key + FLOOR]
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     if compile_backend is not None:
         for key in ("tplower", "dtensor"):
             models[f"{key}_compiled"] = torch.compile(models[key], backend=compile_backend)  # type: ignore[assignment]
             opts[f"{key}_compiled"] = opts[key]
-    batch = make_batch(name, tok, sentences()[:16])
+    batch = make_batch(name, tok, sentences()[:16], device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def forward(key: str) -> Callable[[], object]:
         def go() -> object:
@@ -208,16 +190,18 @@ def model_rank(rank: int, world: int, rounds: int, warmup: int = 1,
             # copy's own forward, so it starts as warm.
             forward(key)()
             for what, fn in (("forward", forward(key)), ("step", step(key))):
+                sync()
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 if r >= warmup:
                     samples[key][what].append(time.perf_counter() - t0)
     if rank != 0:
         return []
-    return [{"model": name, "tp": world, "variant": k, "forward_ms": _median_ms(v["forward"]),
-             "train_step_ms": _median_ms(v["step"]), "forward_samples_ms": [s * 1e3 for s in v["forward"]],
-             "step_samples_ms": [s * 1e3 for s in v["step"]]} for k, v in samples.items()]
+    return with_shares([{"model": name, "tp": world, "variant": k, "forward_ms": _median_ms(v["forward"]),
+                         "train_step_ms": _median_ms(v["step"]), "forward_samples_ms": [s * 1e3 for s in v["forward"]],
+                         "step_samples_ms": [s * 1e3 for s in v["step"]]} for k, v in samples.items()])
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -334,20 +318,34 @@ def rss_phase(tp: int = 2, timeout: float = 600.0) -> dict[str, Any]:
 
 
 def model_phase(rounds: int, *, tp: int = 2, timeout: float = 900.0, compile_backend: str | None = None,
+                device: str = "cpu", backend: str | None = None, rss: bool = True,
                 progress: Callable[[str], None] = lambda _: None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Model timing rows (:func:`model_rank`: all-MiniLM-L6-v2; with ``compile_backend`` compiled rows, and
-    llama-tiny's too) and the RSS figures (:func:`rss_phase`).
+    llama-tiny's too) and the RSS figures (:func:`rss_phase`; CPU only).
+
+    ``device="cuda"``: one GPU per rank (``rank % count``), on ``backend`` (default NCCL, which refuses two
+    ranks on one GPU; gloo carries CUDA tensors through the host), and no RSS figures (``{}``), as with
+    ``rss=False``.
 
     Raises:
         tplower.run.models.MissingPackageError: transformers or the MiniLM
             package is missing (the model phase needs them).
+        ValueError: ``device`` is neither ``cpu`` nor ``cuda``, or ``backend`` neither ``gloo`` nor ``nccl``.
     """
     from ..run.models import LLAMA_TINY, MINILM, model_spec
 
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and device == "cpu"):
+        raise ValueError(f"backend={backend!r} for device={device!r}; allowed: gloo, nccl (cuda only)")
     model_spec(MINILM)  # a clear error naming the package, before any process starts
     rows: list[dict[str, Any]] = []
     for name in (MINILM, LLAMA_TINY) if compile_backend is not None else (MINILM,):
-        progress(f"model: {name} step time, tp={tp}")
-        rows += run_processes(tp, model_rank, rounds, 1, compile_backend, name, timeout=timeout)[0]
+        progress(f"model: {name} step time and its communication floor, tp={tp}, {device}, {backend}")
+        rows += run_processes(tp, model_rank, rounds, 1, compile_backend, name, True, device, backend=backend,
+                              timeout=timeout)[0]
+    if device == "cuda" or not rss:
+        return rows, {}
     progress("model: resident memory per rank")
     return rows, rss_phase(tp, timeout=timeout)

@@ -301,7 +301,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
             return None
         res.micro, res.memory, res.meta["backend"] = got["micro"], got["memory"], backend
         return res
-    res.meta["backend"] = "gloo"
+    res.meta["backend"] = "nccl" if cfg.device == "cuda" else "gloo"
     if "micro" in cfg.phases or "memory" in cfg.phases:
         micro_cfg = cfg if "micro" in cfg.phases else replace(cfg, sizes=(), worlds=(2,))
         for world in micro_cfg.worlds:
@@ -317,7 +317,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
 
         rounds = cfg.model_steps if cfg.compile_backend is None else max(cfg.model_steps, cfg.compiled_steps)
         res.model, res.rss = model_phase(rounds, timeout=cfg.timeout, compile_backend=cfg.compile_backend,
-                                         progress=progress)
+                                         device=cfg.device, progress=progress)
     if "moe" in cfg.phases:
         from .moe import moe_phase
 

@@ -16,7 +16,7 @@ from .cases import IMPLS, size_label
 from .phases import BenchResult, summarize
 
 __all__ = ["context_table", "fake_table", "format_markdown", "loss_table", "memory_table", "micro_table",
-           "model_table", "moe_table", "plan_cache_table", "rss_table", "target_lines"]
+           "model_table", "moe_table", "plan_cache_table", "rss_table", "share_line", "target_lines"]
 
 _LABEL = {"raw": "raw", "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
           "funcol": "funcol", "dtensor": "DTensor"}
@@ -110,16 +110,37 @@ def memory_table(res: BenchResult) -> list[str]:
 
 
 def model_table(res: BenchResult) -> list[str]:
-    """Markdown rows of the model phase (milliseconds)."""
-    head = ["model", "tp", "variant", "forward ms", "train step ms", "step / hand-written"]
+    """Markdown rows of the model phase (milliseconds), with each parallel copy's communication floor and share."""
+    head = ["model", "tp", "variant", "forward ms", "train step ms", "step / hand-written", "floor ms",
+            "comm share"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["model"], r["variant"]): r for r in res.model}
     for r in res.model:
         ref = by.get((r["model"], "megatron"))
         ratio = _ratio(r["train_step_ms"], ref["train_step_ms"]) if ref else "-"
+        floor = f"{r['floor_ms']:.1f}" if "floor_ms" in r else "-"
+        share = f"{r['comm_share']:+.3f}" if "comm_share" in r else "-"
         lines.append(f"| {r['model']} | {r['tp']} | {r['variant']} | {r['forward_ms']:.1f} | "
-                     f"{r['train_step_ms']:.1f} | {ratio} |")
+                     f"{r['train_step_ms']:.1f} | {ratio} | {floor} | {share} |")
     return lines
+
+
+def share_line(res: BenchResult) -> list[str]:
+    """One target line per model: the communication share of each library's eager step, and tplower's without
+    its other ``overlap`` setting (target: tplower's the smallest)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in res.model):
+        shares = {r["variant"]: r["comm_share"] for r in res.model if r["model"] == model and "comm_share" in r}
+        libs = {k: v for k, v in shares.items() if k in ("tplower", "dtensor", "megatron")}
+        if "tplower" not in libs or len(libs) < 2:
+            continue
+        other = next((k for k in shares if k.startswith("tplower_")), None)
+        text = ", ".join(f"{k} {v:+.3f}" for k, v in shares.items())
+        met = "met" if libs["tplower"] <= min(libs.values()) else "missed"
+        out.append(f"- {model} communication share of the eager train step, (step - floor) / floor: {text}; "
+                   f"tplower's the smallest of {', '.join(libs)}: {met}" +
+                   (f" ({other}: {shares[other]:+.3f})" if other else ""))
+    return out
 
 
 def moe_table(res: BenchResult) -> list[str]:
@@ -239,6 +260,7 @@ def target_lines(res: BenchResult) -> list[str]:
                        f"{dc['train_step_ms'] / tc['train_step_ms']:.2f}, forward DTensor/tplower "
                        f"{dc['forward_ms'] / tc['forward_ms']:.2f} (tplower {tc['train_step_ms']:.1f} ms, "
                        f"parallelize_module {dc['train_step_ms']:.1f} ms per step)")
+    out += share_line(res)
     moe = {r["variant"]: r for r in res.moe if not r.get("error")}
     for kind, what in (("ep", "expert parallelism"), ("tp", "tensor parallelism inside the experts"),
                        ("ep_compiled", "expert parallelism compiled")):
@@ -304,7 +326,11 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
                   f"world {res.memory[0].get('world', 2)})", "",
                   *memory_table(res), ""]
     if res.model:
-        parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "", *model_table(res), ""]
+        parts += ["## Model (all-MiniLM-L6-v2, batch of 16 sentences, interleaved)", "",
+                  "Floor: the same copy on a `fake` process group of the same ranks, every collective a no-op of "
+                  "the same shape, run right after it in every round; comm share: the median over rounds of "
+                  "(step - floor) / floor, the time the step spends communicating per unit of its own work.", "",
+                  *model_table(res), ""]
     if res.rss:
         parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
     if res.context:

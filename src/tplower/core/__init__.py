@@ -5,6 +5,8 @@ Imports nothing else of tplower (the layer contract in ``pyproject.toml``):
 * :mod:`~tplower.core.placements`: parsing and formatting placements.
 * :mod:`~tplower.core.transitions`: the pure planner (steps, shapes, bytes).
 * :mod:`~tplower.core.collectives`: the collectives on local tensors and the one autograd Function.
+* :mod:`~tplower.core.overlap`: a linear layer after an ``R -> R`` (gradient ``P``) transition as one autograd
+  Function, the transition's backward all_reduce started before the weight gradient and waited for after it.
 * :mod:`~tplower.core.redistribute`: :class:`MeshLowerer` (plans bound to a live mesh) and ``redistribute_local``.
 * :mod:`~tplower.core.callcache`: ``redistribute_local``'s fast path (a call seen before goes straight to its program).
 * :mod:`~tplower.core.lowering`: the seed API (``classify_tp_transition``, ``TPExecutionOp``, ...).

@@ -10,13 +10,16 @@ process groups are destroyed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from . import collectives as C
 from . import teardown
 from .errors import TPLowerError
+from .overlap import PendingReduce, all_reduce_start
 from .transitions import TransitionPlan
 
 __all__ = ["Program"]
@@ -42,6 +45,12 @@ class Program:
         forward, backward: bound steps.
         fallback_reason: why DTensor runs this transition, or ``None``.
         global_shape: the global shape given or inferred.
+        backward_start: for a transition whose forward is the identity and
+            whose backward is one ``all_reduce`` (``R -> R`` with gradient
+            ``P``), that all_reduce started and not waited for
+            (:func:`tplower.core.overlap.all_reduce_start`, same group and
+            op), so a caller can compute while it runs
+            (:class:`tplower.core.overlap.OverlappedLinear`); else ``None``.
     """
 
     plan: TransitionPlan | None
@@ -49,10 +58,15 @@ class Program:
     backward: tuple[C.BoundStep, ...]
     fallback_reason: str | None = None
     global_shape: tuple[int, ...] | None = None
+    backward_start: Callable[[torch.Tensor], PendingReduce] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.forward or self.backward:  # bound steps may hold process groups
             teardown.track(self)
+        step = self.backward[0] if len(self.backward) == 1 and not self.forward else None
+        if self.fallback_reason is None and isinstance(step, functools.partial) and step.func is C.all_reduce:
+            # the bound step's own arguments (group, op, n, native): started instead of run, nothing bound twice
+            self.backward_start = functools.partial(all_reduce_start, **step.keywords)
 
     def release(self) -> None:
         """Drop the bound steps (and the process groups they hold); running the program afterwards raises.
@@ -63,6 +77,7 @@ class Program:
         """
         self.forward = (_released_step,)
         self.backward = (_released_step,)
+        self.backward_start = None
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Run forward; differentiable through :class:`~tplower.core.collectives.LoweredTransition`."""

@@ -37,8 +37,12 @@ from .resolve import ModulePlan, ResolvedPlan, bind_compute, resolve_module
 __all__ = ["install_boundaries", "install_hooks", "install_module"]
 
 
-def install_module(module: nn.Module, mp: ModulePlan, lowerer: MeshLowerer, axis: str) -> None:
-    """Set ``mp``'s local attributes on ``module`` and, when it has a boundary, install it as the instance forward."""
+def install_module(module: nn.Module, mp: ModulePlan, lowerer: MeshLowerer, axis: str, overlap: bool = False) -> None:
+    """Set ``mp``'s local attributes on ``module`` and, when it has a boundary, install it as the instance forward.
+
+    ``overlap``: where the boundary allows it, run it as one node whose input gradient's all_reduce overlaps the
+    weight gradient (:mod:`tplower.runtime.overlap`).
+    """
     for attr, value in mp.local_attrs:
         setattr(module, attr, value)
     if mp.info is None:
@@ -56,6 +60,7 @@ def install_module(module: nn.Module, mp: ModulePlan, lowerer: MeshLowerer, axis
         boundary.share, boundary.share_n = mp.share, mp.share_n
     boundary.entry, boundary.axis = mp.entry, axis
     boundary.region = mp.region
+    boundary.overlap = overlap
     module.forward = boundary
 
 
@@ -67,13 +72,14 @@ def _install_adapter(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer
     register_full_load(module)
 
 
-def install_boundaries(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh) -> None:
+def install_boundaries(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh, overlap: bool = False) -> None:
     """Install every boundary of ``resolved`` on ``model`` (its parameters placed), shared sibling moves and
-    LoRA adapters (placed from their base's entry, now and whenever PEFT adds one)."""
+    LoRA adapters (placed from their base's entry, now and whenever PEFT adds one); ``overlap`` as
+    :func:`install_module`."""
     lowerer, axis = mesh_lowerer(mesh), resolved.axis
     modules = dict(model.named_modules())
     for mp in resolved:
-        install_module(modules[mp.qual], mp, lowerer, axis)
+        install_module(modules[mp.qual], mp, lowerer, axis, overlap)
     link_fanouts(modules)  # siblings that read one tensor (q, k, v; gate, up) share its move
     watch_registrations(_install_adapter)
     for qual, module in modules.items():  # adapters added before parallelize: placed from their base's entry

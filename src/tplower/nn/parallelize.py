@@ -73,7 +73,7 @@ def attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
                 context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce",
-                strict: bool = True) -> nn.Module:
+                strict: bool = True, overlap: bool = False) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
     Args:
@@ -123,6 +123,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             without ``context`` and the loss's gradient is the axis size, so
             that average is one process's gradient; reduce them yourself
             otherwise, or they are this rank's tokens' part).
+        overlap: ``True``: a column-parallel ``nn.Linear`` whose input moves
+            ``R -> R`` with a ``P(sum)`` gradient runs as one autograd node
+            that starts the input gradient's ``all_reduce`` before it
+            computes the weight and bias gradients, and waits for it last
+            (Megatron's asynchronous input-gradient all-reduce;
+            :mod:`tplower.runtime.overlap`); the same gradients bit for bit.
+            Eager only (a compiled graph is the compiler's to schedule), not
+            under autocast. Siblings that read one tensor (q, k, v) then
+            all-reduce their input gradients each, overlapped, instead of
+            their sum once (equal up to the order of a floating-point sum):
+            more bytes. For a backend whose collectives run beside compute
+            (NCCL's own stream, spare CPU cores). ``False`` (default; on 2
+            CPU cores with 2 gloo ranks the communication has no idle core
+            to run on: MiniLM's train step took 1.03-1.07x as long with
+            ``True``, 60-80 paired rounds): the transition and the linear
+            are two nodes, the all_reduce after both products.
         replicate_rest: every parameter the plan does not place becomes a
             ``Replicate`` DTensor on ``mesh[axis]`` too, a local view while
             its module or that module's parent runs
@@ -155,7 +171,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
-            ``DeviceMesh`` or ``axis`` not a string (before any collective).
+            ``DeviceMesh``, ``axis`` not a string or ``overlap`` not a bool
+            (before any collective).
         ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, ``cover``
             neither ``"reduce"`` nor ``"refuse"``, ``context_mode`` neither
             ``"ulysses"`` nor ``"allgather"``, or ``context_grads`` neither
@@ -195,6 +212,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if experts not in ("tp", "ep"):
         raise ValueError(f"parallelize: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts) "
                          "or 'ep' (expert parallelism)")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"parallelize: overlap must be True or False, got {overlap!r}")
     if cover not in COVER_MODES:
         raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
     if plan is not None and axis not in mesh_lowerer(mesh).names:
@@ -222,7 +241,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         if mp.info is not None and mp.info.reason is not None:
             warnings.warn(f"tplower: module {mp.qual!r} runs its boundary on DTensor: {mp.info.reason}", stacklevel=2)
     place_parameters(model, resolved)
-    install_boundaries(model, resolved, mesh)
+    install_boundaries(model, resolved, mesh, overlap)
     rest = place_rest_parameters(model, resolved, mesh) if replicate_rest else None
     install_hooks(model, resolved, mesh, rest, cover)
     return model

@@ -10,6 +10,8 @@ decision was made before (:mod:`tplower.nn`), so a call only reads it:
   views, with the gradient reduction a layout needs;
 * :mod:`~tplower.runtime.uneven`: global sizes of sharded activations, exchanged or checked;
 * :mod:`~tplower.runtime.fanout`: siblings that read one tensor share its move;
+* :mod:`~tplower.runtime.overlap`: a column-parallel linear run as one node, its input gradient's all_reduce
+  overlapping the weight gradient (``parallelize(..., overlap=True)``);
 * :mod:`~tplower.runtime.experts`: expert parallelism's dispatch and combine around the experts' compute;
 * :mod:`~tplower.runtime.dropout`: dropout streams of sharded and replicated regions;
 * :mod:`~tplower.runtime.interned`: equal per-call layouts shared (fewer guards under ``torch.compile``);

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.collectives import keep_backward
 from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer
@@ -28,7 +27,9 @@ from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, Placements
 from .dropout import DropoutStreams
 from .interned import intern, traced
+from .overlap import can_overlap, overlapped_call
 from .params import ParamLayout, local_parameter
+from .tie import tie_outputs
 from .uneven import agreed_global_shape, exchanged_global_shape, known_global_shape
 
 __all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "shared_move", "tie_outputs"]
@@ -175,6 +176,8 @@ class _Static:
     region: bool | None = None
     #: an output move reads an input's size before its move (``like_input``): the call keeps those values
     like: bool = False
+    #: run as one node whose input gradient's all_reduce overlaps the weight gradient (:mod:`tplower.runtime.overlap`)
+    overlap: bool = False
     key: int = field(default=0, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
@@ -183,7 +186,7 @@ class _Static:
 
 #: the attributes of :class:`_Boundary` a :class:`_Static` is made from
 _STATIC_FROM = frozenset({"lowerer", "move", "ins", "fan", "outs", "params", "info", "lookup", "tail", "tail_rep",
-                          "tail_grad", "share", "share_n", "compute", "owner", "tie", "region"})
+                          "tail_grad", "share", "share_n", "compute", "owner", "tie", "region", "overlap"})
 
 #: module types whose output depends on every input and parameter for any data (no tie needed, see :func:`_tie`)
 _DIRECT = (nn.Linear, nn.Embedding, nn.LayerNorm)
@@ -231,6 +234,8 @@ class _Boundary:
         #: streams (:func:`tplower.runtime.dropout.install_dropout_streams`; ``None``: nothing to switch)
         self.region: bool | None = None
         self.streams: DropoutStreams | None = None
+        #: overlap the input gradient's all_reduce with the weight gradient where the boundary allows it
+        self.overlap = False
         #: per input move, the key of the sibling group that shares it (:mod:`tplower.runtime.fanout`), or ``None``
         self.fan: tuple[str | None, ...] = (None,) * len(ins)
         self._restatic()
@@ -243,17 +248,25 @@ class _Boundary:
     def _restatic(self) -> None:
         compute = self.compute
         func = compute.__func__ if isinstance(compute, MethodType) and compute.__self__ is self.owner else None
+        like = any(mv.like_input >= 0 for mv in self.outs)  # the fused node keeps no input's value before its move
+        overlap = self.overlap and not like and can_overlap(
+            self.owner, func, self.ins, self.params, self.move is _lowered,
+            self.lookup is None and self.info.deferred_bias is None)
         st = intern(_Static(self.lowerer, self.move, tuple(replace(mv, where="") for mv in self.ins),
                              any(f is not None for f in self.fan), tuple(replace(mv, where="") for mv in self.outs),
                              self.params,
                              self.info.deferred_bias, self.lookup, self.tail, self.tail_rep, self.tail_grad,
                              self.share, self.share_n, func, self.tie, self.region,
-                             any(mv.like_input >= 0 for mv in self.outs)))
+                             like, overlap))
         object.__setattr__(self, "static", st)
         object.__setattr__(self, "static_key", st.key)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        st: _Static = traced(self.static_key) if torch.compiler.is_compiling() else self.static
+        compiling = torch.compiler.is_compiling()
+        st: _Static = traced(self.static_key) if compiling else self.static
+        if st.overlap and not compiling and \
+                (fused := overlapped_call(self.owner, st.lowerer, st.ins[0], st.params, args, kwargs)) is not None:
+            return self._finish(st, fused, None)
         owner = self.owner
         args_l = list(args)
         fans = self.fan if st.fanned else (None,) * len(st.ins)
@@ -295,40 +308,22 @@ class _Boundary:
                 owner.__dict__["padding_idx"] = pad
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        return self._finish(st, out, bias, cut)
+
+    def _finish(self, st: _Static, out: Any, bias: torch.Tensor | None, cut: dict[int, Any] | None = None) -> Any:
+        """Move the outputs, add the deferred bias, switch dropout streams where a sharded region opens or closes.
+
+        ``cut``: the inputs' values before their moves, by input move (outputs sized like an input read them).
+        """
         result = _outputs(self, st, out, bias, cut)
         if st.region is not None and not torch.compiler.is_compiling():
             streams = self.streams
-            if streams is not None and owner.training:
+            if streams is not None and self.owner.training:
                 if st.region:
                     streams.open()
                 else:
                     streams.close()
         return result
-
-
-def tie_outputs(out: Any, moved: list[Any], local_params: list[Any]) -> Any:
-    """Each tensor ``out`` returns, joined in autograd to the moved inputs and the local parameters.
-
-    The rule: every collective a forward issued on a rank has its backward
-    issued on that rank, whatever the data. A module's own compute may leave
-    an input or a parameter out of its result for data alone (transformers'
-    eager experts loop over the experts that got a token: on a rank with no
-    token the result is ``zeros_like``, and no expert weight is touched);
-    then the input move's backward collective, or a parameter's gradient
-    reduction, would run on the other ranks and not on this one, and they
-    would wait for it. Joined (:func:`tplower.core.collectives.keep_backward`),
-    they get autograd's zero gradient here (a parameter's ``.grad`` is then
-    zero, as one process's would be) and every backward collective runs.
-    """
-    tied = [t for t in (*moved, *local_params) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not tied:
-        return out
-    if isinstance(out, torch.Tensor):
-        return keep_backward(out, *tied)
-    if isinstance(out, tuple | list):
-        items = [keep_backward(v, *tied) if isinstance(v, torch.Tensor) else v for v in out]
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    return out
 
 
 def _mask_ids(b: _Boundary, lk: _Lookup, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -23,6 +23,12 @@ its own, a tensor made inside the parent) moves as before, so the sharing
 never reaches past one call of the parent, and a tensor the user holds
 never carries it.
 
+Column-parallel linear siblings that :mod:`tplower.runtime.overlap` runs as
+fused nodes (``parallelize(..., overlap=True)``, eager with grad) do not
+take the shared move: each all-reduces its own input gradient while its
+weight gradient is computed. Calls that take the unfused path (no grad, a
+``torch.compile`` trace) share as before.
+
 Left unshared: boundaries on DTensor (``mode="dtensor"``), inputs named
 ``uneven`` (their sizes are exchanged per call), the debug path
 (``TPLOWER_DEBUG``: each boundary checks its own move), and, inside a
