@@ -55,6 +55,13 @@ def batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), (torch.sin(x) + 0.1 * x.roll(1, dims=-1)).to(device)
 
 
+def step_line(step: int, steps: int, loss: float, norm: float) -> str:
+    """What rank 0 prints for a step: the loss, the gradient norm before clipping, and whether clipping scaled it
+    down to MAX_NORM (only when the norm was above it)."""
+    clip = f"clipped to {MAX_NORM:g}" if norm > MAX_NORM else f"not clipped (max {MAX_NORM:g})"
+    return f"step {step}/{steps}  loss {loss:.6f}  grad-norm {norm:.6f}, {clip}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Train with tplower, save a DCP checkpoint, reload it in one process.")
     parser.add_argument("--steps", type=int, default=5)
@@ -84,8 +91,7 @@ def main() -> int:
         norm = (total.full_tensor() if isinstance(total, DTensor) else total).item()
         opt.step()
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {loss.item():.6f}  "
-                  f"grad-norm {norm:.6f} -> clipped {min(norm, MAX_NORM):.6f}", flush=True)
+            print(step_line(step + 1, args.steps, loss.item(), norm), flush=True)
 
     # Every rank names the same directory: rank 0 picks the temp dir and broadcasts it.
     ckpt: list[str | None] = [args.checkpoint or (tempfile.mkdtemp(prefix="tplower-train-") if rank == 0 else None)]

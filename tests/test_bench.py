@@ -211,5 +211,41 @@ def test_moe_table_sets_compiled_expert_parallelism_beside_its_peers() -> None:
     # its peer is transformers' compiled EP, which failed here: no ratio
     assert lines[4] == "| tplower_ep_compiled | 80.0 | - | 0.0e+00 | all_to_all 4 | 1.0 KiB | 30, 1, 0 |"
     assert lines[5] == "| transformers_ep_compiled | error: Unsupported: a reason | | | | | |"
-    assert "- MoE layer train step, tplower expert parallelism compiled/eager 0.80 (80.0 vs 100.0 ms; 1 graph(s), " \
-           "0 break(s), compile 30 s)" in target_lines(res)
+    assert "- MoE layer train step, tplower expert parallelism compiled/eager 0.80 (80.0 vs 100.0 ms; 1 graph, " \
+           "0 breaks, compile 30 s)" in target_lines(res)
+
+
+def test_every_target_line_says_met_or_missed() -> None:
+    from tplower.bench.phases import BenchResult
+    from tplower.bench.report import target_lines
+
+    def fake(case: str, mode: str, us: float) -> dict[str, object]:
+        return {"case": case, "mode": mode, "impl": "tplower", "samples_us": [us, us, us]}
+
+    def model(variant: str, fwd: float, step: float) -> dict[str, object]:
+        return {"model": "m", "tp": 2, "variant": variant, "forward_ms": fwd, "train_step_ms": step}
+
+    def memory(case: str, fwd_peak: int) -> dict[str, object]:
+        return {"case": case, "impl": "tplower", "fwd_peak": fwd_peak, "fwd_target": 2 << 20, "bwd_peak": 1 << 20,
+                "bwd_target": 2 << 20}
+
+    res = BenchResult(config={}, meta={},
+                      fake=[fake("S(0)->R", "fwd", 4.0), fake("S(0)->R", "fwd_grad", 8.0),
+                            fake("P(sum)->R", "fwd", 9.0), fake("P(sum)->R", "fwd_grad", 8.0)],
+                      memory=[memory("S(0)->R", 1 << 20), memory("P(sum)->R", 1 << 20)],
+                      model=[model("tplower", 100.0, 200.0), model("megatron", 100.0, 200.0),
+                             model("dtensor", 150.0, 300.0), model("codegen", 105.8, 198.0)])
+    lines = target_lines(res)
+    # P(sum)->R is slower without grad (9.0 > 8.0): the target is missed on that row, met on the other
+    assert "- calls without grad skip autograd, tplower forward without grad <= with grad: 1 of 2 transitions met, " \
+           "1 missed; µs without vs with: `P(sum)->R` 9.0 vs 8.0 (missed), `S(0)->R` 4.0 vs 8.0 (met)" in lines
+    # every transition within its memory target: no dangling list after the count
+    assert "- per-op memory within output + one staging buffer (tplower): all 2 transitions met" in lines
+    assert "- m train step: tplower/hand-written 1.000 (target <= 1.05: met), DTensor/tplower 1.50 " \
+           "(target > 1: met); forward tplower/hand-written 1.000 (no target)" in lines
+    # 105.8 / 100 and 198 / 200
+    assert "- m generated forwards (tplower codegen) / hooks: forward 1.058 (target <= 1: missed), train step " \
+           "0.990 (target <= 1: met)" in lines
+    over = target_lines(BenchResult(config={}, meta={}, memory=[memory("S(0)->R", 3 << 20)]))
+    assert over == ["- per-op memory within output + one staging buffer (tplower): 0 of 1 transition met, 1 missed; "
+                    "over: `S(0)->R` fwd 3.00/2.00, bwd 1.00/2.00 MiB"]

@@ -91,6 +91,19 @@ def test_demo_matches_dtensor(capsys):
     assert "all 7 transitions match DTensor forward and backward on every rank" in out
 
 
+def test_demo_table_columns_fit_their_longest_cell():
+    from tplower.cli.demo import demo_table
+
+    rows = [{"case": "P(sum)->S(0)", "forward": "reduce_scatter(dim=0, op=sum)", "backward": "all_gather(dim=0)",
+             "status": "match"},
+            {"case": "R->R", "forward": "", "backward": "", "status": "match"}]
+    assert demo_table(rows, [True, False]) == [
+        "transition    forward                        backward           vs DTensor",
+        "P(sum)->S(0)  reduce_scatter(dim=0, op=sum)  all_gather(dim=0)  match",
+        "R->R          identity                       identity           FAIL (match)",
+    ]
+
+
 def _needs_an_argument(size):  # a --module factory that cannot be called with no arguments
     return torch.nn.Linear(size, size)
 

@@ -42,6 +42,14 @@ def _example() -> ModuleType:
     return module
 
 
+def test_train_example_says_clipped_only_when_the_norm_was_over_the_max() -> None:
+    example = _example()
+    assert example.MAX_NORM == 0.25
+    assert example.step_line(1, 5, 0.5, 0.1) == "step 1/5  loss 0.500000  grad-norm 0.100000, not clipped (max 0.25)"
+    assert example.step_line(2, 5, 0.5, 0.25) == "step 2/5  loss 0.500000  grad-norm 0.250000, not clipped (max 0.25)"
+    assert example.step_line(3, 5, 0.5, 0.75) == "step 3/5  loss 0.500000  grad-norm 0.750000, clipped to 0.25"
+
+
 @pytest.mark.slow  # tests/test_training_stack.py checks training, clipping and DCP in-process
 def test_train_example_runs_under_torchrun_and_leaves_a_trained_checkpoint() -> None:
     root = tempfile.mkdtemp(prefix="tplower-test-train-")

@@ -125,7 +125,7 @@ def test_bad_calls_raise_on_a_warm_cache_what_they_raise_on_a_cold_one() -> None
     expected = {  # the words each message must hold
         "bad dst string": "dst='Q' is not a valid placement",
         "shard dim out of range": "shard dim 9 is out of range",
-        "one placement too many": "has 2 placement(s) but the mesh has 1 axis",
+        "one placement too many": "has 2 placements but the mesh has 1 axis",
         "uneven global shape that does not fit": "local tensor has shape (2, 3)",
         "float in global_shape": "TypeError: redistribute_local: global_shape must be a sequence of non-negative ints",
         "bool in global_shape": "TypeError: redistribute_local: global_shape must be a sequence of non-negative ints",
@@ -135,7 +135,7 @@ def test_bad_calls_raise_on_a_warm_cache_what_they_raise_on_a_cold_one() -> None
         "local a DTensor": "TypeError: redistribute_local: local must be this rank's local torch.Tensor",
         "mesh None": "TypeError: redistribute_local: mesh must be a torch.distributed.device_mesh.DeviceMesh",
         "check not a bool": "TypeError",
-        "the same strings on another mesh": "has 1 placement(s) but the mesh has 2 axis(es)",
+        "the same strings on another mesh": "has 1 placement but the mesh has 2 axes",
     }
     for rank, got in enumerate(per_rank):
         assert got.keys() == expected.keys()

@@ -101,6 +101,8 @@ def test_markdown_and_gaps_on_known_rows() -> None:
     assert "tplower: 1 fail, 2 pass, 1 refused" in table and "tplower EP: 1 error" in table
     assert gaps(rows) == [rows[2], rows[3]]  # the second: transformers' EP passes where tplower's errs
     assert gaps(rows, allow_by_design=False) == rows[1:]
+    broken = Outcome("error", detail="tiny model: ValueError: x")
+    assert "tplower: 3 errors  " in markdown([Row(arch, broken, broken)] * 3).splitlines()
 
 
 def test_markdown_derive_column_compares_bytes_with_the_shipped_plan() -> None:

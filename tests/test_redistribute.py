@@ -84,11 +84,11 @@ def _errors_body(rank, world):
 def test_errors_name_the_argument_and_value():
     msgs = run_threaded(2, _errors_body)[0]
     assert "local tensor has shape (4, 3)" in msgs[0] and "gives (10, 3)" in msgs[0]
-    assert "global_shape=(8,) has 1 dims" in msgs[1]
+    assert "global_shape=(8,) has 1 dim but the local tensor has 2" in msgs[1]
     assert "mixes Partial reduce ops" in msgs[2]
     assert "cannot change its reduce op" in msgs[4]
     assert "does not fit the output" in msgs[5]
-    assert "'S(0),R' has 2 placement(s) but the mesh has 1 axis" in msgs[3]
+    assert "'S(0),R' has 2 placements but the mesh has 1 axis" in msgs[3]
 
 
 def _alias_body(rank, world):

@@ -189,7 +189,7 @@ def test_input_file_sentences(tmp_path: Path) -> None:
     f.write_text("First sentence.\n\n  Second one.  \nThird\n", encoding="utf-8")
     assert read_sentences(f) == ["First sentence.", "Second one.", "Third"]
     f.write_text("only one\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"--input .* has 1 sentence\(s\); give at least 2"):
+    with pytest.raises(ValueError, match=r"--input .* has 1 sentence; give at least 2"):
         read_sentences(f)
     with pytest.raises(ValueError, match=r"--input .* cannot be read"):
         read_sentences(tmp_path / "missing.txt")

@@ -119,6 +119,21 @@ def test_field_case_gather_with_default_gradient_is_found_at_the_gather_gloo() -
     assert fixed[0]["ok"], fixed[0]["table"]
 
 
+def test_report_names_the_output_placement_checked_and_marks_a_direction_with_nothing_compared() -> None:
+    model, x = _seeded(Gathered()), _data(1, 2, 4, D)
+    report = _threaded(2, model, GATHER_P, x, input_placements={0: "S(1)"}, output_placement="S(2)")
+    assert report["ok"], report["table"]
+    output = [c for c in report["checks"] if c["module"] == "(model output)"]
+    assert [(c["tensor"], c["placement"]) for c in output] == [("output", "S(2)")]  # read back from S(2), not R
+    # proj moves nothing: its forward compared no tensor (None in JSON, said so in the table); its backward
+    # cell is its parameter gradients
+    proj = {b["module"]: b for b in report["boundaries"]}["proj"]
+    params = [c["max_diff"] for c in report["checks"] if c["module"] == "proj"]
+    assert proj["forward_max_diff"] is None and proj["backward_max_diff"] == max(params)
+    row = next(line for line in report["table"].splitlines() if line.startswith("proj "))
+    assert row.split()[:4] == ["proj", "identity", "none", "compared"]
+
+
 def test_gradient_declared_partial_where_it_is_whole_is_the_reverse_cause() -> None:
     """The gathered activation meets a whole (unplanned) weight: its gradient is R, declaring P(sum) sums it twice."""
     model, x = _seeded(Gathered()), _data(1, 2, 4, D)

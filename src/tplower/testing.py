@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .core.teardown import shutdown
+from .core.words import count
 
 __all__ = ["RankFailure", "run_processes", "run_threaded"]
 
@@ -54,7 +55,7 @@ class RankFailure(RuntimeError):
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures = dict(sorted(failures.items()))
         lines = [f"rank {r} failed:\n{msg}" for r, msg in self.failures.items()]
-        super().__init__(f"{len(self.failures)} rank(s) failed: {sorted(self.failures)}\n" + "\n".join(lines))
+        super().__init__(f"{count(len(self.failures), 'rank')} failed: {sorted(self.failures)}\n" + "\n".join(lines))
 
 
 @contextlib.contextmanager
@@ -102,7 +103,8 @@ def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: 
     while len(out) + len(failures) < len(procs):
         now = time.monotonic()
         if first_failure is not None and now - first_failure >= grace:
-            reason = f"ended by the harness {grace:g} s after rank(s) {sorted(failures)} failed"
+            ranks = "rank" if len(failures) == 1 else "ranks"
+            reason = f"ended by the harness {grace:g} s after {ranks} {sorted(failures)} failed"
             break
         if now - start >= timeout:
             reason = f"no result within {timeout:.0f} s"

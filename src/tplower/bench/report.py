@@ -7,11 +7,13 @@ never asserted.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..core.explain import format_bytes
+from ..core.words import count
 from .cases import IMPLS, size_label
 from .phases import BenchResult, summarize
 
@@ -51,6 +53,21 @@ def _index(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple[Any, ...], 
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:.2f}"
+
+
+_SIDES: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, ">": operator.gt}
+
+
+def _against(value: float, side: str, bound: float, digits: int = 2) -> str:
+    """``value`` and its verdict: ``_against(1.058, "<=", 1, 3)`` -> ``"1.058 (target <= 1: missed)"``."""
+    return f"{value:.{digits}f} (target {side} {bound:g}: {'met' if _SIDES[side](value, bound) else 'missed'})"
+
+
+def _tally(met: int, total: int, noun: str = "row") -> str:
+    """How many of ``total`` met a target: ``"all 3 rows met"``, ``"2 of 3 rows met, 1 missed"``."""
+    if met == total:
+        return f"all {count(total, noun)} met"
+    return f"{met} of {count(total, noun)} met, {total - met} missed"
 
 
 def micro_table(res: BenchResult) -> list[str]:
@@ -192,7 +209,8 @@ def loss_table(res: BenchResult) -> list[str]:
 
 
 def target_lines(res: BenchResult) -> list[str]:
-    """One line per target of issue 6: the measured figure and whether it is met."""
+    """One line per measured figure; a figure with a target says, by which side of it the figure falls, whether
+    the target was met or missed (a line of many rows counts both)."""
     out: list[str] = []
     micro = _index(res.micro, "world", "case", "size", "mode")
     ratios = [(_med(g["tplower"]) / _med(g["raw"]), k) for k, g in micro.items() if "tplower" in g and "raw" in g
@@ -200,35 +218,38 @@ def target_lines(res: BenchResult) -> list[str]:
     if ratios:
         worst = max(ratios)
         met = sum(r <= 1.10 for r, _ in ratios)
-        out.append(f"- tplower/raw <= 1.10 (communicating transitions): {met}/{len(ratios)} rows met; worst "
+        out.append(f"- tplower/raw <= 1.10 (communicating transitions): {_tally(met, len(ratios))}; worst "
                    f"{worst[0]:.2f} at world {worst[1][0]} `{worst[1][1]}` {size_label(worst[1][2])} {worst[1][3]}; "
                    f"median of ratios {sorted(r for r, _ in ratios)[len(ratios) // 2]:.2f}")
         p10 = [summarize(g["tplower"]["samples_us"])["p10"] / summarize(g["raw"]["samples_us"])["p10"]
                for k, g in micro.items() if "tplower" in g and "raw" in g and k[1] != "R->S(0)"]
-        out.append(f"- the same on 10th percentiles (the least disturbed calls): {sum(r <= 1.10 for r in p10)}/"
-                   f"{len(p10)} rows met; median of ratios {sorted(p10)[len(p10) // 2]:.2f}")
+        out.append(f"- the same on 10th percentiles (the least disturbed calls): "
+                   f"{_tally(sum(r <= 1.10 for r in p10), len(p10))}; median of ratios "
+                   f"{sorted(p10)[len(p10) // 2]:.2f}")
     s2s = [(_med(g["dtensor"]) / _med(g["tplower"]), k) for k, g in micro.items()
            if k[1] == "S(0)->S(1)" and "dtensor" in g and "tplower" in g]
     if s2s:
         low = min(s2s)
-        out.append(f"- S(0)->S(1) DTensor/tplower >= 2 on gloo: {sum(r >= 2 for r, _ in s2s)}/{len(s2s)} rows met; "
+        out.append(f"- S(0)->S(1) DTensor/tplower >= 2 on gloo: {_tally(sum(r >= 2 for r, _ in s2s), len(s2s))}; "
                    f"lowest {low[0]:.2f} at world {low[1][0]} {size_label(low[1][2])} {low[1][3]}")
     fake = _index(res.fake, "case", "mode")
-    hw = [(_med(g["tplower"]) / _med(g["megatron"]), k) for k, g in fake.items() if "megatron" in g]
+    hw = [(_med(g["tplower"]) / _med(g["megatron"]), k) for k, g in fake.items() if "megatron" in g and "tplower" in g]
     if hw:
         worst = max(hw)
-        out.append(f"- fake backend tplower/hand-written <= 1.2: {sum(r <= 1.2 for r, _ in hw)}/{len(hw)} met; "
+        out.append(f"- fake backend tplower/hand-written <= 1.2: {_tally(sum(r <= 1.2 for r, _ in hw), len(hw))}; "
                    f"worst {worst[0]:.2f} (`{worst[1][0]}` {worst[1][1]})")
-    dt = [(_med(g["dtensor"]) / _med(g["tplower"]), k) for k, g in fake.items()]
+    dt = [(_med(g["dtensor"]) / _med(g["tplower"]), k) for k, g in fake.items() if "dtensor" in g and "tplower" in g]
     if dt:
         low = min(dt)
-        out.append(f"- fake backend DTensor/tplower >= 5: {sum(r >= 5 for r, _ in dt)}/{len(dt)} met; lowest "
+        out.append(f"- fake backend DTensor/tplower >= 5: {_tally(sum(r >= 5 for r, _ in dt), len(dt))}; lowest "
                    f"{low[0]:.2f} (`{low[1][0]}` {low[1][1]})")
     nograd = [(_med(g["fwd"]["tplower"]), _med(g["fwd_grad"]["tplower"]), c) for c in {k[0] for k in fake}
               if (g := {m: fake[(c, m)] for m in ("fwd", "fwd_grad") if (c, m) in fake}) and len(g) == 2]
     if nograd:
-        out.append("- calls without grad skip autograd: tplower fwd (no grad) vs fwd (grad) µs: " +
-                   ", ".join(f"`{c}` {a:.1f} vs {b:.1f}" for a, b, c in sorted(nograd, key=lambda t: t[2])))
+        out.append("- calls without grad skip autograd, tplower forward without grad <= with grad: "
+                   f"{_tally(sum(a <= b for a, b, _ in nograd), len(nograd), 'transition')}; µs without vs with: " +
+                   ", ".join(f"`{c}` {a:.1f} vs {b:.1f} ({'met' if a <= b else 'missed'})"
+                             for a, b, c in sorted(nograd, key=lambda t: t[2])))
     if res.plan_cache:
         miss = sorted(summarize(r["miss_us"])["median"] for r in res.plan_cache)
         hit = sorted(summarize(r["hit_us"])["median"] for r in res.plan_cache)
@@ -239,21 +260,23 @@ def target_lines(res: BenchResult) -> list[str]:
     if res.memory:
         rows = [r for r in res.memory if r["impl"] == "tplower"]
         ok = [r for r in rows if r["fwd_peak"] <= r["fwd_target"] and r["bwd_peak"] <= r["bwd_target"]]
-        out.append(f"- per-op memory within output + one staging buffer: {len(ok)}/{len(rows)} transitions "
-                   f"(tplower); " + ", ".join(f"`{r['case']}` fwd {_mb(r['fwd_peak'])}/{_mb(r['fwd_target'])} MiB"
-                                              for r in rows if r not in ok))
+        over = [f"`{r['case']}` fwd {_mb(r['fwd_peak'])}/{_mb(r['fwd_target'])}, bwd {_mb(r['bwd_peak'])}/"
+                f"{_mb(r['bwd_target'])} MiB" for r in rows if r not in ok]
+        out.append("- per-op memory within output + one staging buffer (tplower): "
+                   f"{_tally(len(ok), len(rows), 'transition')}" + ("; over: " + ", ".join(over) if over else ""))
     by = {(r["model"], r["variant"]): r for r in res.model}
     for model in dict.fromkeys(r["model"] for r in res.model):
         t, m, d = by.get((model, "tplower")), by.get((model, "megatron")), by.get((model, "dtensor"))
         if t and m and d:
-            out.append(f"- {model} train step: tplower/hand-written {t['train_step_ms'] / m['train_step_ms']:.3f} "
-                       f"(target <= 1.05), DTensor/tplower {d['train_step_ms'] / t['train_step_ms']:.2f} (target > 1); "
-                       f"forward tplower/hand-written {t['forward_ms'] / m['forward_ms']:.3f}")
+            out.append(f"- {model} train step: tplower/hand-written "
+                       f"{_against(t['train_step_ms'] / m['train_step_ms'], '<=', 1.05, 3)}, DTensor/tplower "
+                       f"{_against(d['train_step_ms'] / t['train_step_ms'], '>', 1)}; forward tplower/hand-written "
+                       f"{t['forward_ms'] / m['forward_ms']:.3f} (no target)")
         gen = by.get((model, "codegen"))
         if t and gen:
             out.append(f"- {model} generated forwards (tplower codegen) / hooks: forward "
-                       f"{gen['forward_ms'] / t['forward_ms']:.3f}, train step "
-                       f"{gen['train_step_ms'] / t['train_step_ms']:.3f} (target <= 1)")
+                       f"{_against(gen['forward_ms'] / t['forward_ms'], '<=', 1, 3)}, train step "
+                       f"{_against(gen['train_step_ms'] / t['train_step_ms'], '<=', 1, 3)}")
         tc, dc = by.get((model, "tplower_compiled")), by.get((model, "dtensor_compiled"))
         if tc and dc:
             out.append(f"- {model} compiled (torch.compile): train step DTensor/tplower "
@@ -274,7 +297,7 @@ def target_lines(res: BenchResult) -> list[str]:
     if tc and te:
         out.append(f"- MoE layer train step, tplower expert parallelism compiled/eager "
                    f"{tc['train_step_ms'] / te['train_step_ms']:.2f} ({tc['train_step_ms']:.1f} vs "
-                   f"{te['train_step_ms']:.1f} ms; {tc['graphs']} graph(s), {tc['breaks']} break(s), "
+                   f"{te['train_step_ms']:.1f} ms; {count(tc['graphs'], 'graph')}, {count(tc['breaks'], 'break')}, "
                    f"compile {tc['compile_s']:.0f} s)")
     by_loss: dict[str, dict[str, Any]] = {r["variant"]: r for r in res.loss}
     lg, lv = by_loss.get("gathered"), by_loss.get("vocab_parallel")

@@ -67,7 +67,8 @@ def _csv(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tplower bench``."""
     parser.add_argument("--quick", action="store_true",
-                        help="short run (< 3 min on 2 CPU cores): world 2 (+4 for the 2x2 case), sizes up to 4 MiB")
+                        help="short run (a few minutes on 2 CPU cores, longer when they are busy): world 2 "
+                             "(+4 for the 2x2 case), sizes up to 4 MiB")
     parser.add_argument("--out", metavar="DIR", default="bench-out",
                         help="folder for bench.md, bench.json and the PNG plots (default bench-out)")
     parser.add_argument("--phases", type=_csv, default=None,

@@ -89,15 +89,21 @@ def main(args: argparse.Namespace) -> int:
     print(f"tplower demo: {len(cases)} transitions of a {shape} float32 tensor on {procs}")
     t0 = time.perf_counter()
     per_rank = run_processes(args.nproc, _rank_body, cases)
-    width = max(len(r["case"]) for r in per_rank[0])
-    print(f"{'transition':<{width}}  {'forward':<28} {'backward':<28} vs DTensor")
-    all_ok = True
-    for i, row in enumerate(per_rank[0]):
-        ok = all(rows[i]["ok"] for rows in per_rank)
-        all_ok &= ok
-        verdict = ("match" if row["status"] == "match" else row["status"]) if ok else f"FAIL ({row['status']})"
-        print(f"{row['case']:<{width}}  {row['forward'] or 'identity':<28} {row['backward'] or 'identity':<28} "
-              f"{verdict}")
+    oks = [all(rows[i]["ok"] for rows in per_rank) for i in range(len(cases))]
+    print("\n".join(demo_table(per_rank[0], oks)))
+    all_ok = all(oks)
     print(f"{'all' if all_ok else 'NOT all'} {len(cases)} transitions match DTensor forward and backward on every "
           f"rank ({time.perf_counter() - t0:.1f} s)")
     return 0 if all_ok else 1
+
+
+def demo_table(rows: list[dict[str, Any]], oks: list[bool]) -> list[str]:
+    """The demo's table as lines: a header, then one line per transition of ``rows`` (rank 0's dicts with
+    ``case``, ``forward``, ``backward``, ``status``), its verdict failed where ``oks[i]`` (every rank) is false.
+    Each column is as wide as its longest cell, so a long op such as ``reduce_scatter(dim=0, op=sum)`` keeps the
+    next column aligned."""
+    cells = [(r["case"], r["forward"] or "identity", r["backward"] or "identity",
+              r["status"] if ok else f"FAIL ({r['status']})") for r, ok in zip(rows, oks, strict=True)]
+    head = ("transition", "forward", "backward", "vs DTensor")
+    widths = [max(len(c[j]) for c in (head, *cells)) for j in range(3)]
+    return [f"{c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]}".rstrip() for c in (head, *cells)]

@@ -42,6 +42,7 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer, mesh_lowerer
 from ..core.transitions import classify_axis
+from ..core.words import count
 from ..runtime.boundary import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
 from ..runtime.experts import ExpertDispatch
 from ..runtime.params import ParamLayout, local_parameter
@@ -299,7 +300,7 @@ class GeneratedOps:
         items = list(out) if isinstance(out, tuple | list) else [out]
         if len(items) < need:
             raise TPLowerError(f"{where}: output index {need - 1} is declared but forward returned "
-                               f"{len(items)} value(s)")
+                               f"{count(len(items), 'value')}")
         return items
 
     @staticmethod

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..core.explain import format_bytes
+from ..core.words import count
 from .layout import SequenceLayout
 
 __all__ = ["context_to_table", "explain_context"]
@@ -93,7 +94,7 @@ def context_to_table(info: dict[str, Any]) -> str:
     i = info["inputs"]
     lines = [f"context parallelism per train step: batch {i['batch']} x {i['seq']} tokens (longest piece "
              f"{i['local_width']}), hidden {i['hidden']}, {i['heads']} heads / {i['kv_heads']} key/value heads of "
-             f"{i['head_dim']}, {i['layers']} layer(s), cp={i['cp']}, tp={i['tp']}, {i['dtype']}"]
+             f"{i['head_dim']}, {count(i['layers'], 'layer')}, cp={i['cp']}, tp={i['tp']}, {i['dtype']}"]
     for mode, title in (("ulysses", "context_mode='ulysses'"), ("allgather", "context_mode='allgather'")):
         part = info[mode]
         lines += ["", title + ("" if part["possible"] else " (refused: the query heads do not divide over cp)")]

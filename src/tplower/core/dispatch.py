@@ -46,6 +46,7 @@ from .backends import backend_caps, backend_name_for
 from .collectives import _all_gather_base, keep_backward
 from .errors import TPLowerError
 from .program import Program
+from .words import count
 
 __all__ = ["DispatchPlan", "all_to_all_splits", "combine_tokens", "dispatch_tokens", "plan_dispatch"]
 
@@ -271,7 +272,8 @@ def combine_tokens(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | 
     """
     rows_here = int(plan.local_order.numel())
     if y.dim() == 0 or y.shape[0] != rows_here:
-        raise TPLowerError(f"combine_tokens: y has shape {tuple(y.shape)} but the plan gave this rank {rows_here} rows")
+        raise TPLowerError(f"combine_tokens: y has shape {tuple(y.shape)} but the plan gave this rank "
+                           f"{count(rows_here, 'row')}")
     if weights is not None and tuple(weights.shape) != (plan.num_tokens, plan.top_k):
         raise TPLowerError(f"combine_tokens: weights have shape {tuple(weights.shape)}, expected "
                            f"{(plan.num_tokens, plan.top_k)} (tokens, top_k)")

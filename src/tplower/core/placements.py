@@ -35,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .argcheck import check_int, check_names, check_placement_seq, describe
 from .errors import TPLowerError
+from .words import count
 
 __all__ = [
     "LINEAR_REDUCE_OPS",
@@ -204,7 +205,8 @@ def parse_placements(
                         f"got {describe(spec)}")
     if ndim is not None and len(out) != ndim:
         raise TPLowerError(
-            f"{arg}={format_placements(out)!r} has {len(out)} placement(s) but the mesh has {ndim} axis(es)"
+            f"{arg}={format_placements(out)!r} has {count(len(out), 'placement')} but the mesh has "
+            f"{count(ndim, 'axis', 'axes')}"
         )
     if tensor_ndim is not None:
         out = tuple(_normalize_dim(p, tensor_ndim, arg) for p in out)

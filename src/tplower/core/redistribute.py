@@ -46,6 +46,7 @@ from .placements import (
 from .program import Program
 from .traced import _TRACED, _slot, _traced_dims, _traced_slot
 from .transitions import global_shape_from_local, plan_transition
+from .words import count
 
 __all__ = ["MeshLowerer", "bind_step", "mesh_lowerer", "redistribute_local"]
 
@@ -239,7 +240,8 @@ class MeshLowerer:
         else:
             gshape = check_shape(global_shape, "global_shape", "redistribute_local")
             if len(gshape) != nd:
-                raise TPLowerError(f"global_shape={gshape} has {len(gshape)} dims but the local tensor has {nd}")
+                raise TPLowerError(f"global_shape={gshape} has {count(len(gshape), 'dim')} but the local tensor "
+                                   f"has {nd}")
         reason = self._fallback_reason(src, dst, grad)
         if reason is not None:
             log.debug("tplower: %s -> %s falls back to DTensor: %s", format_placements(src),

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .argcheck import check_placement, check_placement_seq, check_shape
 from .errors import TPLowerError
 from .placements import REDUCE_OPS, check_reduce_ops, format_placement, format_placements, replicate_partials
+from .words import count
 
 __all__ = [
     "KINDS",
@@ -392,7 +393,7 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement], global_s
                            f"per axis, each in 0..size-1")
     for name, ps in (("src", src), ("dst", dst), ("grad", grad)):
         if len(ps) != len(mesh_shape):
-            raise TPLowerError(f"{name}={format_placements(ps)!r} has {len(ps)} placements for a "
+            raise TPLowerError(f"{name}={format_placements(ps)!r} has {count(len(ps), 'placement')} for a "
                                f"{len(mesh_shape)}-axis mesh")
         check_reduce_ops(ps, name)
         for p in ps:

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ..core.words import count
 from .compare import TOL, Outcome, compare_logits, compare_training, describe, eval_logits, guarded, merge
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
 from .hf_context import context_side
@@ -290,7 +291,8 @@ def markdown(rows: Sequence[Row]) -> str:
                      f"{row.hf_ep.cell()} | {mine}{_cell(row.note())} |")
     lines.append("")
     for side, per_status in counts(rows).items():
-        lines.append(f"{side}: " + ", ".join(f"{n} {status}" for status, n in sorted(per_status.items())) + "  ")
+        lines.append(f"{side}: " + ", ".join(count(n, status) if status == "error" else f"{n} {status}"
+                                             for status, n in sorted(per_status.items())) + "  ")
     if derived:
         b = byte_counts((r.derive, r.tplower) for r in rows)
         ratio = f"{b['derived_bytes'] / b['shipped_bytes']:.2f}" if b["shipped_bytes"] else "n/a"

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
+from ..core.words import count
 from ..plans.keys import check_plan_keys
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the names and plans here load without it
@@ -352,5 +353,5 @@ def read_sentences(path: str | Path) -> list[str]:
         raise TPLowerError(f"--input {str(path)!r} cannot be read: {exc}") from None
     out = [ln for ln in lines if ln]
     if len(out) < 2:
-        raise TPLowerError(f"--input {str(path)!r} has {len(out)} sentence(s); give at least 2, one a line")
+        raise TPLowerError(f"--input {str(path)!r} has {count(len(out), 'sentence')}; give at least 2, one a line")
     return out

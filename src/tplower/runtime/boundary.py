@@ -22,6 +22,7 @@ from ..core.errors import TPLowerError
 from ..core.placements import parse_placements
 from ..core.redistribute import MeshLowerer
 from ..core.transitions import global_shape_from_local
+from ..core.words import count
 from ..families.conv1d import is_conv1d
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, Placements
@@ -383,7 +384,7 @@ def _outputs(b: _Boundary, st: _Static, out: Any, bias: torch.Tensor | None = No
     for i, mv in enumerate(st.outs):
         if mv.slot >= len(items):
             raise TPLowerError(f"module {b.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
-                               f"returned {len(items)} value(s)")
+                               f"returned {count(len(items), 'value')}")
         items[mv.slot] = _apply(b, st, items[mv.slot], i, True, cut)
     if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
         items[0] = items[0] + bias.to(items[0].dtype)
@@ -392,7 +393,7 @@ def _outputs(b: _Boundary, st: _Static, out: Any, bias: torch.Tensor | None = No
     for slot in st.share:  # the division's own gradient is this rank's share: no collective either way
         if slot >= len(items):
             raise TPLowerError(f"module {b.info.module!r}: share names output index {slot} but forward "
-                               f"returned {len(items)} value(s)")
+                               f"returned {count(len(items), 'value')}")
         items[slot] = items[slot] / st.share_n
     if not is_seq:
         return items[0]

@@ -45,6 +45,7 @@ from ..core.collectives import _all_gather_base, _fc_all_gather
 from ..core.errors import TPLowerError
 from ..core.redistribute import MeshLowerer
 from ..core.transitions import chunk_size_and_offset
+from ..core.words import count
 
 __all__ = ["agreed_global_shape", "exchanged_global_shape", "known_global_shape"]
 
@@ -200,7 +201,7 @@ def known_global_shape(local: torch.Tensor, src: Sequence[Placement], lowerer: M
         whose = "it was cut from"
     else:
         raise TPLowerError(f"{where}: its global size is that of the input it was cut from, which was not given as "
-                           f"a tensor of {local.ndim} dims")
+                           f"a tensor of {count(local.ndim, 'dim')}")
     if local.shape[d] != piece:
         raise TPLowerError(f"{where}: dim {d} is {local.shape[d]} on this rank (coordinate {c} of mesh axis "
                            f"{lowerer.names[axis]!r}), not its torch.chunk piece {piece} of the {size} {whose}")

@@ -69,9 +69,10 @@ def _call(model: nn.Module, inputs: Mapping[int | str, Any]) -> Any:
 
 
 def model_check(phase: str, module: str, what: str, got: torch.Tensor, want: torch.Tensor, order: int,
-                 cmp: Comparer) -> Check:
+                 cmp: Comparer, placement: str = "R") -> Check:
+    """The whole tensor ``got`` (read back from the parallel model by ``placement``) against ``want``."""
     d, ok = cmp.diff(got, want)
-    return Check(phase, module, what, "R", d, ok, order=order, allowed=cmp.allowed(want))
+    return Check(phase, module, what, placement, d, ok, order=order, allowed=cmp.allowed(want))
 
 
 @dataclass
@@ -219,7 +220,7 @@ def verdicts(par: nn.Module, rec: Recorder, checks: Sequence[Check]) -> tuple[Bo
     out = []
     for q in order:
         own = [c for c in checks if c.module == q]
-        fwd = max((c.max_diff for c in own if c.phase == "forward"), default=0.0)
-        bwd = max((c.max_diff for c in own if c.phase != "forward"), default=0.0)
+        fwd = max((c.max_diff for c in own if c.phase == "forward"), default=None)  # None: nothing compared
+        bwd = max((c.max_diff for c in own if c.phase != "forward"), default=None)
         out.append(BoundaryVerdict(q, infos[q].form.form, fwd, bwd, all(c.ok for c in own)))
     return tuple(out)

@@ -57,12 +57,13 @@ class Check:
 
 @dataclass(frozen=True)
 class BoundaryVerdict:
-    """One row of the table: a parallelized module, worst differences forward and backward, ``ok``."""
+    """One row of the table: a parallelized module, worst differences forward and backward (``None``: no tensor
+    of that direction was compared there, e.g. the forward of a boundary that moves nothing), ``ok``."""
 
     module: str
     form: str
-    forward_max_diff: float
-    backward_max_diff: float
+    forward_max_diff: float | None
+    backward_max_diff: float | None
     ok: bool
 
 
@@ -143,7 +144,7 @@ class VerifyReport:
         note = (f"each cell: the tensor nearest its tolerance, forward the values at the boundary, backward the "
                 f"gradients arriving there; allowed = atol {self.atol:g} + rtol {self.rtol:g} x that tensor's "
                 "largest |value| in one process")
-        out = [note, fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        out = [note, fmt.format(*head).rstrip(), fmt.format(*("-" * w for w in widths))]
         out += [fmt.format(*r).rstrip() for r in rows]
         return "\n".join(out) + "\n" + self.summary()
 
@@ -161,10 +162,10 @@ class VerifyReport:
 
 
 def _worst(checks: list[Check], phases: tuple[str, ...]) -> str:
-    """``"1.95e-03 (4.10e-03)"``: the check of ``phases`` nearest its own bound (``""`` for none)."""
+    """``"1.95e-03 (4.10e-03)"``: the check of ``phases`` nearest its own bound (``"none compared"`` for none)."""
     mine = [c for c in checks if c.phase in phases and c.error is None]
     if not mine:
-        return ""
+        return "none compared"
     c = max(mine, key=lambda c: _ratio(c.max_diff, c.allowed))
     return f"{c.max_diff:.2e}" + (f" ({c.allowed:.2e})" if c.allowed is not None else "")
 

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, distribute_tensor
 
 from ..core.argcheck import check_mesh
-from ..core.placements import PlacementsLike, parse_placements
+from ..core.placements import PlacementsLike, format_placements, parse_placements
 from ..core.redistribute import redistribute_local
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
@@ -283,7 +283,7 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
     tick = Ticker(progress, len(par_rec.points) + n_params)
     checks = point_checks(ref_rec, par_rec, ref, par, cmp, tick)
     checks.append(model_check("forward", "(model output)", "output", whole.detach(), ref_out.detach(),
-                               par_rec.seq, cmp))
+                               par_rec.seq, cmp, format_placements(out_place)))
     checks += input_checks(ref_in, par_in, in_places, cmp, par_rec.grad_seq)
     checks += param_checks(ref, par, cmp, "param_grad", tick)
     if steps > 1:
