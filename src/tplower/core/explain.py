@@ -163,11 +163,12 @@ def explain_moe(tokens: int, hidden: int, top_k: int, num_experts: int, tp: int,
                 "step_bytes_per_rank": fwd + bwd}
 
     if num_experts % n:
-        ep = {"possible": False, "rows": [], "forward_bytes_per_rank": None, "backward_bytes_per_rank": None,
-              "step_bytes_per_rank": None, "worst_step_bytes_per_rank": None,
-              "refused": f"{num_experts} experts do not divide over {n} ranks (expert parallelism gives each rank "
-                         "whole experts, by index); rank counts that divide them: "
-                         + ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)}
+        divisors = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
+        ep: dict[str, Any] = {
+            "possible": False, "rows": [], "forward_bytes_per_rank": None, "backward_bytes_per_rank": None,
+            "step_bytes_per_rank": None, "worst_step_bytes_per_rank": None,
+            "refused": f"{num_experts} experts do not divide over {n} ranks (expert parallelism gives each rank whole "
+                       f"experts, by index); rank counts that divide them: {divisors}"}
     else:
         ep = totals(ep_rows)
         ep["worst_step_bytes_per_rank"] = ep["step_bytes_per_rank"] + 4 * (worst - a2a)
