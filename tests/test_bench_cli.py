@@ -50,9 +50,9 @@ def test_filter_drops_only_kineto_status_lines(capfd: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(("argv", "message"), [
     (["--worlds", "2,x"], "argument --worlds: '2,x': 'x' is not a whole number; give world sizes of at least 2, "
                           "comma separated, e.g. 2,4"),
-    (["--sizes", "100"], "sizes: 100 B does not split into a float32 [a, b] tensor with a and b divisible by world 2; "
-                         "give multiples of 16 B"),  # 16 = 4 bytes x 2 x 2
-    (["--sizes", "0"], "sizes: 0 B does not split"),
+    (["--sizes", "100"], "--sizes: 100 B does not split into a float32 [a, b] tensor with a and b divisible by world "
+                         "2 (--worlds 2); give multiples of 16 B (e.g. 112)"),  # 16 = 4 bytes x 2 x 2; 112 = 7 x 16
+    (["--sizes", "0"], "--sizes: 0 B does not split"),
 ], ids=["worlds", "size", "zero-size"])
 def test_malformed_values_exit_2_naming_the_option(argv: list[str], message: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:

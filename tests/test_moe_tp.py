@@ -442,8 +442,13 @@ def test_explain_moe_bytes_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     # (4 of them); output all_gather [2,2] 16 B; backward gathers of the [2,2] and [2,2] input gradients 16 B each
     assert (info["ep"]["forward_bytes_per_rank"], info["ep"]["backward_bytes_per_rank"]) == (32 + 32 + 16, 32 + 32)
     assert info["ep"]["worst_step_bytes_per_rank"] == 144 + 4 * 16  # every slot leaves: 32 B per all_to_all
-    with pytest.raises(ValueError, match="num_experts=3 does not divide over tp=2"):
-        explain_moe(4, 2, 2, 3, 2)
+    # 3 experts over 2 ranks: expert parallelism is refused, tensor parallelism inside the experts is the same as
+    # for 4 experts (its all_reduces carry the [4,2] output and gradients whatever the expert count)
+    odd = explain_moe(4, 2, 2, 3, 2)
+    assert not odd["ep"]["possible"] and odd["ep"]["step_bytes_per_rank"] is None
+    assert "3 experts do not divide over 2 ranks" in odd["ep"]["refused"] and odd["ep"]["refused"].endswith("1, 3")
+    assert odd["tp"]["possible"] and (odd["tp"]["forward_bytes_per_rank"], odd["tp"]["backward_bytes_per_rank"]) == (
+        32, 64)
     assert main(["explain", "--moe", "tokens=4,hidden=2,top_k=2,experts=4"]) == 0
     assert "fewer bytes per step: tensor parallelism inside the experts (96 B vs 144 B)" in capsys.readouterr().out
     assert main(["explain", "--moe", "tokens=4,hidden=2"]) == 2

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..bench.catalog import CASES, IMPLS
 from ..bench.config import PHASES
 from ..core.errors import TPLowerError
-from .errors import positive_int
+from .errors import closest, positive_int
 
 if TYPE_CHECKING:
     from ..bench.config import BenchConfig
@@ -104,6 +104,44 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return replace(cfg, device=args.device, compile_backend=args.compile, **changes)
 
 
+def _check_names(option: str, given: tuple[str, ...] | None, allowed: tuple[str, ...], sep: str = ",") -> None:
+    """Each of ``given`` (``None``: the option was not given) is one of ``allowed``; at least one is given.
+
+    Raises:
+        TPLowerError: an empty list or an unknown name; the message names ``option``, the closest allowed name
+            and all of them.
+    """
+    if given is None:
+        return
+    if not given:
+        raise TPLowerError(f"{option} names none; give one or more of {sep.join(allowed)}")
+    for name in given:
+        if name not in allowed:
+            raise TPLowerError(f"{option}: {name!r} is unknown{closest(name, allowed)}; allowed: {sep.join(allowed)}")
+
+
+def _check_options(args: argparse.Namespace, cfg: BenchConfig) -> None:
+    """The bench's settings, checked with the names of the options that set them, before any rank starts.
+
+    Raises:
+        TPLowerError: an unknown phase, case or implementation (with the closest valid one), a world size
+            below 2, or a size that no world splits evenly.
+    """
+    _check_names("--phases", args.phases, PHASES)
+    _check_names("--cases", args.cases, tuple(c.name for c in CASES), "; ")
+    _check_names("--impls", args.impls, IMPLS)
+    if small := [w for w in cfg.worlds if w < 2]:
+        raise TPLowerError(f"--worlds: {small[0]} is below 2; a world size is at least 2 ranks (e.g. --worlds 2,4)")
+    for nbytes in cfg.sizes:
+        for w in cfg.worlds:
+            unit = 4 * w * w  # float32 bytes of the smallest [w, w] tensor
+            if nbytes < 1 or nbytes % unit:
+                up = max(1, -(-nbytes // unit)) * unit
+                raise TPLowerError(f"--sizes: {nbytes} B does not split into a float32 [a, b] tensor with a and b "
+                                   f"divisible by world {w} (--worlds {','.join(map(str, cfg.worlds))}); give "
+                                   f"multiples of {unit} B (e.g. {up})")
+
+
 def _check_device(device: str) -> None:
     """``--device cuda`` needs a CUDA GPU here (checked once, before any rank starts).
 
@@ -124,7 +162,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the bench; print the Markdown table; 0 on success, 2 on a bad argument or a failed rank.
 
     Raises:
-        TPLowerError: bad input (checked before any rank starts) or a phase that refused its settings.
+        TPLowerError: bad input (checked before any rank starts, named by its option) or a phase that refused
+            its settings.
         tplower.testing.RankFailure: a rank died or raised.
     """
     from ..bench.phases import run_bench, write_json
@@ -134,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
     if args.keep_freed_memory:  # read by each spawned rank's C library at start
         os.environ.update(KEEP_FREED_MEMORY)
     cfg = _config(args)
+    _check_options(args, cfg)
     _check_device(cfg.device)
     try:
         res = run_bench(cfg, progress=lambda what: print(f"[bench] {what}", file=sys.stderr, flush=True))

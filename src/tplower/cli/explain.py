@@ -93,12 +93,41 @@ def parse_coord(text: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> tu
     return coord
 
 
+def check_dims(placements: dict[str, str | None], names: tuple[str, ...], shape: tuple[int, ...],
+               shape_option: str) -> None:
+    """Each shard dim of ``placements`` (``{"SRC": text, ...}``; ``None`` skipped) is a dim of ``shape``.
+
+    ``shape_option`` says where the shape came from, e.g. ``"--shape 8,16"`` or ``"--shape's default 8,16"``.
+
+    Raises:
+        TPLowerError: a placement that does not parse (as :func:`tplower.core.placements.parse_placements`), or
+            ``S(d)`` on a tensor of ``d`` dims or fewer; the message names the placement, the dims it needs and
+            ``shape_option``.
+    """
+    from torch.distributed.tensor import Shard
+
+    from ..core.placements import parse_placements
+
+    nd = len(shape)
+    for option, text in placements.items():
+        if text is None:
+            continue
+        for p in parse_placements(text, names, arg=option):
+            if isinstance(p, Shard) and not -nd <= p.dim < nd:
+                need = p.dim + 1 if p.dim >= 0 else -p.dim
+                example = ",".join(map(str, shape + (8,) * (need - nd)))
+                dims = f"{nd} dim{'s' if nd != 1 else ''}"
+                raise TPLowerError(f"{option} {text!r}: dim {p.dim} is out of range: S({p.dim}) needs a tensor of at "
+                                   f"least {need} dims; the shape is {shape_option} ({dims}); pass --shape with "
+                                   f"{need} or more sizes, e.g. --shape {example}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """SRC DST placements, ``--mesh``, ``--shape``, ``--dtype``, ``--grad``, ``--coord``, ``--json``, ``--plan``."""
     parser.add_argument("src", nargs="?", help='source placements, e.g. "S(0),P(sum)"')
     parser.add_argument("dst", nargs="?", help='target placements, e.g. "R,S(1)"')
     parser.add_argument("--mesh", default="tp=2", help="mesh axes, e.g. dp=2,tp=4 (default tp=2)")
-    parser.add_argument("--shape", default=DEFAULT_SHAPE,
+    parser.add_argument("--shape", default=None,
                         help=f"global shape of the tensor, e.g. 8,1024,4096 (default {DEFAULT_SHAPE})")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="element type (default fp32)")
     parser.add_argument("--grad", default=None, help="placement of the gradient at the output (default: dst, P as R)")
@@ -125,12 +154,14 @@ _CONTEXT_KEYS = ("batch", "seq", "hidden", "heads", "kv_heads")
 _CONTEXT_OPTIONAL = ("layers", "head_dim", "params")
 
 
-def parse_sizes(option: str, text: str, keys: tuple[str, ...], optional: tuple[str, ...], example: str
-                ) -> dict[str, int]:
-    """``"k1=v1,k2=v2"`` -> the sizes of ``option``: every key of ``keys``, any of ``optional``.
+def parse_sizes(option: str, text: str, keys: tuple[str, ...], optional: tuple[str, ...], example: str, *,
+                zero_ok: tuple[str, ...] = ()) -> dict[str, int]:
+    """``"k1=v1,k2=v2"`` -> the sizes of ``option``: every key of ``keys``, any of ``optional``; each at least 1
+    (0 allowed for the keys of ``zero_ok``).
 
     Raises:
-        TPLowerError: an item that is not ``key=integer``, an unknown or missing key; the message names ``option``.
+        TPLowerError: an item that is not ``key=integer``, an unknown or missing key, or a 0 where a size must be
+            at least 1; the message names ``option``.
     """
     out: dict[str, int] = {}
     for item in text.split(","):
@@ -138,6 +169,8 @@ def parse_sizes(option: str, text: str, keys: tuple[str, ...], optional: tuple[s
         if not sep or key not in keys + optional or not value.isdigit():
             raise TPLowerError(f"{option} {text!r}: {item.strip()!r} is not key=integer with key one of "
                                f"{', '.join(keys + optional)} (e.g. {example})")
+        if int(value) < 1 and key not in zero_ok:
+            raise TPLowerError(f"{option} {text!r}: {key}={value}; each size is a whole number of at least 1")
         out[key] = int(value)
     if missing := [k for k in keys if k not in out]:
         raise TPLowerError(f"{option} {text!r}: missing {', '.join(missing)}; give all of {', '.join(keys)}")
@@ -148,20 +181,24 @@ def parse_moe(text: str) -> dict[str, int]:
     """``"tokens=256,hidden=64,top_k=2,experts=8"`` -> the four sizes of ``--moe``.
 
     Raises:
-        TPLowerError: an item that is not ``key=integer``, an unknown or missing key; the message names ``--moe``.
+        TPLowerError: an item that is not ``key=integer``, an unknown or missing key, a size below 1; the message
+            names ``--moe``.
     """
     return parse_sizes("--moe", text, _MOE_KEYS, (), "tokens=4096,hidden=2048,top_k=8,experts=128")
 
 
 def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
-    from ..context.explain import context_to_table, explain_context
+    from ..context.explain import context_to_table, explain_context, head_problem
 
     if "cp" not in names:
         raise TPLowerError(f"--context needs a cp axis in --mesh (e.g. cp=2,tp=2); --mesh {args.mesh} has "
                            f"{', '.join(names)}")
     c = parse_sizes("--context", args.context, _CONTEXT_KEYS, _CONTEXT_OPTIONAL,
-                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32")
+                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32", zero_ok=("params",))
     tp = sizes[names.index("tp")] if "tp" in names else 1
+    if problem := head_problem(c["hidden"], c["heads"], c["kv_heads"], tp, c.get("head_dim")):
+        raise TPLowerError(f"--context {args.context!r}" + (f" with --mesh {args.mesh}" if tp > 1 else "") +
+                           f": {problem}")
     try:
         info = explain_context(c["batch"], c["seq"], c["hidden"], c["heads"], c["kv_heads"],
                                sizes[names.index("cp")], tp, layers=c.get("layers", 1), head_dim=c.get("head_dim"),
@@ -178,6 +215,9 @@ def _explain_moe(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[
     if len(names) != 1:
         raise TPLowerError(f"--moe explains one block over one axis; --mesh {args.mesh} has {len(names)} axes")
     m = parse_moe(args.moe)
+    if m["top_k"] > m["experts"]:
+        raise TPLowerError(f"--moe {args.moe!r}: top_k={m['top_k']} exceeds experts={m['experts']}; each token "
+                           f"picks top_k of the experts, so top_k is at most {m['experts']}")
     info = explain_moe(m["tokens"], m["hidden"], m["top_k"], m["experts"], sizes[0], dtype_of(args.dtype))
     print(json.dumps(info, indent=2) if args.json else moe_to_table(info))
     return 0
@@ -198,7 +238,7 @@ def resolved_lines(model_name: str, plan: Any, names: tuple[str, ...], sizes: tu
     model = skeleton_for(model_name)
     check_keys(model, plan)
     with fake_mesh(names, sizes, "explain") as mesh:
-        return resolve_plan(model, mesh, plan, axis="tp" if "tp" in names else names[-1]).lines()
+        return resolve_plan(model, mesh, plan, axis="tp").lines()
 
 
 def _modes(args: argparse.Namespace) -> list[str]:
@@ -212,6 +252,10 @@ def _explain_plan(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple
     from ..plans.forms import explain_plan_lines
 
     plan: Any = plan_keyword(args.plan)
+    if "tp" not in names:  # a plan's styles shard over the axis named tp; without one every boundary is identity
+        raise TPLowerError(f"--plan shards over the mesh axis named tp, and --mesh {args.mesh} has none (axes: "
+                           f"{', '.join(names)}), so the plan would do nothing; add a tp axis, e.g. --mesh "
+                           f"{','.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))},tp=2")
     if plan in ("auto", "derive") and not args.model:
         raise TPLowerError(f"--plan {plan} reads a model: add --model NAME (a model of tplower run or a family of "
                            "tplower.run.derive_table)")
@@ -253,8 +297,10 @@ def main(args: argparse.Namespace) -> int:
         if not args.src or not args.dst:
             raise TPLowerError("explain needs SRC and DST placements, e.g. tplower explain 'S(0)' R (or --plan "
                                "FILE, --moe or --context)")
-        shape = parse_shape(args.shape)
+        shape = parse_shape(args.shape if args.shape is not None else DEFAULT_SHAPE)
         coord = parse_coord(args.coord, names, sizes) if args.coord is not None else None
+        check_dims({"SRC": args.src, "DST": args.dst, "--grad": args.grad}, names, shape,
+                   f"--shape {args.shape}" if args.shape is not None else f"--shape's default {DEFAULT_SHAPE}")
         plan = explain_transition(args.src, args.dst, names, sizes, shape, grad=args.grad, coord=coord)
     except ValueError as exc:  # TPLowerError, and the library's own checks of placements and sizes
         raise TPLowerError(str(exc)) from None

@@ -155,17 +155,34 @@ def _check_auto(model: nn.Module, experts: str) -> None:
                                "grouped_gemm entries") from None
 
 
+def _check_experts(plan: Any, experts: str) -> None:
+    """``--experts ep`` is read only with ``--plan auto``: any other plan shards experts by its own entries.
+
+    Raises:
+        TPLowerError: ``experts`` is ``"ep"`` and ``plan`` is not ``"auto"`` (the option would be ignored).
+    """
+    if experts != "ep" or plan == "auto":
+        return
+    given = ("--plan derive (a derived plan)" if plan == "derive" else f"--plan {str(plan)!r}"
+             if isinstance(plan, str | Path) else "the model's default plan (no --plan)")
+    raise TPLowerError(f"--experts ep is read with --plan auto (a transformers model's own expert-parallel plan), "
+                       f"and {given} ignores it; add --plan auto, or drop --experts ep (a plan file shards experts "
+                       "by its own entries: grouped_gemm for expert parallelism)")
+
+
 def check_keys(model: nn.Module, plan: Any, experts: str = "tp") -> None:
     """The checks of :func:`check_plan` that need no mesh: the plan file, its keys, ``auto`` and ``--experts ep``.
 
     Raises:
         TPLowerError: a file that cannot be read or breaks the schema, a key naming no module of ``model``
             (with the closest names), ``auto`` on a model that ships no plan (pointing at ``derive``), ``ep``
-            on a model that ships no expert-parallel plan.
+            on a model that ships no expert-parallel plan, ``ep`` with a plan other than ``auto`` (which would
+            ignore it).
     """
     from ..plans.hf import resolve_model_plan
     from ..plans.keys import check_plan_keys
 
+    _check_experts(plan, experts)
     if plan == "auto":
         _check_auto(model, experts)
     elif plan != "derive":

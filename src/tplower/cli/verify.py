@@ -65,25 +65,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+#: the placements an input of the 1-D ``tp`` mesh may take (a Partial input has no meaning for a model's input)
+_INPUT_FORMS = "R (whole on every rank) or S(d) (split along tensor dim d), e.g. 0=S(1) or input_ids=R"
+
+
 def _placements(items: list[str]) -> dict[int | str, str]:
+    """``["0=S(1)", "mask=R"]`` -> ``{0: "S(1)", "mask": "R"}``: the inputs of ``--input-placement``.
+
+    Raises:
+        TPLowerError: an item that is not ``KEY=PLACEMENT``, a placement that does not parse or is a Partial; the
+            message names ``--input-placement``, the item, the bad part and the allowed forms.
+    """
     out: dict[int | str, str] = {}
     for item in items:
-        key, sep, value = item.partition("=")
+        key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key or not value:
-            raise TPLowerError(f"--input-placement {item!r}: write it as KEY=PLACEMENT, e.g. 0=S(1)")
-        _placement(f"--input-placement {item!r}", value)
+            raise TPLowerError(f"--input-placement {item!r}: write it as KEY=PLACEMENT (KEY an input's position or "
+                               f"keyword, PLACEMENT {_INPUT_FORMS})")
+        if _placement(f"--input-placement {item!r}", value, _INPUT_FORMS).startswith("P("):
+            raise TPLowerError(f"--input-placement {item!r}: an input cannot be partial ({value!r}); PLACEMENT is "
+                               f"{_INPUT_FORMS}")
         out[int(key) if key.isdigit() else key] = value
     return out
 
 
-def _placement(option: str, value: str) -> None:
-    """Check the syntax of one placement of the 1-D ``tp`` mesh here, not in every rank."""
-    from ..core.placements import parse_placements
+def _placement(option: str, value: str, forms: str = "R, S(d) (split along tensor dim d) or P(sum|avg|max|min)"
+               ) -> str:
+    """Check the syntax of one placement of the 1-D ``tp`` mesh here, not in every rank; its canonical text.
+
+    Raises:
+        TPLowerError: ``value`` is not one placement; the message names ``option``, ``value`` and ``forms``.
+    """
+    from ..core.placements import format_placement, parse_placements
 
     try:
-        parse_placements(value, ("tp",), ndim=1, arg=option)
-    except (ValueError, TypeError) as exc:
-        raise TPLowerError(str(exc)) from None
+        (placement,) = parse_placements(value, ("tp",), ndim=1, arg=option)
+    except (ValueError, TypeError):
+        raise TPLowerError(f"{option}: {value!r} is not a placement of the one tp axis; write {forms}") from None
+    return format_placement(placement)
 
 
 def _texts(path: str | None) -> list[str]:

@@ -20,13 +20,49 @@ from ..core.explain import format_bytes
 from ..core.words import count
 from .layout import SequenceLayout
 
-__all__ = ["context_to_table", "explain_context"]
+__all__ = ["context_to_table", "divisors", "explain_context", "head_problem", "ulysses_refusal"]
 
 
 def _check(**values: int) -> None:
     for name, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"explain_context: {name}={v!r}; it must be an integer of at least 1")
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (at least 1), ascending: ``12`` -> ``[1, 2, 3, 4, 6, 12]``."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def head_problem(hidden: int, heads: int, kv_heads: int, tp: int = 1, head_dim: int | None = None) -> str | None:
+    """What makes these head counts no attention layer, in the words of the sizes' own names; ``None`` if nothing.
+
+    ``hidden`` must divide by ``heads`` unless ``head_dim`` is given (the head size is ``hidden // heads``
+    otherwise); ``kv_heads`` must divide ``heads`` (each key/value head serves a whole group of query heads);
+    ``tp`` must divide both head counts (tensor parallelism gives each rank whole heads).
+    """
+    if head_dim is None and hidden % heads:
+        near = sorted(divisors(hidden), key=lambda d: (abs(d - heads), d))[:2]
+        return (f"heads={heads} does not divide hidden={hidden} (the head size is hidden / heads); give heads "
+                f"that divide {hidden}, e.g. {' or '.join(map(str, sorted(near)))}, or head_dim=D for a model "
+                "whose head size is not hidden / heads")
+    if heads % kv_heads:
+        return (f"kv_heads={kv_heads} does not divide heads={heads} (each key/value head serves a whole group of "
+                f"query heads); kv_heads is one of {', '.join(map(str, divisors(heads)))}")
+    if heads % tp or kv_heads % tp:
+        return (f"tp={tp} does not divide heads={heads} and kv_heads={kv_heads} (each tensor-parallel rank holds "
+                f"whole heads); tp is one of {', '.join(map(str, divisors(math.gcd(heads, kv_heads))))}")
+    return None
+
+
+def ulysses_refusal(heads: int, tp: int, cp: int) -> str | None:
+    """Why ``context_mode='ulysses'`` cannot split these heads over ``cp`` ranks; ``None`` when it can."""
+    local = heads // tp
+    if local % cp == 0:
+        return None
+    per_rank = f"the {local} query heads per rank (heads={heads} / tp={tp})" if tp > 1 else f"the {heads} query heads"
+    return (f"it splits the query heads over the cp ranks, and {per_rank} do not divide over cp={cp}; cp sizes "
+            f"that divide them: {', '.join(map(str, divisors(local)))}")
 
 
 def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int, cp: int, tp: int = 1, *,
@@ -49,12 +85,18 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
         ``{"ulysses": {...}, "allgather": {...}, "inputs": {...}}``; each mode has ``rows`` (``what``,
         ``collective``, ``count``, ``bytes_per_rank``) and ``step_bytes_per_rank`` (forward and backward).
 
+        A mode that cannot run with these sizes (Ulysses when the query heads per rank do not divide over
+        ``cp``) has ``possible`` false, ``refused`` (why, and the sizes that would run), no rows and
+        ``step_bytes_per_rank`` ``None``; a mode that can has ``possible`` true.
+
     Raises:
-        ValueError: a size below 1, or ``tp`` not dividing the head counts.
+        ValueError: a size below 1, or head counts no attention layer has (:func:`head_problem`).
     """
     _check(batch=batch, seq=seq, hidden=hidden, heads=heads, kv_heads=kv_heads, cp=cp, tp=tp, layers=layers)
-    if heads % tp or kv_heads % tp:
-        raise ValueError(f"explain_context: tp={tp} does not divide heads={heads} and kv_heads={kv_heads}")
+    if head_dim is not None:
+        _check(head_dim=head_dim)
+    if problem := head_problem(hidden, heads, kv_heads, tp, head_dim):
+        raise ValueError(f"explain_context: {problem}")
     d = head_dim if head_dim is not None else hidden // heads
     item = torch.empty((), dtype=dtype).element_size()
     n = cp
@@ -82,10 +124,13 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
     out: dict[str, Any] = {"inputs": {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads,
                                       "kv_heads": kv_heads, "head_dim": d, "cp": cp, "tp": tp, "layers": layers,
                                       "local_width": width, "dtype": str(dtype).removeprefix("torch.")}}
+    refusals = {"ulysses": ulysses_refusal(heads, tp, cp), "allgather": None}
     for mode, rows in (("ulysses", uly), ("allgather", gather)):
+        if (why := refusals[mode]) is not None:
+            out[mode] = {"rows": [], "step_bytes_per_rank": None, "possible": False, "refused": why}
+            continue
         rows = rows + common
-        out[mode] = {"rows": rows, "step_bytes_per_rank": sum(r["bytes_per_rank"] for r in rows),
-                     "possible": mode != "ulysses" or h_q % n == 0}
+        out[mode] = {"rows": rows, "step_bytes_per_rank": sum(r["bytes_per_rank"] for r in rows), "possible": True}
     return out
 
 
@@ -97,7 +142,10 @@ def context_to_table(info: dict[str, Any]) -> str:
              f"{i['head_dim']}, {count(i['layers'], 'layer')}, cp={i['cp']}, tp={i['tp']}, {i['dtype']}"]
     for mode, title in (("ulysses", "context_mode='ulysses'"), ("allgather", "context_mode='allgather'")):
         part = info[mode]
-        lines += ["", title + ("" if part["possible"] else " (refused: the query heads do not divide over cp)")]
+        if not part["possible"]:
+            lines += ["", f"{title}: refused: {part['refused']}"]
+            continue
+        lines += ["", title]
         head = ("what", "collective", "count", "bytes/rank")
         rows = [(r["what"], r["collective"], "one a parameter" if r["count"] < 0 else str(r["count"]),
                  format_bytes(r["bytes_per_rank"])) for r in part["rows"]]
@@ -106,6 +154,10 @@ def context_to_table(info: dict[str, Any]) -> str:
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
         lines.append(f"total per rank, forward and backward: {format_bytes(part['step_bytes_per_rank'])}")
     u, a = info["ulysses"]["step_bytes_per_rank"], info["allgather"]["step_bytes_per_rank"]
+    if u is None:  # allgather splits no heads: it always runs
+        lines += ["", f"use context_mode='allgather', the only mode that runs here ({format_bytes(a)} per rank per "
+                  "step)"]
+        return "\n".join(lines)
     lines += ["", f"fewer bytes per step: {'allgather' if a < u else 'ulysses'} ({format_bytes(min(u, a))} vs "
               f"{format_bytes(max(u, a))}); time and memory favour ulysses where its heads divide "
               "(benchmarks/results/context_modes.md)"]

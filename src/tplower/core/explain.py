@@ -119,13 +119,17 @@ def explain_moe(tokens: int, hidden: int, top_k: int, num_experts: int, tp: int,
 
     Returns:
         ``{"tp": {...}, "ep": {...}, "inputs": {...}}``; each of ``tp`` and
-        ``ep`` has ``rows`` (``what``, ``direction``, ``collective``,
+        ``ep`` has ``possible`` (true), ``rows`` (``what``, ``direction``, ``collective``,
         ``shape``, ``bytes_per_rank``), ``forward_bytes_per_rank``,
         ``backward_bytes_per_rank`` and ``step_bytes_per_rank``; ``ep`` also
-        ``worst_step_bytes_per_rank`` (every slot to another rank).
+        ``worst_step_bytes_per_rank`` (every slot to another rank). When
+        ``num_experts`` does not divide over ``tp`` (each rank holds whole
+        experts), ``ep`` is ``possible`` false with ``refused`` (why, and the
+        rank counts that divide the experts), no rows and ``None`` bytes;
+        ``tp`` is explained all the same.
 
     Raises:
-        ValueError: a size below 1, ``top_k > num_experts``, or ``num_experts`` not dividing over ``tp``.
+        ValueError: a size below 1, or ``top_k > num_experts``.
     """
     for name, v in (("tokens", tokens), ("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts),
                     ("tp", tp)):
@@ -133,9 +137,6 @@ def explain_moe(tokens: int, hidden: int, top_k: int, num_experts: int, tp: int,
             raise ValueError(f"explain_moe: {name}={v!r}; it must be an integer of at least 1")
     if top_k > num_experts:
         raise ValueError(f"explain_moe: top_k={top_k} exceeds num_experts={num_experts}")
-    if num_experts % tp:
-        raise ValueError(f"explain_moe: num_experts={num_experts} does not divide over tp={tp} (expert "
-                         "parallelism shards experts by index)")
     item = torch.empty((), dtype=dtype).element_size()
     n = tp
     tp_rows = (_transition_rows("block output", "P(sum)", "R", "R", (tokens, hidden), n, item)
@@ -158,11 +159,19 @@ def explain_moe(tokens: int, hidden: int, top_k: int, num_experts: int, tp: int,
     def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         fwd = sum(r["bytes_per_rank"] for r in rows if r["direction"] == "forward")
         bwd = sum(r["bytes_per_rank"] for r in rows if r["direction"] == "backward")
-        return {"rows": rows, "forward_bytes_per_rank": fwd, "backward_bytes_per_rank": bwd,
+        return {"possible": True, "rows": rows, "forward_bytes_per_rank": fwd, "backward_bytes_per_rank": bwd,
                 "step_bytes_per_rank": fwd + bwd}
 
-    ep = totals(ep_rows)
-    ep["worst_step_bytes_per_rank"] = ep["step_bytes_per_rank"] + 4 * (worst - a2a)
+    if num_experts % n:
+        divisors = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
+        ep: dict[str, Any] = {
+            "possible": False, "rows": [], "forward_bytes_per_rank": None, "backward_bytes_per_rank": None,
+            "step_bytes_per_rank": None, "worst_step_bytes_per_rank": None,
+            "refused": f"{num_experts} experts do not divide over {n} ranks (expert parallelism gives each rank whole "
+                       f"experts, by index); rank counts that divide them: {divisors}"}
+    else:
+        ep = totals(ep_rows)
+        ep["worst_step_bytes_per_rank"] = ep["step_bytes_per_rank"] + 4 * (worst - a2a)
     return {"inputs": {"tokens": tokens, "hidden": hidden, "top_k": top_k, "num_experts": num_experts, "tp": tp,
                        "dtype": str(dtype).removeprefix("torch.")},
             "tp": totals(tp_rows), "ep": ep}
@@ -176,6 +185,9 @@ def moe_to_table(info: dict[str, Any]) -> str:
     for kind, title in (("tp", "tensor parallelism inside the experts (experts='tp')"),
                         ("ep", "expert parallelism (experts='ep')")):
         part = info[kind]
+        if not part["possible"]:
+            lines += ["", f"{title}: refused: {part['refused']}"]
+            continue
         lines += ["", title]
         head = ("direction", "what", "collective", "shape", "bytes/rank")
         rows = [(r["direction"], r["what"], r["collective"], str(tuple(r["shape"])), format_bytes(r["bytes_per_rank"]))
@@ -189,6 +201,10 @@ def moe_to_table(info: dict[str, Any]) -> str:
                      f"{format_bytes(part['backward_bytes_per_rank'])}, step "
                      f"{format_bytes(part['step_bytes_per_rank'])}{extra}")
     tp_b, ep_b = info["tp"]["step_bytes_per_rank"], info["ep"]["step_bytes_per_rank"]
+    if ep_b is None:
+        lines += ["", f"use tensor parallelism inside the experts, the only kind that runs here ({format_bytes(tp_b)} "
+                  "per rank per step)"]
+        return "\n".join(lines)
     fewer = "expert parallelism" if ep_b < tp_b else "tensor parallelism inside the experts"
     lines += ["", f"fewer bytes per step: {fewer} ({format_bytes(min(tp_b, ep_b))} vs {format_bytes(max(tp_b, ep_b))})"]
     return "\n".join(lines)
