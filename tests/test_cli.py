@@ -38,7 +38,7 @@ def test_explain_json_and_coordinates(capsys):
     (["explain", "S(7)", "R", "--shape", "4,4"], "out of range"),
     (["explain", "S(0)", "R", "--coord", "5"], "--coord '5': index 5 on axis 'tp' is outside 0..1 (--mesh tp=2)"),
     (["explain", "S(0)", "R", "--mesh", "dp=2,tp=2", "--coord", "1"],
-     "--coord '1' has 1 index(es) but --mesh dp=2,tp=2 has 2 axis(es) (dp, tp); give one index per axis"),
+     "--coord '1' has 1 index but --mesh dp=2,tp=2 has 2 axes (dp, tp); give one index per axis"),
     (["explain", "S(0)", "R", "--coord", "-1"], "--coord '-1': '-1' is not a non-negative integer"),
     (["explain", "S(0)", "R", "--shape", "8,x"],
      "--shape '8,x': 'x' is not a non-negative integer; give the global shape as comma-separated integers, "

@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
+from ..core.words import count
 from .errors import plan_keyword
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ def parse_coord(text: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> tu
     mesh = ",".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
     coord = _ints("--coord", text, "one index per mesh axis", ",".join("0" for _ in names))
     if len(coord) != len(names):
-        raise TPLowerError(f"--coord {text!r} has {len(coord)} index(es) but --mesh {mesh} has {len(names)} "
-                           f"axis(es) ({', '.join(names)}); give one index per axis")
+        raise TPLowerError(f"--coord {text!r} has {count(len(coord), 'index', 'indices')} but --mesh {mesh} has "
+                           f"{count(len(names), 'axis', 'axes')} ({', '.join(names)}); give one index per axis")
     for c, name, size in zip(coord, names, sizes, strict=True):
         if c >= size:
             raise TPLowerError(f"--coord {text!r}: index {c} on axis {name!r} is outside 0..{size - 1} "
