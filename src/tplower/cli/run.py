@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the full report to FILE as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--kill-rank", type=int, default=-1, metavar="R",
-                        help="debug: rank R exits abruptly after loading, to see how a dying rank is reported")
+                        help="debug: rank R (0..nproc-1) exits abruptly after loading, to see how a dying rank is "
+                             "reported")
 
 
 def _plan(option: str | None, model: str) -> dict[str, Any] | None:
@@ -152,9 +153,10 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
     Raises:
         TPLowerError: a count below 1 (named by its option), a ``--kill-rank`` the run does not have, a ``--json``
             or ``--codegen`` file that cannot be written, a ``--codegen`` file that does not parse or was emitted
-            for another mesh, a missing ``--plan`` file, an unreadable ``--input``, a ``--tp`` the heads refuse.
+            for another mesh, a missing ``--plan`` file, an unreadable ``--input``, a ``--tp`` the heads refuse,
+            ``--backend nccl`` without a GPU per rank.
     """
-    from ..run.checks import RunError, check_kill_rank, check_numbers, check_writable, torchrun_env
+    from ..run.checks import RunError, check_backend, check_kill_rank, check_numbers, check_writable, torchrun_env
     from ..run.models import check_tp, read_sentences, sentences
     from .target import plan_value
 
@@ -175,6 +177,8 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
     plan_value(args.plan)
     texts = tuple(read_sentences(args.input)) if args.input else tuple(sentences())
     check_tp(args.model, tp)
+    if env is None:  # the one check that imports torch (nccl only): under torchrun the launcher picks the backend
+        check_backend(args.backend, world)
     return _Checked(world, tp, codegen, texts)
 
 
