@@ -214,8 +214,9 @@ def test_built_in_sentences_pair_up() -> None:
     (RunConfig(tolerance=float("nan")), r"--tolerance nan must be a finite number of at least 0"),
     (RunConfig(timeout=-1.0), r"--timeout -1 must be a finite number greater than 0"),
     (RunConfig(compile="fast"), r"--compile 'fast' is not a torch.compile backend; allowed: .*inductor"),
+    (RunConfig(world=2, kill_rank=2), r"--kill-rank 2: the run has 2 rank\(s\), so R must be in 0\.\.1"),
 ], ids=["kind", "no-dtensor-style", "mesh-size", "model", "too-few-pairs", "no-steps", "negative-steps", "lr",
-        "tolerance", "timeout", "compile-backend"])
+        "tolerance", "timeout", "compile-backend", "kill-rank-out-of-range"])
 def test_config_errors_before_any_process(cfg: RunConfig, message: str) -> None:
     with pytest.raises(RunError, match=message):
         check_config(cfg)

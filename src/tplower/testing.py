@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import os
 import queue
+import signal
 import tempfile
 import threading
 import time
@@ -145,6 +146,19 @@ def _name_the_dead(procs: list[Any], out: dict[int, Any], failures: dict[int, st
             failures[r] = f"process exited with code {p.exitcode}"
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored inside (in the main thread): processes started there keep ignoring it, even across exec."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo",
                   timeout: float = 300.0, pg_timeout: float | None = None, grace: float = 3.0,
                   start_method: str | None = None) -> list[Any]:
@@ -174,6 +188,11 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
         RankFailure: a rank raised (its traceback is included), died, or the
             run outlived ``timeout``; every process is ended first, and
             ranks ended by the harness are named with the reason.
+
+    The ranks ignore SIGINT: a Ctrl-C at the terminal (which signals the
+    whole process group) interrupts this process only, and its clean-up
+    ends every rank (at once, without the usual wait) and removes the
+    temporary folder, whatever exception interrupted it.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
@@ -191,15 +210,20 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
                              args=(r, world_size, backend, init_file, pg_timeout or timeout, results, fn, args,
                                    env))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _sigint_ignored():  # inherited: a Ctrl-C at the terminal reaches this process, which ends the ranks
+            for p in procs:
+                p.start()
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        stopped = False  # interrupted (Ctrl-C, a signal turned into an exception): end the ranks at once
         try:
             _collect(procs, results, timeout, grace, out, failures)
+        except BaseException:
+            stopped = True
+            raise
         finally:
             for p in procs:
-                p.join(timeout=2 if not failures else 0.1)
+                p.join(timeout=0 if stopped else 2 if not failures else 0.1)
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=5)

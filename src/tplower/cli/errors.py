@@ -9,19 +9,24 @@ This module imports no torch: the parser and ``--help`` stay fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import math
+import signal
 import sys
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 from ..core.errors import TPLowerError
 
-__all__ = ["Parser", "closest", "error_line", "fail", "non_negative_float", "plan_keyword", "positive_float",
-           "positive_int", "run_command"]
+__all__ = ["Parser", "Terminated", "closest", "error_line", "fail", "non_negative_float", "plan_keyword",
+           "positive_float", "positive_int", "run_command", "run_interruptible", "signals_raise"]
 
 #: exit code of every refusal of bad input
 USAGE = 2
+#: exit codes of a command ended by Ctrl-C (SIGINT) and by SIGTERM: 128 + the signal's number, as a shell reports
+INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 #: the words ``--plan`` takes besides a file (any letter case)
 PLAN_KEYWORDS: tuple[str, ...] = ("auto", "derive")
 
@@ -122,3 +127,51 @@ def run_command(command: str, main: Callable[[argparse.Namespace], int], args: a
         if getattr(args, "verbose", False):
             print(str(exc), file=sys.stderr)
         return fail(command, explain_failure(exc, float(getattr(args, "timeout", None) or 0.0)))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's ``KeyboardInterrupt`` so that every ``finally`` runs."""
+
+
+def _raise_for(signum: int, frame: object) -> None:
+    """The handler of :func:`signals_raise`: ignore further signals (the clean-up runs once), then raise."""
+    del frame
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Inside, SIGINT raises ``KeyboardInterrupt`` and SIGTERM :class:`Terminated`; the old handlers come back after.
+
+    Without it SIGTERM ends Python at once: no ``finally`` runs, so spawned ranks run on, their temporary folder
+    stays, and the resource tracker warns of leaked semaphores. Outside the main thread (where handlers cannot be
+    set) it changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _raise_for) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def run_interruptible(command: str, main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """:func:`run_command`, ended by Ctrl-C or SIGTERM with one line and exit 130 or 143 (no traceback).
+
+    The ranks a command started are ended, and their temporary folder removed, by the ``finally`` of the code
+    that started them, while the signal's exception passes through it.
+    """
+    try:
+        with signals_raise():
+            return run_command(command, main, args)
+    except Terminated:
+        print(f"tplower {command}: terminated (SIGTERM); its processes were ended", file=sys.stderr, flush=True)
+        return TERMINATED
+    except KeyboardInterrupt:
+        print(f"tplower {command}: interrupted; its processes were ended", file=sys.stderr, flush=True)
+        return INTERRUPTED

@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .errors import Parser, closest, fail, run_command
+from .errors import Parser, closest, fail, run_interruptible
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -33,6 +33,20 @@ DEFAULT = "run"
 DESCRIPTION = ("tplower: placement transitions lowered to direct collectives, checked against DTensor and one "
                "process, on real models")
 _VERBOSE = ("-v", "--verbose")
+#: options of ``tplower`` itself, never read as options of :data:`DEFAULT`
+_OWN = ("-h", "--help", "--version")
+
+
+def package_version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else the source tree's ``tplower.__version__``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tplower")
+    except metadata.PackageNotFoundError:
+        from .._version import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                     f"options work alone, e.g. tplower --model llama-tiny); tplower COMMAND --help for each")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log tplower's decisions (debug level); a failed rank's whole report")
+    parser.add_argument("--version", action="version", version=f"tplower {package_version()}",
+                        help="print tplower's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -52,7 +68,7 @@ def _with_command(args: list[str]) -> list[str] | str:
     """``args`` with :data:`DEFAULT` put in when they start with an option; an error message for a word that is
     not a command (a misspelled one is never read as options of the default)."""
     first = next((a for a in args if a not in _VERBOSE), None)
-    if first is None or (first.startswith("-") and first not in ("-h", "--help")):
+    if first is None or (first.startswith("-") and first not in _OWN):
         return [a for a in args if a in _VERBOSE] + [DEFAULT] + [a for a in args if a not in _VERBOSE]
     if first.startswith("-") or first in SUBCOMMANDS:
         return args
@@ -64,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code.
 
     Bad input ends in one line ``tplower <command>: error: ...`` on standard error and exit code 2
-    (argparse's own errors exit through ``SystemExit(2)`` with the same one line).
+    (argparse's own errors exit through ``SystemExit(2)`` with the same one line); Ctrl-C and SIGTERM end it with
+    one line and exit 130 and 143, after the processes it started were ended.
     """
     args_list = _with_command(list(sys.argv[1:] if argv is None else argv))
     if isinstance(args_list, str):
@@ -74,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("torch.distributed.tensor", "torch.distributed.tensor._redistribute"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return run_command(args.command, module.main, args)
+    return run_interruptible(args.command, module.main, args)
 
 
 if __name__ == "__main__":

@@ -151,17 +151,38 @@ def check_output(path: str | None) -> None:
         raise TPLowerError(f"-o {path!r} is a folder; give a file name ending in .yaml, .yml or .json")
 
 
+def check_ranks(model: Any, plan: Any, nproc: int, axis: str = "tp") -> None:
+    """Check, before ``--verify`` starts a rank, that ``plan`` resolves on ``model`` over ``nproc`` ranks of ``axis``.
+
+    Raises:
+        TPLowerError: a size the model refuses (e.g. heads that do not divide over ``nproc``), with the sizes
+            that work.
+    """
+    from .target import check_plan
+
+    try:
+        check_plan(model, dict(plan), (axis,), (nproc,), axis=axis, command="plan")
+    except TPLowerError as exc:
+        raise TPLowerError(f"--nproc {nproc}: the derived plan cannot run on {nproc} ranks: {exc} (with --verify, "
+                           "--nproc is that size)") from None
+
+
 def main(args: argparse.Namespace) -> int:
     """Write (or print) the derived plan and print the rules to stderr; exit 1 when ``--verify`` refuses it, 2 on
     an error.
 
     Raises:
-        TPLowerError: a bad ``-o`` or ``--model`` (checked before deriving or verifying), or no rule matched.
+        TPLowerError: a bad ``-o`` or ``--model`` (checked before deriving or verifying), no rule matched, or
+            (with ``--verify``) an ``--nproc`` the model's sizes do not divide (checked before any rank starts).
         tplower.testing.RankFailure: a rank of ``--verify`` died or raised.
     """
+    from ..plans.derive import derive_plan
+
     check_output(args.output)
-    derived = derive_for(args.model, embeddings=args.embeddings, axis=args.axis)
+    model = skeleton_for(args.model)
+    derived = derive_plan(model, embeddings=args.embeddings, axis=args.axis)
     if args.verify:
+        check_ranks(model, derived.plan, args.nproc, args.axis)
         procs = count(args.nproc, "process", "processes")
         print(f"tplower plan: verifying on {procs} ...", file=sys.stderr, flush=True)
         ok, text = verify_in_processes(args.model, args.nproc, embeddings=args.embeddings, axis=args.axis,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the full report to FILE as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--kill-rank", type=int, default=-1, metavar="R",
-                        help="debug: rank R exits abruptly after loading, to see how a dying rank is reported")
+                        help="debug: rank R (0..nproc-1) exits abruptly after loading, to see how a dying rank is "
+                             "reported")
 
 
 def _plan(option: str | None, model: str) -> dict[str, Any] | None:
@@ -110,14 +112,21 @@ def _codegen_mesh(path: str) -> list[list[Any]] | None:
 
 
 def _check_codegen(path: str | None, model: str, dp: int, tp: int, plan: str | None) -> None:
-    """A ``--codegen FILE`` that exists must have been emitted for this run's mesh ``dp`` x ``tp``.
+    """``--codegen FILE``: an existing file must parse and have been emitted for this run's mesh ``dp`` x ``tp``; a
+    missing one must be writable (the run writes it).
 
     Raises:
-        TPLowerError: it was emitted for another mesh; the message gives the ``tplower codegen`` command that emits
-            it for this one.
+        TPLowerError: a folder, a missing or read-only folder, a syntax error (file, line and column), or a file
+            emitted for another mesh (the message gives the ``tplower codegen`` command that emits it for this one).
     """
-    if path is None or not Path(path).is_file():
+    from ..run.checks import check_source_file, check_writable
+
+    if path is None:
         return
+    if not Path(path).is_file():
+        check_writable("--codegen", path)
+        return
+    check_source_file("--codegen", path)
     want = [["dp", dp], ["tp", tp]]
     got = _codegen_mesh(path)
     if got is not None and got != want:
@@ -128,29 +137,61 @@ def _check_codegen(path: str | None, model: str, dp: int, tp: int, plan: str | N
                            "(or remove the file and the run writes a new one)")
 
 
-def _config(args: argparse.Namespace) -> RunConfig:
-    from ..run import RunConfig, RunError, texts_from, torchrun_env
+@dataclass(frozen=True)
+class _Checked:
+    """What :func:`_check_arguments` worked out: the sizes, the ``--codegen`` file, the sentences."""
 
+    world: int
+    tp: int
+    codegen: str | None
+    texts: tuple[str, ...]
+
+
+def _check_arguments(args: argparse.Namespace) -> _Checked:
+    """Every check of ``tplower run``'s options that needs no torch, made before torch is imported.
+
+    Raises:
+        TPLowerError: a count below 1 (named by its option), a ``--kill-rank`` the run does not have, a ``--json``
+            or ``--codegen`` file that cannot be written, a ``--codegen`` file that does not parse or was emitted
+            for another mesh, a missing ``--plan`` file, an unreadable ``--input``, a ``--tp`` the heads refuse,
+            ``--backend nccl`` without a GPU per rank.
+    """
+    from ..run.checks import RunError, check_backend, check_kill_rank, check_numbers, check_writable, torchrun_env
+    from ..run.models import check_tp, read_sentences, sentences
+    from .target import plan_value
+
+    timeout = args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0
+    check_numbers(steps=args.steps, batch_size=args.batch_size, repeat=args.repeat,
+                  tp=args.tp if args.tp is not None else 1, dp=args.dp, lr=args.lr, tolerance=args.tolerance,
+                  timeout=timeout)
     env = torchrun_env()
-    dp = args.dp
-    if env is not None:
-        world = env[1]
-    elif args.nproc is not None:
-        world = args.nproc
-    else:
-        world = (args.tp or 2) * dp
-    if world < 1:
-        raise RunError(f"--nproc {world} must be at least 1")
-    tp = args.tp if args.tp is not None else max(world // dp, 1)
+    if env is None and args.nproc is not None and args.nproc < 1:
+        raise RunError(f"--nproc {args.nproc} must be at least 1")
+    world = env[1] if env is not None else args.nproc if args.nproc is not None else (args.tp or 2) * args.dp
+    tp = args.tp if args.tp is not None else max(world // args.dp, 1)
+    check_kill_rank(args.kill_rank, world)
+    if args.json:
+        check_writable("--json", args.json)
     codegen = _codegen_path(args.codegen, args.model, tp)
-    _check_codegen(codegen, args.model, dp, tp, args.plan)
-    return RunConfig(model=args.model, world=world, tp=tp, dp=dp, texts=texts_from(args.input),
+    _check_codegen(codegen, args.model, args.dp, tp, args.plan)
+    plan_value(args.plan)
+    texts = tuple(read_sentences(args.input)) if args.input else tuple(sentences())
+    check_tp(args.model, tp)
+    if env is None:  # the one check that imports torch (nccl only): under torchrun the launcher picks the backend
+        check_backend(args.backend, world)
+    return _Checked(world, tp, codegen, texts)
+
+
+def _config(args: argparse.Namespace, checked: _Checked) -> RunConfig:
+    from ..run import RunConfig
+
+    return RunConfig(model=args.model, world=checked.world, tp=checked.tp, dp=args.dp, texts=checked.texts,
                      plan=_plan(args.plan, args.model), steps=args.steps, batch_size=args.batch_size,
                      lr=args.lr, repeat=args.repeat, tolerance=args.tolerance,
                      timeout=args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0,
                      backend=args.backend, progress=not args.no_progress, kill_rank=args.kill_rank,
                      checkpoint=args.checkpoint, compile=args.compile,
-                     codegen=codegen)
+                     codegen=checked.codegen)
 
 
 def _codegen_path(value: str | None, model: str, tp: int) -> str | None:
@@ -165,9 +206,10 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         TPLowerError: bad input or a failed rank (:class:`tplower.run.RunError`; printed as one line).
     """
+    checked = _check_arguments(args)  # before torch: a wrong number is refused in a fraction of a second
     from ..run import check_config, format_report, run, torchrun_env, verdict, write_json
 
-    cfg = _config(args)
+    cfg = _config(args, checked)
     spawn = torchrun_env() is None
     if spawn:  # under torchrun each rank checks as it joins
         check_config(cfg)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,15 +11,13 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from ..plans import entries as plans
+from .checks import RunError, check_backend, check_kill_rank, check_numbers, torchrun_env
 from .models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
 
 __all__ = ["DTENSOR_STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
 
 #: HF styles the DTensor comparison maps to ``ColwiseParallel``/``RowwiseParallel``.
 DTENSOR_STYLES: tuple[str, ...] = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
-
-class RunError(TPLowerError):
-    """A run that cannot start or did not finish; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -82,15 +78,6 @@ class RunConfig:
         return len(self.texts) // 2
 
 
-def torchrun_env() -> tuple[int, int, int] | None:
-    """``(rank, world_size, local_rank)`` when started by ``torchrun`` (its env vars are set), else ``None``."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    if not all(k in os.environ for k in keys):
-        return None
-    rank, world, local = (int(os.environ[k]) for k in keys)
-    return rank, world, local
-
-
 def load_plan(path: str | Path) -> dict[str, Any]:
     """Read a plan file (JSON or YAML): module name/glob -> HF style or boundary entry (:mod:`tplower.plans.entries`).
 
@@ -112,32 +99,27 @@ def check_config(cfg: RunConfig) -> None:
     Raises:
         RunError: an unknown model, a missing package, sizes that do not
             fit (``tp * dp != world``, ``tp`` not dividing heads), a plan key
-            naming no module, too few sentences, or a bad number (``--steps``
+            naming no module, too few sentences, a bad number (``--steps``
             below 1, a ``--lr`` or ``--timeout`` not above 0, a negative or
-            non-finite ``--tolerance``).
+            non-finite ``--tolerance``), a ``kill_rank`` the run does not have,
+            or ``nccl`` without a GPU per rank (when spawning).
     """
     try:
         model_spec(cfg.model)
     except TPLowerError as exc:
         raise RunError(str(exc)) from None
-    if cfg.steps == 0:
-        raise RunError("--steps 0: tplower run checks training against one process (each step's loss and the "
-                       "updated parameters), so it needs at least 1 step; --steps 1 is the shortest check")
-    for name, value, least in (("--steps", cfg.steps, 1), ("--batch-size", cfg.batch_size, 1),
-                               ("--repeat", cfg.repeat, 1), ("--tp", cfg.tp, 1), ("--dp", cfg.dp, 1)):
-        if value < least:
-            raise RunError(f"{name} {value} must be at least {least}")
-    for name, number, positive in (("--lr", cfg.lr, True), ("--tolerance", cfg.tolerance, False),
-                                   ("--timeout", cfg.timeout, True)):
-        if not math.isfinite(number) or number < 0 or (positive and number == 0):
-            raise RunError(f"{name} {number:g} must be a finite number "
-                           + ("greater than 0" if positive else "of at least 0"))
+    check_numbers(steps=cfg.steps, batch_size=cfg.batch_size, repeat=cfg.repeat, tp=cfg.tp, dp=cfg.dp, lr=cfg.lr,
+                  tolerance=cfg.tolerance, timeout=cfg.timeout)
+    check_kill_rank(cfg.kill_rank, cfg.world)
+    if torchrun_env() is None:  # under torchrun the launcher's environment picks the backend
+        check_backend(cfg.backend, cfg.world)
     if cfg.compile is not None:
         import torch._dynamo
 
         backends = torch._dynamo.list_backends(exclude_tags=())
-        if cfg.compile not in backends:
-            raise RunError(f"--compile {cfg.compile!r} is not a torch.compile backend; allowed: {', '.join(backends)}")
+        if cfg.compile not in backends:  # torch's own test backends work, but are no choice to offer
+            shown = [b for b in backends if not b.endswith("_TESTING_ONLY")]
+            raise RunError(f"--compile {cfg.compile!r} is not a torch.compile backend; allowed: {', '.join(shown)}")
     if cfg.tp * cfg.dp != cfg.world:
         raise RunError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the run has {cfg.world} "
                        f"(--nproc or torchrun's WORLD_SIZE); make tp x dp equal the number of processes")

@@ -1,0 +1,140 @@
+"""The checks of a run that need no torch: sizes, numbers, the debug rank, the files a run writes.
+
+``tplower run`` makes them before it imports torch (a wrong number is
+refused in a fraction of a second, not after the seconds torch takes to
+load), and :func:`tplower.run.check_config` makes them again for a
+:class:`~tplower.run.RunConfig` built in code. Only :func:`check_backend`
+imports torch, and only for ``nccl``.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+from pathlib import Path
+
+from ..core.errors import TPLowerError
+
+__all__ = [
+    "RunError",
+    "check_backend",
+    "check_kill_rank",
+    "check_numbers",
+    "check_source_file",
+    "check_writable",
+    "torchrun_env",
+]
+
+
+class RunError(TPLowerError):
+    """A run that cannot start or did not finish; the message says what to change."""
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` when started by ``torchrun`` (its env vars are set), else ``None``."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(k in os.environ for k in keys):
+        return None
+    rank, world, local = (int(os.environ[k]) for k in keys)
+    return rank, world, local
+
+
+def check_numbers(
+    *, steps: int, batch_size: int, repeat: int, tp: int, dp: int, lr: float, tolerance: float, timeout: float
+) -> None:
+    """Each count at least 1, ``lr`` and ``timeout`` finite and above 0, ``tolerance`` finite and at least 0.
+
+    Raises:
+        RunError: the first number out of range, named by its option (``--steps 0`` says why a run needs a step).
+    """
+    if steps == 0:
+        raise RunError(
+            "--steps 0: tplower run checks training against one process (each step's loss and the "
+            "updated parameters), so it needs at least 1 step; --steps 1 is the shortest check"
+        )
+    for name, value in (
+        ("--steps", steps),
+        ("--batch-size", batch_size),
+        ("--repeat", repeat),
+        ("--tp", tp),
+        ("--dp", dp),
+    ):
+        if value < 1:
+            raise RunError(f"{name} {value} must be at least 1")
+    for name, number, positive in (("--lr", lr, True), ("--tolerance", tolerance, False), ("--timeout", timeout, True)):
+        if not math.isfinite(number) or number < 0 or (positive and number == 0):
+            raise RunError(
+                f"{name} {number:g} must be a finite number " + ("greater than 0" if positive else "of at least 0")
+            )
+
+
+def check_kill_rank(kill_rank: int, world: int) -> None:
+    """``--kill-rank`` is ``-1`` (none) or a rank of the run, ``0 .. world - 1``.
+
+    Raises:
+        RunError: any other value (a rank the run does not have would never die: the debug run would pass).
+    """
+    if kill_rank != -1 and not 0 <= kill_rank < world:
+        raise RunError(
+            f"--kill-rank {kill_rank}: the run has {world} rank(s), so R must be in 0..{world - 1} "
+            "(or -1, the default: no rank is killed)"
+        )
+
+
+def check_backend(backend: str, world: int) -> None:
+    """``nccl`` needs one CUDA GPU per spawned rank; ``gloo`` runs anywhere.
+
+    Raises:
+        RunError: ``nccl`` where torch sees no GPU, or fewer GPUs than ranks (the message suggests ``gloo``).
+    """
+    if backend != "nccl":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise RunError(
+            "--backend nccl needs CUDA GPUs, and torch sees none here (torch.cuda.is_available() is "
+            "False); use --backend gloo (CPU processes)"
+        )
+    if gpus < world:
+        raise RunError(
+            f"--backend nccl spawns one rank per GPU: {world} ranks, but torch sees {gpus} GPU(s); use "
+            f"--nproc {gpus} (with a --tp and --dp that fit) or --backend gloo"
+        )
+
+
+def check_writable(option: str, path: str) -> None:
+    """``path`` is a file the run can create or overwrite: not a folder, in a folder that exists and is writable.
+
+    Raises:
+        RunError: the path is a folder, its folder is missing or not writable, or the file is read-only.
+    """
+    out = Path(path)
+    folder = out.parent
+    if out.is_dir():
+        raise RunError(f"{option} {path!r} is a folder; give a file name in it, e.g. {str(out / 'out')!r}")
+    if not folder.is_dir():
+        raise RunError(f"{option} {path!r}: the folder {str(folder)!r} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise RunError(f"{option} {path!r} cannot be written here (no write permission); write elsewhere")
+
+
+def check_source_file(option: str, path: str) -> None:
+    """``path`` is Python source that parses (a file a run will execute).
+
+    Raises:
+        RunError: it cannot be read, or has a syntax error (the message gives the file, line and column).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunError(f"{option} {path!r} cannot be read: {exc}") from None
+    try:
+        ast.parse(text, filename=path)
+    except SyntaxError as exc:
+        raise RunError(
+            f"{option} {path!r}: line {exc.lineno}, column {exc.offset}: {exc.msg}; fix the file, or "
+            "remove it and the run writes a new one"
+        ) from None
