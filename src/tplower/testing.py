@@ -223,7 +223,9 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
             raise
         finally:
             for p in procs:
-                p.join(timeout=0 if stopped else 2 if not failures else 0.1)
+                # a rank that returned its result exits by itself; under load its teardown (a compile worker
+                # pool, the group) can take seconds, and a rank ended mid-teardown leaks what it held
+                p.join(timeout=0 if stopped else 10 if not failures else 0.1)
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=5)
