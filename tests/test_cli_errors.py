@@ -276,3 +276,25 @@ def test_help_imports_no_torch() -> None:
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+_PIPE_READER_LEFT = """
+import sys
+from tplower.cli.errors import run_interruptible
+def main(args):
+    for i in range(100_000):  # far beyond a pipe's buffer: the write after the reader left fails
+        print(f"line {i}")
+    return 0
+sys.exit(run_interruptible("explain", main, None))
+"""
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly() -> None:
+    # ``tplower explain ... | head -1``: the pipe's reader closes it after a line; the writer stops, no traceback
+    p = subprocess.Popen([sys.executable, "-c", _PIPE_READER_LEFT], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    assert p.wait(timeout=60) == 141, err
+    assert err == ""

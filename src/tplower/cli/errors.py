@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import difflib
 import math
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,8 @@ __all__ = ["Parser", "Terminated", "closest", "error_line", "fail", "non_negativ
 USAGE = 2
 #: exit codes of a command ended by Ctrl-C (SIGINT) and by SIGTERM: 128 + the signal's number, as a shell reports
 INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
+#: exit code when standard output was closed by its reader (128 + SIGPIPE, as a shell reports such a writer)
+BROKEN_PIPE = 141
 #: the words ``--plan`` takes besides a file (any letter case)
 PLAN_KEYWORDS: tuple[str, ...] = ("auto", "derive")
 
@@ -163,6 +166,9 @@ def signals_raise() -> Iterator[None]:
 def run_interruptible(command: str, main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """:func:`run_command`, ended by Ctrl-C or SIGTERM with one line and exit 130 or 143 (no traceback).
 
+    A closed standard output (the command piped into ``head``) ends it silently with exit 141, the shell's
+    code for a writer killed by SIGPIPE.
+
     The ranks a command started are ended, and their temporary folder removed, by the ``finally`` of the code
     that started them, while the signal's exception passes through it.
     """
@@ -175,3 +181,6 @@ def run_interruptible(command: str, main: Callable[[argparse.Namespace], int], a
     except KeyboardInterrupt:
         print(f"tplower {command}: interrupted; its processes were ended", file=sys.stderr, flush=True)
         return INTERRUPTED
+    except BrokenPipeError:  # the reader of standard output left (``tplower explain ... | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        return BROKEN_PIPE
