@@ -16,9 +16,12 @@
 #                copy on a fake group): (step - floor) / floor for tplower (overlap on and off),
 #                parallelize_module and the hand-written Megatron copy (benchmarks/comm_share.py; NCCL with
 #                a GPU per rank, gloo through the host when 2 ranks share one GPU) -> bench_share/, bench_share.log
+#   bench_moe    tplower bench moe phase: one Qwen3-MoE layer's train step, tplower and transformers, TP and EP,
+#                eager and compiled EP (inductor; spawned gloo ranks on the host CPUs) -> bench_moe/, bench_moe.log
 #   bench_model  tplower bench model phase with compiled (inductor) and eager rows -> bench_model/, bench_model.log
 #                (MiniLM on spawned gloo ranks: the host CPUs, whatever the GPU count)
-#   summary.txt  one line per step: its exit status and seconds; then the communication share lines
+#   summary.txt  one line per step: its exit status and seconds; then the communication share lines and the
+#                MoE step lines (compiled EP against transformers' and against eager)
 #
 # Ranks: one per GPU (up to 8; tplower run up to 4, a count that divides llama-tiny's heads, and 1 on one GPU,
 # where NCCL cannot put two ranks of the run on one device). With one GPU the other
@@ -89,6 +92,7 @@ step bench_micro 100 "$PY" -m torch.distributed.run --standalone --nproc-per-nod
     "$HERE/bench.py" --device cuda --phases micro,memory --quick --no-plots --out "$OUT/bench_micro"
 [ "$DRY" = 0 ] && rm -rf /tmp/torchelastic_* 2>/dev/null
 step bench_share 120 "$PY" "$HERE/comm_share.py" --device cuda --backend auto --rounds 7 --out "$OUT/bench_share"
+step bench_moe 90 "$PY" -m tplower.cli bench --phases moe --compile --quick --no-plots --out "$OUT/bench_moe"
 step bench_model 200 "$PY" -m tplower.cli bench --phases model --compile --quick --no-plots --out "$OUT/bench_model"
 
 [ "$DRY" = 1 ] && exit 0
@@ -96,5 +100,6 @@ step bench_model 200 "$PY" -m tplower.cli bench --phases model --compile --quick
 for md in "$OUT/bench_share/share.md" "$OUT/bench_model/bench.md"; do
     [ -f "$md" ] && grep -h "communication share" "$md" | sed "s|^- |$(basename "$(dirname "$md")"): |" | tee -a "$OUT/summary.txt"
 done
+[ -f "$OUT/bench_moe/bench.md" ] && grep -h "^- MoE layer train step" "$OUT/bench_moe/bench.md" | sed "s|^- |bench_moe: |" | tee -a "$OUT/summary.txt"
 echo "total: $(( $(date +%s) - start_all ))s; results in $OUT" | tee -a "$OUT/summary.txt"
 exit "$failed"

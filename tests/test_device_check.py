@@ -72,7 +72,8 @@ def test_dry_run_lists_every_step_with_real_files_and_options(tmp_path: Path) ->
     assert res.returncode == 0, res
     steps = dict(re.match(r"(\w+) \((\d+)s\): (.*)", line).group(1, 3)  # type: ignore[union-attr]
                  for line in res.stdout.splitlines())
-    assert list(steps) == ["env", "conformance", "run", "bench_micro", "bench_share", "bench_model"], res.stdout
+    assert list(steps) == ["env", "conformance", "run", "bench_micro", "bench_share", "bench_moe",
+                           "bench_model"], res.stdout
     assert not (tmp_path / "check").exists()  # a dry run writes nothing
     conformance, micro = steps["conformance"].split(), steps["bench_micro"].split()
     assert "--nproc-per-node" in conformance and conformance[conformance.index("--nproc-per-node") + 1] == "4"
@@ -86,6 +87,9 @@ def test_dry_run_lists_every_step_with_real_files_and_options(tmp_path: Path) ->
     micro_options = _options(micro) - {"--nproc-per-node", "--standalone"}
     assert (micro_options | _options(model)) <= set(re.findall(r"--[a-z-]+", bench_help)), (micro, model)
     assert "--compile" in model and "model" in model[model.index("--phases") + 1]
+    moe = steps["bench_moe"].split()
+    assert _options(moe) <= set(re.findall(r"--[a-z-]+", bench_help)), moe
+    assert "--compile" in moe and moe[moe.index("--phases") + 1] == "moe"
     share = steps["bench_share"].split()
     assert Path(share[1]).name == "comm_share.py" and Path(share[1]).is_file(), share
     share_help = subprocess.run([sys.executable, share[1], "--help"], capture_output=True, text=True, timeout=120,
