@@ -55,7 +55,7 @@ def test_unknown_axis_names_axis_and_mesh_axes():
 def test_mapping_needs_names_and_count_must_match_mesh():
     with pytest.raises(TPLowerError, match="mesh_dim_names"):
         parse_placements({"tp": "R"})
-    with pytest.raises(TPLowerError, match="2 axis"):
+    with pytest.raises(TPLowerError, match="2 axes"):
         parse_placements("R", ("dp", "tp"))
     with pytest.raises(TypeError):
         parse_placements(5)  # type: ignore[arg-type]
