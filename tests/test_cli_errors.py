@@ -239,7 +239,9 @@ def test_verify_rows_never_say_ok_beside_a_number_above_their_bound() -> None:
     assert "atol 1e-05 + rtol 0.0001" in report.table()  # what "allowed" means is stated above the rows
 
 
-@pytest.mark.parametrize(("ratio", "words"), [(1.25, "1.25x faster"), (0.89, "1.12x slower"), (1.0, "1.00x faster")])
+@pytest.mark.parametrize(("ratio", "words"), [
+    (1.25, "1.25x faster"), (0.89, "1.12x slower"), (1.0, "the same speed (1.00x)"), (0.999, "the same speed (1.00x)"),
+    (1.006, "1.01x faster"), (0.0, "n/a")])
 def test_speed_says_slower_on_the_slow_side(ratio: float, words: str) -> None:
     assert speed(ratio) == words
 

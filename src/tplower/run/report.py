@@ -27,10 +27,14 @@ _AGAINST = {"checkpoint": "(reloaded vs parallel outputs)", "compiled": "(compil
 
 
 def speed(ratio: float) -> str:
-    """``ratio`` (the other's time / tplower's time) in words: ``1.25x faster``; below 1, ``1.12x slower`` (0.89)."""
-    if ratio >= 1.0:
-        return f"{ratio:.2f}x faster"
-    return f"{1 / ratio:.2f}x slower" if ratio > 0 else "n/a"
+    """``ratio`` (the other's time / tplower's time) in words: ``1.25x faster``; below 1, ``1.12x slower`` (0.89);
+    a ratio that prints as 1.00 either way (0.996 .. 1.004) is ``the same speed (1.00x)``."""
+    if not ratio > 0:
+        return "n/a"
+    shown = f"{ratio:.2f}" if ratio >= 1.0 else f"{1 / ratio:.2f}"
+    if shown == "1.00":
+        return "the same speed (1.00x)"
+    return f"{shown}x faster" if ratio >= 1.0 else f"{shown}x slower"
 
 
 def verdict(report: Mapping[str, Any], tolerance: float) -> bool:
