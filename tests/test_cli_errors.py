@@ -67,6 +67,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out["x"] = str(d / "x.pt")
     torch.save(torch.randn(4, D), out["x"])
     out["dir"] = str(d)
+    out["text"] = str(d / "notes.md")
+    Path(out["text"]).write_text("# a text file, not torch.save's\n")
     return out
 
 
@@ -105,6 +107,9 @@ REFUSALS = [
                   "test_cli_errors:example_inputs"],
                  ["--input takes a file path (.pt", "example_inputs in the --module's package"], None,
                  id="verify-input-not-a-file"),
+    pytest.param(["verify", "--module", "test_cli_errors:build_mlp", "--plan", "{typo}", "--input", "{text}"],
+                 ["--input", "notes.md' cannot be read as a torch.save file of tensors (UnpicklingError:",
+                  "write it with torch.save(inputs, path)"], None, id="verify-input-text-file"),
     pytest.param(["verify", "--module", "test_cli_errors:build_mlp", "--plan", "{typo}", "--input", "{x}"],
                  ["'rowwsie' is unknown", "allowed", "rowwise"], None, id="verify-style-typo"),
     pytest.param(["verify", "--module", "test_cli_errors:build_mlp", "--plan", "{broken}", "--input", "{x}"],

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -211,8 +212,18 @@ def _module_inputs(args: argparse.Namespace, mod: Any) -> Any:
     try:
         return torch.load(args.input, weights_only=True)
     except Exception as exc:
-        raise TPLowerError(f"--input {args.input!r} cannot be read as a torch.save file ({type(exc).__name__}: "
-                           f"{exc}); write it with torch.save(inputs, path) (a tensor, tuple or dict)") from None
+        raise TPLowerError(f"--input {args.input!r} cannot be read as a torch.save file of tensors "
+                           f"({_load_cause(exc)}); write it with torch.save(inputs, path) (a tensor, tuple or dict of "
+                           "tensors)") from None
+
+
+def _load_cause(exc: Exception) -> str:
+    """What ``torch.load(weights_only=True)`` found wrong, without its advice to load untrusted files unchecked."""
+    text = str(exc)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|Check the documentation|$)", text, re.S)
+    cause = found.group(1) if found else (text.strip().splitlines() or [""])[0]
+    cause = " ".join(cause.split())
+    return f"{type(exc).__name__}: {cause[:160]}"
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
