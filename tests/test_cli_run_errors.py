@@ -126,9 +126,10 @@ def test_option_checks_that_need_no_torch_come_before_it(files: dict[str, str]) 
     assert done.stderr.count("tplower run: error: ") == len(argvs) and "Traceback" not in done.stderr
 
 
-def test_version_is_the_installed_one_and_needs_no_torch() -> None:
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_the_installed_one_and_needs_no_torch(flag: str) -> None:
     script = ("import contextlib, sys\nfrom tplower.cli.main import main\nwith contextlib.suppress(SystemExit):\n"
-              "    main(['--version'])\nprint('torch' in sys.modules)")
+              f"    main([{flag!r}])\nprint('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"tplower {importlib.metadata.version('tplower')}", "False"]

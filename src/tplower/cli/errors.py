@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -21,7 +22,7 @@ from typing import Any, NoReturn
 
 from ..core.errors import TPLowerError
 
-__all__ = ["Parser", "Terminated", "closest", "error_line", "fail", "non_negative_float", "plan_keyword",
+__all__ = ["Parser", "Terminated", "axis_name", "closest", "error_line", "fail", "non_negative_float", "plan_keyword",
            "positive_float", "positive_int", "run_command", "run_interruptible", "signals_raise"]
 
 #: exit code of every refusal of bad input
@@ -64,6 +65,18 @@ def positive_int(text: str) -> int:
     if not t.lstrip("+-").isdigit() or int(t) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1 (e.g. 2)")
     return int(t)
+
+
+def axis_name(text: str) -> str:
+    """An argparse ``type``: a mesh axis name, a letter or ``_`` then letters, digits or ``_`` (``tp``, ``tp_0``).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (an empty name, a space, ``=`` or ``,``, which ``--mesh`` uses).
+    """
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh axis name: a letter or '_' then letters, digits "
+                                         "or '_' (e.g. tp)")
+    return text
 
 
 def _number(text: str) -> float:

@@ -34,7 +34,7 @@ DESCRIPTION = ("tplower: placement transitions lowered to direct collectives, ch
                "process, on real models")
 _VERBOSE = ("-v", "--verbose")
 #: options of ``tplower`` itself, never read as options of :data:`DEFAULT`
-_OWN = ("-h", "--help", "--version")
+_OWN = ("-h", "--help", "-V", "--version")
 
 
 def package_version() -> str:
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"options work alone, e.g. tplower --model llama-tiny); tplower COMMAND --help for each")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log tplower's decisions (debug level); a failed rank's whole report")
-    parser.add_argument("--version", action="version", version=f"tplower {package_version()}",
+    parser.add_argument("-V", "--version", action="version", version=f"tplower {package_version()}",
                         help="print tplower's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.errors import TPLowerError
 from ..core.words import count
-from .errors import positive_float, positive_int
+from .errors import axis_name, positive_float, positive_int
 
 __all__ = ["add_arguments", "derive_for", "main"]
 
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         ".json (other suffixes are refused); default: print YAML")
     parser.add_argument("--embeddings", action="store_true",
                         help="also shard word embeddings (vocabulary-parallel) and an output head of the vocabulary")
-    parser.add_argument("--axis", default="tp", help="the tensor-parallel mesh axis (default tp)")
+    parser.add_argument("--axis", type=axis_name, default="tp", help="the tensor-parallel mesh axis (default tp)")
     parser.add_argument("--verify", action="store_true",
                         help="check the derived plan against one process first (a tiny random input of the model's "
                              "kind, every gradient); refuse it (exit 1, nothing written) when it does not match")
