@@ -7,10 +7,13 @@ soak instead of the short CI version.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -212,3 +215,51 @@ def test_forked_ranks_take_the_callers_environment_at_the_call(monkeypatch):
         assert run_processes(2, _env_body, start_method="forkserver") == [(mark, "1", 1)] * 2
     with pytest.raises(ValueError, match="start_method='fork'"):
         run_processes(2, _env_body, start_method="fork")
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+from tplower.testing import run_processes
+
+def body(rank, world, folder):
+    open(os.path.join(folder, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+    time.sleep(120)  # far beyond the test: only the parent's death can end it early
+
+if __name__ == "__main__":
+    run_processes(2, body, sys.argv[1], timeout=300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent's wait is missing
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_ranks_end_when_their_parent_is_killed(tmp_path):
+    # SIGKILL runs no cleanup in the parent: each rank watches for it and ends by itself, not at the group's timeout
+    script = tmp_path / "orphans.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=os.environ | {"OMP_NUM_THREADS": "1"})
+    pids: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while len(pids) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+        assert len(pids) == 2, "the ranks did not start"
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 20
+        while any(_alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "ranks outlived their killed parent"
+    finally:
+        parent.kill()
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
