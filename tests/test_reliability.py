@@ -226,7 +226,7 @@ def body(rank, world, folder):
     time.sleep(120)  # far beyond the test: only the parent's death can end it early
 
 if __name__ == "__main__":
-    run_processes(2, body, sys.argv[1], timeout=300)
+    run_processes(2, body, sys.argv[1], timeout=300, start_method=sys.argv[2])
 """
 
 
@@ -240,11 +240,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
-def test_ranks_end_when_their_parent_is_killed(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_end_when_their_parent_is_killed(tmp_path, method):
     # SIGKILL runs no cleanup in the parent: each rank watches for it and ends by itself, not at the group's timeout
     script = tmp_path / "orphans.py"
     script.write_text(_ORPHAN_SCRIPT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=os.environ | {"OMP_NUM_THREADS": "1"})
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path), method],
+                              env=os.environ | {"OMP_NUM_THREADS": "1"})
     pids: list[int] = []
     try:
         deadline = time.time() + 120

@@ -73,26 +73,40 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _exit_with(parent: int, every: float = 1.0) -> None:
-    """End this rank soon after its parent process ``parent`` is gone (killed with SIGKILL, which runs no cleanup):
-    a rank left behind would wait in a collective until its process group's timeout, holding a core."""
+def _exit_with(caller: int, every: float = 1.0) -> None:
+    """End this rank soon after the process that started the run (``caller``) is gone, killed with SIGKILL, which
+    runs no cleanup: a rank left behind would wait in a collective until its process group's timeout, holding a
+    core. Spawned ranks are the caller's children (re-parented when it dies); a fork server's outlive it, so the
+    caller's pid is watched too."""
+    parent = os.getppid()
+
+    def gone() -> bool:
+        if os.getppid() != parent:
+            return True
+        try:
+            os.kill(caller, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # exists, another user's: not the caller any more, but alive
+            return False
+        return False
+
     def watch() -> None:
-        while True:
+        while not gone():
             time.sleep(every)
-            if os.getppid() != parent:  # re-parented: the parent died
-                os._exit(1)
+        os._exit(1)
 
     threading.Thread(target=watch, name="tplower-parent-watch", daemon=True).start()
 
 
 def _process_entry(rank: int, world_size: int, backend: str, init_file: str, timeout: float,
                    results: Any, fn: RankFn, args: tuple[Any, ...], env: dict[str, str] | None = None,
-                   parent: int | None = None) -> None:
+                   caller: int | None = None) -> None:
     if env is not None:  # a fork of the server has the server's environment: take the caller's, as spawn does
         os.environ.clear()
         os.environ.update(env)
-    if parent is not None:
-        _exit_with(parent)
+    if caller is not None:
+        _exit_with(caller)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -223,7 +237,7 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
         env = dict(os.environ) if method == "forkserver" else None
         procs = [ctx.Process(target=_process_entry, daemon=True,
                              args=(r, world_size, backend, init_file, pg_timeout or timeout, results, fn, args,
-                                   env, os.getpid() if method == "spawn" else None))
+                                   env, os.getpid()))
                  for r in range(world_size)]
         with _sigint_ignored():  # inherited: a Ctrl-C at the terminal reaches this process, which ends the ranks
             for p in procs:
