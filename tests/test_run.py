@@ -128,7 +128,7 @@ def test_plan_with_a_wrong_module_name(tmp_path: Path) -> None:
 def test_tp_that_does_not_divide_the_heads() -> None:
     p = _tplower("run", "--nproc", "5", "--no-progress")
     assert p.returncode == 2
-    assert "--tp 5 does not divide num_attention_heads=12" in p.stderr and "[1, 2, 3, 4, 6, 12]" in p.stderr
+    assert "--nproc 5 does not divide num_attention_heads=12" in p.stderr and "[1, 2, 3, 4, 6, 12]" in p.stderr
 
 
 @pytest.mark.slow  # test_reliability ends dying ranks of the same harness

@@ -125,13 +125,18 @@ def _check_options(args: argparse.Namespace, cfg: BenchConfig) -> None:
 
     Raises:
         TPLowerError: an unknown phase, case or implementation (with the closest valid one), a world size
-            below 2, or a size that no world splits evenly.
+            below 2 or above what this machine spawns, or a size that no world splits evenly.
     """
+    from ..run.checks import check_local_world, torchrun_env
+
     _check_names("--phases", args.phases, PHASES)
     _check_names("--cases", args.cases, tuple(c.name for c in CASES), "; ")
     _check_names("--impls", args.impls, IMPLS)
     if small := [w for w in cfg.worlds if w < 2]:
         raise TPLowerError(f"--worlds: {small[0]} is below 2; a world size is at least 2 ranks (e.g. --worlds 2,4)")
+    if torchrun_env() is None:  # each world size is spawned here (under torchrun the launcher's ranks run)
+        for w in cfg.worlds:
+            check_local_world("--worlds", w, f"--worlds {','.join(map(str, cfg.worlds))}", low=2)
     for nbytes in cfg.sizes:
         for w in cfg.worlds:
             unit = 4 * w * w  # float32 bytes of the smallest [w, w] tensor
@@ -166,15 +171,15 @@ def main(args: argparse.Namespace) -> int:
             its settings.
         tplower.testing.RankFailure: a rank died or raised.
     """
+    cfg = _config(args)
+    _check_options(args, cfg)  # before torch is imported: a misspelled option is refused at once
+    _check_device(cfg.device)
     from ..bench.phases import run_bench, write_json
     from ..bench.plots import write_plots
     from ..bench.report import format_markdown
 
     if args.keep_freed_memory:  # read by each spawned rank's C library at start
         os.environ.update(KEEP_FREED_MEMORY)
-    cfg = _config(args)
-    _check_options(args, cfg)
-    _check_device(cfg.device)
     try:
         res = run_bench(cfg, progress=lambda what: print(f"[bench] {what}", file=sys.stderr, flush=True))
     except ValueError as exc:  # TPLowerError, and the phases' checks of their settings

@@ -53,11 +53,11 @@ def emit_file(args: argparse.Namespace) -> str:
         TPLowerError: a bad ``--mesh``, ``--plan`` (a key naming no module is named with the closest module
             names) or ``--module``, or as :func:`tplower.codegen.emit`.
     """
-    from ..codegen.emit import emit
-
-    names, sizes = parse_mesh(args.mesh)
+    names, sizes = parse_mesh(args.mesh)  # before torch is imported: a bad --mesh is refused at once
     if args.axis not in names:
         raise TPLowerError(f"--axis {args.axis!r} is not an axis of --mesh {args.mesh} (axes: {', '.join(names)})")
+    from ..codegen.emit import emit
+
     model, plan = _model_and_plan(args, sizes[names.index(args.axis)])
     check_keys(model, plan, args.experts)
     with fake_mesh(names, sizes, "codegen") as mesh:

@@ -78,12 +78,16 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when every transition matched DTensor on every rank.
 
     Raises:
-        TPLowerError: a bad ``--shape`` (checked before any process starts).
+        TPLowerError: a bad ``--shape``, or an ``--nproc`` above what this machine allows (both checked before
+            torch is imported and any process starts).
     """
+    from ..run.checks import check_local_world
+
+    shape = demo_shape(args.shape)
+    check_local_world("--nproc", args.nproc)
     from ..conformance import Case
     from ..testing import run_processes
 
-    shape = demo_shape(args.shape)
     cases = [Case((args.nproc,), shape, s, d, g) for s, d, g in DEMO_TRANSITIONS]
     procs = count(args.nproc, "gloo process", "gloo processes")
     print(f"tplower demo: {len(cases)} transitions of a {shape} float32 tensor on {procs}")

@@ -17,7 +17,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from ..core.errors import TPLowerError
@@ -50,9 +50,36 @@ def fail(command: str, message: object) -> int:
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (no usage block) pointing at ``--help``."""
 
+    _words: list[str] | None = None  # the words being parsed, for the hint of :meth:`error`
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """As argparse's, keeping the words for :meth:`error` (a subcommand's parser is called with its own)."""
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
-        """Print ``<prog>: error: <message> (see <prog> --help)`` and exit 2."""
-        self.exit(USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        """Print ``<prog>: error: <message> (see <prog> --help)`` and exit 2.
+
+        An option whose value starts with ``-`` (``--shape -1,4``) reads to argparse as an option without its
+        value; the message then says to write it ``--shape=-1,4``.
+        """
+        self.exit(USAGE, f"{self.prog}: error: {message}{self._dash_hint(message)} (see {self.prog} --help)\n")
+
+    def _dash_hint(self, message: str) -> str:
+        """For ``argument OPT: expected one argument`` where the next word starts with ``-``: how to write that
+        value; else ``""``."""
+        head, _, tail = message.partition(": ")
+        if not head.startswith("argument -") or tail != "expected one argument":
+            return ""
+        names = head.removeprefix("argument ").split("/")
+        option = next((n for n in names if n.startswith("--")), names[-1])
+        words = self._words or []
+        at = next((i for i, w in enumerate(words) if w in names), None)
+        if at is None or at + 1 >= len(words) or not words[at + 1].startswith("-"):
+            return ""  # the value is missing, not mistaken for an option
+        return f"; a value that starts with '-' is written with '=': {option}={words[at + 1]}"
 
 
 def positive_int(text: str) -> int:

@@ -105,20 +105,18 @@ def check_dims(placements: dict[str, str | None], names: tuple[str, ...], shape:
             ``S(d)`` on a tensor of ``d`` dims or fewer; the message names the placement, the dims it needs and
             ``shape_option``.
     """
-    from torch.distributed.tensor import Shard
-
-    from ..core.placements import parse_placements
+    from ..core.placement_text import SHARD_RE, check_placements_text
 
     nd = len(shape)
     for option, text in placements.items():
         if text is None:
             continue
-        for p in parse_placements(text, names, arg=option):
-            if isinstance(p, Shard) and not -nd <= p.dim < nd:
-                need = p.dim + 1 if p.dim >= 0 else -p.dim
+        for p in check_placements_text(text, arg=option, ndim=len(names)):  # no torch: refused in a blink
+            if (m := SHARD_RE.fullmatch(p)) and not -nd <= (dim := int(m.group(1))) < nd:
+                need = dim + 1 if dim >= 0 else -dim
                 example = ",".join(map(str, shape + (8,) * (need - nd)))
                 dims = f"{nd} dim{'s' if nd != 1 else ''}"
-                raise TPLowerError(f"{option} {text!r}: dim {p.dim} is out of range: S({p.dim}) needs a tensor of at "
+                raise TPLowerError(f"{option} {text!r}: dim {dim} is out of range: S({dim}) needs a tensor of at "
                                    f"least {need} dims; the shape is {shape_option} ({dims}); pass --shape with "
                                    f"{need} or more sizes, e.g. --shape {example}")
 
@@ -279,8 +277,6 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         TPLowerError: bad input (the caller prints it as one line; see :mod:`tplower.cli.errors`).
     """
-    from ..core.explain import explain_transition, plan_to_dict, plan_to_table
-
     modes = _modes(args)
     if len(modes) > 1:
         raise TPLowerError(f"{' and '.join(modes)} ask for different explanations; give one of SRC DST (a "
@@ -302,9 +298,13 @@ def main(args: argparse.Namespace) -> int:
         coord = parse_coord(args.coord, names, sizes) if args.coord is not None else None
         check_dims({"SRC": args.src, "DST": args.dst, "--grad": args.grad}, names, shape,
                    f"--shape {args.shape}" if args.shape is not None else f"--shape's default {DEFAULT_SHAPE}")
+        from ..core.explain import explain_transition  # torch: after every check of the arguments
+
         plan = explain_transition(args.src, args.dst, names, sizes, shape, grad=args.grad, coord=coord)
     except ValueError as exc:  # TPLowerError, and the library's own checks of placements and sizes
         raise TPLowerError(str(exc)) from None
+    from ..core.explain import plan_to_dict, plan_to_table
+
     info = plan_to_dict(plan, names, dtype_of(args.dtype))
     info["mesh"] = dict(zip(names, sizes, strict=True))
     print(json.dumps(info, indent=2) if args.json else plan_to_table(info))

@@ -173,9 +173,14 @@ def main(args: argparse.Namespace) -> int:
 
     Raises:
         TPLowerError: a bad ``-o`` or ``--model`` (checked before deriving or verifying), no rule matched, or
-            (with ``--verify``) an ``--nproc`` the model's sizes do not divide (checked before any rank starts).
+            (with ``--verify``) an ``--nproc`` the model's sizes do not divide or above what this machine spawns
+            (checked before any rank starts).
         tplower.testing.RankFailure: a rank of ``--verify`` died or raised.
     """
+    if args.verify:  # before torch is imported: a count this machine cannot spawn is refused at once
+        from ..run.checks import check_local_world
+
+        check_local_world("--nproc", args.nproc)
     from ..plans.derive import derive_plan
 
     check_output(args.output)

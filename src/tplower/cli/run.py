@@ -156,8 +156,16 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
             for another mesh, a missing ``--plan`` file, an unreadable ``--input``, a ``--tp`` the heads refuse,
             ``--backend nccl`` without a GPU per rank.
     """
-    from ..run.checks import RunError, check_backend, check_kill_rank, check_numbers, check_writable, torchrun_env
-    from ..run.models import check_tp, read_sentences, sentences
+    from ..run.checks import (
+        RunError,
+        check_backend,
+        check_kill_rank,
+        check_local_world,
+        check_numbers,
+        check_writable,
+        torchrun_env,
+    )
+    from ..run.models import read_sentences, sentences
     from .target import plan_value
 
     timeout = args.timeout if args.timeout is not None else 1200.0 if args.compile else 300.0
@@ -165,10 +173,18 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
                   tp=args.tp if args.tp is not None else 1, dp=args.dp, lr=args.lr, tolerance=args.tolerance,
                   timeout=timeout)
     env = torchrun_env()
-    if env is None and args.nproc is not None and args.nproc < 1:
-        raise RunError(f"--nproc {args.nproc} must be at least 1")
     world = env[1] if env is not None else args.nproc if args.nproc is not None else (args.tp or 2) * args.dp
+    if env is None:  # the processes this run spawns here (under torchrun the launcher started them)
+        by_nproc = args.nproc is not None
+        check_local_world("--nproc" if by_nproc else "--tp", world,
+                          None if by_nproc else f"--tp {args.tp or 2} x --dp {args.dp}")
     tp = args.tp if args.tp is not None else max(world // args.dp, 1)
+    if tp * args.dp != world:  # check_config's check, made here before torch is imported
+        if args.tp is None:
+            raise RunError(f"--nproc {world} is not a multiple of --dp {args.dp}; tp defaults to nproc / dp, so give "
+                           f"an --nproc that --dp divides (e.g. --nproc {2 * args.dp}) or --tp")
+        raise RunError(f"--tp {tp} x --dp {args.dp} = {tp * args.dp} ranks, but the run has {world} (--nproc or "
+                       "torchrun's WORLD_SIZE); make tp x dp equal the number of processes")
     check_kill_rank(args.kill_rank, world)
     if args.json:
         check_writable("--json", args.json)
@@ -176,10 +192,31 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
     _check_codegen(codegen, args.model, args.dp, tp, args.plan)
     plan_value(args.plan)
     texts = tuple(read_sentences(args.input)) if args.input else tuple(sentences())
-    check_tp(args.model, tp)
+    _check_heads(args, tp, by_nproc=env is None and args.nproc is not None)
     if env is None:  # the one check that imports torch (nccl only): under torchrun the launcher picks the backend
         check_backend(args.backend, world)
     return _Checked(world, tp, codegen, texts)
+
+
+def _check_heads(args: argparse.Namespace, tp: int, *, by_nproc: bool) -> None:
+    """``tp`` splits the model's heads; the message names the option the user set (``--nproc`` when ``--tp``
+    was not given: tp defaults to nproc / dp).
+
+    Raises:
+        TPLowerError: ``tp`` does not divide a head count (as :func:`tplower.run.models.check_tp`).
+    """
+    from ..run.models import check_tp
+
+    if args.tp is not None or not by_nproc:
+        check_tp(args.model, tp)
+    elif args.dp == 1:
+        check_tp(args.model, tp, "--nproc")
+    else:
+        try:
+            check_tp(args.model, tp)
+        except TPLowerError as exc:
+            raise TPLowerError(f"--nproc {tp * args.dp} / --dp {args.dp} gives tp={tp} (--tp was not given): {exc}; "
+                               "or give --tp and an --nproc of tp x dp") from None
 
 
 def _config(args: argparse.Namespace, checked: _Checked) -> RunConfig:

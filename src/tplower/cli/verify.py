@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", metavar="FILE", help="inputs: a file of torch.save (.pt) for --module, sentences "
                         "(one a line) for --model; default: PKG:example_inputs, or built-in sentences")
     parser.add_argument("--input-placement", action="append", default=[], metavar="KEY=PLACEMENT",
-                        help="an input the parallel model takes sharded, e.g. 0=S(1) (repeatable; default R)")
+                        help="an input the parallel model takes sharded, named by keyword or position: e.g. 0=S(1) "
+                             "for a --module whose plan takes its first input split on dim 1 (repeatable; default "
+                             "R, whole on every rank, as --model's plans take input_ids and the rest)")
     parser.add_argument("--output-placement", default=None, metavar="PLACEMENT",
                         help="placement of the parallel model's output tensor, e.g. S(1) (default R)")
     parser.add_argument("--steps", type=positive_int, default=1,
@@ -97,13 +99,50 @@ def _placement(option: str, value: str, forms: str = "R, S(d) (split along tenso
     Raises:
         TPLowerError: ``value`` is not one placement; the message names ``option``, ``value`` and ``forms``.
     """
-    from ..core.placements import format_placement, parse_placements
+    from ..core.placement_text import check_placement_text  # no torch: a typo is refused at once
 
     try:
-        (placement,) = parse_placements(value, ("tp",), ndim=1, arg=option)
-    except (ValueError, TypeError):
+        return check_placement_text(value, arg=option)
+    except TPLowerError:
         raise TPLowerError(f"{option}: {value!r} is not a placement of the one tp axis; write {forms}") from None
-    return format_placement(placement)
+
+
+def _input_keys(inputs: Any) -> list[int | str] | None:
+    """The keys ``verify`` names inputs by (as the ranks split them): a mapping's keywords, a tuple's or list's
+    positions, ``[0]`` for one tensor; ``None`` when the inputs are not at hand (``None``, a function)."""
+    from collections.abc import Mapping
+
+    if inputs is None or callable(inputs):
+        return None
+    if isinstance(inputs, Mapping):
+        return list(inputs)
+    return list(range(len(inputs))) if isinstance(inputs, tuple | list) else [0]
+
+
+def _check_input_keys(placements: dict[int | str, str], keys: list[int | str] | None, where: str) -> None:
+    """Each key of ``--input-placement`` names one of ``keys`` (the inputs of ``where``); ``None`` checks nothing.
+
+    Raises:
+        TPLowerError: a key that names no input; the message lists the inputs and an example with the first.
+    """
+    if keys is None or not (unknown := [k for k in placements if k not in keys]):
+        return
+    kind = "keyword" if all(isinstance(k, str) for k in keys) else "position"
+    raise TPLowerError(f"--input-placement names {unknown[0]!r}, which is not an input of {where}; its inputs are "
+                       f"{', '.join(map(str, keys))} (by {kind}): write KEY=PLACEMENT with KEY one of them, e.g. "
+                       f"--input-placement {keys[0]}=S(1)" if keys else f"--input-placement: {where} takes no inputs")
+
+
+def _model_input_names(name: str, texts: list[str]) -> list[int | str]:
+    """The keys of the inputs the ranks build for ``--model name`` (:func:`_builder`: the tokenizer's output)."""
+    from ..run.models import MINILM, minilm_folder
+
+    tokenizer = None
+    if name == MINILM:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(minilm_folder(), local_files_only=True)
+    return list(_model_inputs(name, tokenizer, texts))
 
 
 def _texts(path: str | None) -> list[str]:
@@ -251,6 +290,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         if plan is None:
             plan = dict(model_spec(args.model).plan)
         texts = _texts(args.input)
+        if placements:
+            _check_input_keys(placements, _model_input_names(args.model, texts), args.model)
         check_plan(skeleton(args.model), plan, *mesh, experts=args.experts, command="verify", **context)
         return {"model": args.model, "module": None, "texts": texts, "inputs": None,
                 **_common(args, plan, placements)}
@@ -258,6 +299,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     if plan is None and args.context is None:
         raise TPLowerError("--module needs --plan FILE, --plan auto or --plan derive")
     inputs = _module_inputs(args, mod)
+    _check_input_keys(placements, _input_keys(inputs if inputs is not None else getattr(mod, "example_inputs", None)),
+                      f"--module {args.module}")
     check_plan(build_module(args.module, meta=True), plan, *mesh, experts=args.experts, command="verify", **context)
     return {"model": None, "module": args.module, "texts": None, "inputs": inputs, **_common(args, plan, placements)}
 
@@ -282,10 +325,13 @@ def main(args: argparse.Namespace) -> int:
         TPLowerError: bad input, found before any rank starts (printed as one line by :mod:`tplower.cli.errors`).
         tplower.testing.RankFailure: a rank died or raised (printed as one line naming the cause).
     """
+    from ..run.checks import check_local_world
+
+    world = args.nproc * (args.context or 1)
+    check_local_world("--nproc", world, f"--nproc {args.nproc} x --context {args.context}" if args.context else None)
+    spec = _spec(args)
     from ..testing import run_processes
 
-    spec = _spec(args)
-    world = args.nproc * (args.context or 1)
     if spec["progress"]:
         procs = count(world, "process", "processes")
         print(f"tplower verify: starting {procs} ...", file=sys.stderr, flush=True)

@@ -26,7 +26,6 @@ mix, as DTensor does (``assert_no_mixed_partial_types`` in torch 2.13).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
@@ -35,6 +34,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .argcheck import check_int, check_names, check_placement_seq, describe
 from .errors import TPLowerError
+from .placement_text import ALLOWED as _ALLOWED
+from .placement_text import PARTIAL_RE as _PARTIAL_RE
+from .placement_text import REDUCE_OPS
+from .placement_text import SHARD_RE as _SHARD_RE
 from .words import count
 
 __all__ = [
@@ -50,18 +53,12 @@ __all__ = [
     "replicate_partials",
 ]
 
-#: Reduce ops of ``Partial`` that tplower accepts (``torch.distributed.ReduceOp``
-#: names as DTensor spells them).
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 #: The reduce ops that commute with each other (both linear), so one tensor may mix them across mesh axes.
 LINEAR_REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
 
 PlacementLike: TypeAlias = Placement | str
 PlacementsLike: TypeAlias = str | Sequence[PlacementLike] | Mapping[str, PlacementLike]
 
-_SHARD_RE = re.compile(r"S\((-?\d+)\)")
-_PARTIAL_RE = re.compile(r"P\(([a-z]+)\)")
-_ALLOWED = "'R', 'S(d)' with an integer d, or 'P(op)' with op in sum|avg|max|min"
 
 
 def parse_placement(text: PlacementLike, *, arg: str = "placement") -> Placement:

@@ -20,11 +20,16 @@ __all__ = [
     "RunError",
     "check_backend",
     "check_kill_rank",
+    "check_local_world",
     "check_numbers",
     "check_source_file",
     "check_writable",
+    "local_process_limit",
     "torchrun_env",
 ]
+
+#: the fewest local processes a command may spawn whatever the CPU count (2 ranks per core on a small machine)
+MIN_LOCAL_LIMIT = 8
 
 
 class RunError(TPLowerError):
@@ -67,6 +72,39 @@ def check_numbers(
             raise RunError(
                 f"{name} {number:g} must be a finite number " + ("greater than 0" if positive else "of at least 0")
             )
+
+
+def local_process_limit() -> int:
+    """The most processes a command spawns on this machine: 2 per CPU core, at least :data:`MIN_LOCAL_LIMIT`.
+
+    Each spawned rank imports torch (hundreds of MB) and runs its collectives on the CPU; far more ranks than
+    cores only thrash the machine. More ranks belong on several machines, under ``torchrun``.
+    """
+    return max(MIN_LOCAL_LIMIT, 2 * (os.cpu_count() or 1))
+
+
+def check_local_world(option: str, world: int, given: str | None = None, low: int = 1) -> None:
+    """``world`` processes to spawn here is within ``low .. local_process_limit()``.
+
+    Args:
+        option: the option that sets the count (``--nproc``, ``--worlds``), named in the message.
+        world: the number of processes the command would spawn.
+        given: how the option was written when that differs from ``option world`` (e.g. ``--nproc 4 with
+            --context 8``), for the message.
+        low: the fewest the option allows (``--worlds``: 2), for the message.
+
+    Raises:
+        RunError: a count below 1 or above the limit; the message names ``option`` and the allowed range.
+    """
+    limit = local_process_limit()
+    if 1 <= world <= limit:
+        return
+    what = given or f"{option} {world}"
+    if world < 1:
+        raise RunError(f"{what} must be at least 1")
+    raise RunError(f"{what} would spawn {world} local processes; this machine allows 1..{limit} "
+                   f"({os.cpu_count() or 1} CPU cores, 2 per core, at least {MIN_LOCAL_LIMIT}); give {option} "
+                   f"N with N in {low}..{limit}, or use torchrun across machines for more ranks")
 
 
 def check_kill_rank(kill_rank: int, world: int) -> None:
