@@ -120,6 +120,7 @@ def test_verify_input_placement_keys_are_the_models_inputs(no_spawn: None, capsy
     assert "input_ids, token_type_ids, attention_mask (by keyword)" in line, line
     line = _one_line(["verify", "--model", "llama-tiny", "--input-placement", "mask=S(1)"], capsys)
     assert "names 'mask'" in line and "its inputs are input_ids (by keyword)" in line, line
+    assert line.endswith("e.g. --input-placement input_ids=R"), line
 
 
 def test_a_value_starting_with_a_dash_gets_the_equals_hint(capsys: pytest.CaptureFixture[str]) -> None:

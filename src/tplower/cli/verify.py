@@ -130,7 +130,7 @@ def _check_input_keys(placements: dict[int | str, str], keys: list[int | str] | 
     kind = "keyword" if all(isinstance(k, str) for k in keys) else "position"
     raise TPLowerError(f"--input-placement names {unknown[0]!r}, which is not an input of {where}; its inputs are "
                        f"{', '.join(map(str, keys))} (by {kind}): write KEY=PLACEMENT with KEY one of them, e.g. "
-                       f"--input-placement {keys[0]}=S(1)" if keys else f"--input-placement: {where} takes no inputs")
+                       f"--input-placement {keys[0]}=R" if keys else f"--input-placement: {where} takes no inputs")
 
 
 def _model_input_names(name: str, texts: list[str]) -> list[int | str]:
