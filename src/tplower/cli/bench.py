@@ -171,8 +171,11 @@ def main(args: argparse.Namespace) -> int:
             its settings.
         tplower.testing.RankFailure: a rank died or raised.
     """
+    from ..run.checks import check_writable_folder, writing
+
     cfg = _config(args)
     _check_options(args, cfg)  # before torch is imported: a misspelled option is refused at once
+    check_writable_folder("--out", args.out)  # before any rank: a folder that cannot be written costs no run
     _check_device(cfg.device)
     from ..bench.phases import run_bench, write_json
     from ..bench.plots import write_plots
@@ -188,13 +191,14 @@ def main(args: argparse.Namespace) -> int:
         return 0
     res.meta["keep_freed_memory"] = bool(args.keep_freed_memory)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     command = "tplower bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 and \
         sys.argv[1] == "bench" else "tplower bench" + (" --quick" if args.quick else "")
     text = format_markdown(res, command)
-    (out / "bench.md").write_text(text + "\n")
-    write_json(res, out / "bench.json")
-    plots = [] if args.no_plots else write_plots(res, out)
+    with writing("--out", out):  # a disk filled during the run: one line, not a traceback
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.md").write_text(text + "\n")
+        write_json(res, out / "bench.json")
+        plots = [] if args.no_plots else write_plots(res, out)
     print(text)
     print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
     return 0

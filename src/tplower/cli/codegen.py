@@ -70,15 +70,17 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         TPLowerError: bad input, a refused plan, or a file that cannot be written.
     """
-    if args.out is not None and not Path(args.out).parent.is_dir():
-        raise TPLowerError(f"-o {args.out!r}: the folder {str(Path(args.out).parent)!r} does not exist; create it "
-                           "or write elsewhere")
+    from ..run.checks import check_writable, writing
+
+    if args.out is not None:
+        check_writable("-o", args.out)
     try:
         source = emit_file(args)
-        if args.out is not None:
-            Path(args.out).write_text(source)
     except (ValueError, TypeError, OSError) as exc:  # TPLowerError, and the library's own checks
         raise TPLowerError(str(exc)) from None
+    if args.out is not None:
+        with writing("-o", args.out):
+            Path(args.out).write_text(source)
     if args.out is None:
         sys.stdout.write(source)
         return 0

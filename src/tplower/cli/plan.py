@@ -133,11 +133,14 @@ SUFFIXES: dict[str, str] = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
 
 
 def check_output(path: str | None) -> None:
-    """Check ``-o`` before anything is derived: a folder that exists, a suffix of :data:`SUFFIXES`.
+    """Check ``-o`` before anything is derived: a suffix of :data:`SUFFIXES`, in a folder that exists and is writable.
 
     Raises:
-        TPLowerError: the folder is missing or the suffix is another (the message names the allowed ones).
+        TPLowerError: the folder is missing or not writable, the path is a folder, or the suffix is another (the
+            message names the allowed ones).
     """
+    from ..run.checks import check_writable
+
     if path is None:
         return
     out = Path(path)
@@ -149,6 +152,7 @@ def check_output(path: str | None) -> None:
                            "elsewhere")
     if out.is_dir():
         raise TPLowerError(f"-o {path!r} is a folder; give a file name ending in .yaml, .yml or .json")
+    check_writable("-o", path)
 
 
 def check_ranks(model: Any, plan: Any, nproc: int, axis: str = "tp") -> None:

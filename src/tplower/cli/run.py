@@ -152,9 +152,9 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
 
     Raises:
         TPLowerError: a count below 1 (named by its option), a ``--kill-rank`` the run does not have, a ``--json``
-            or ``--codegen`` file that cannot be written, a ``--codegen`` file that does not parse or was emitted
-            for another mesh, a missing ``--plan`` file, an unreadable ``--input``, a ``--tp`` the heads refuse,
-            ``--backend nccl`` without a GPU per rank.
+            or ``--codegen`` file or a ``--checkpoint`` folder that cannot be written, a ``--codegen`` file that
+            does not parse or was emitted for another mesh, a missing ``--plan`` file, an unreadable ``--input``, a
+            ``--tp`` the heads refuse, ``--backend nccl`` without a GPU per rank.
     """
     from ..run.checks import (
         RunError,
@@ -188,6 +188,10 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
     check_kill_rank(args.kill_rank, world)
     if args.json:
         check_writable("--json", args.json)
+    if args.checkpoint:
+        from ..run.checks import check_writable_folder
+
+        check_writable_folder("--checkpoint", args.checkpoint)
     codegen = _codegen_path(args.codegen, args.model, tp)
     _check_codegen(codegen, args.model, args.dp, tp, args.plan)
     plan_value(args.plan)
@@ -245,6 +249,7 @@ def main(args: argparse.Namespace) -> int:
     """
     checked = _check_arguments(args)  # before torch: a wrong number is refused in a fraction of a second
     from ..run import check_config, format_report, run, torchrun_env, verdict, write_json
+    from ..run.checks import writing
 
     cfg = _config(args, checked)
     spawn = torchrun_env() is None
@@ -258,6 +263,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(format_report(report, cfg))
     if args.json:
-        write_json(args.json, report, cfg)
+        with writing("--json", args.json):  # a disk filled during the run: one line, not a traceback
+            write_json(args.json, report, cfg)
         print(f"report written to {args.json}")
     return 0 if verdict(report, cfg.tolerance) else 1

@@ -1,4 +1,4 @@
-"""The checks of a run that need no torch: sizes, numbers, the debug rank, the files a run writes.
+"""The checks of a run that need no torch: sizes, numbers, the debug rank, the files a command writes.
 
 ``tplower run`` makes them before it imports torch (a wrong number is
 refused in a fraction of a second, not after the seconds torch takes to
@@ -10,8 +10,11 @@ imports torch, and only for ``nccl``.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..core.errors import TPLowerError
@@ -24,8 +27,10 @@ __all__ = [
     "check_numbers",
     "check_source_file",
     "check_writable",
+    "check_writable_folder",
     "local_process_limit",
     "torchrun_env",
+    "writing",
 ]
 
 #: the fewest local processes a command may spawn whatever the CPU count (2 ranks per core on a small machine)
@@ -143,20 +148,88 @@ def check_backend(backend: str, world: int) -> None:
         )
 
 
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in ``folder`` (a probe file is made and removed at once).
+
+    ``os.access`` alone is not enough: it says yes to root in ``/proc`` and on a read-only mount.
+    """
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".tplower-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return True
+
+
 def check_writable(option: str, path: str) -> None:
-    """``path`` is a file the run can create or overwrite: not a folder, in a folder that exists and is writable.
+    """``path`` is a file the command can create or overwrite: not a folder, in a folder that exists and is writable.
+
+    Made before a command imports torch or starts a rank, so a path that cannot be written costs a fraction of a
+    second, not a whole run.
 
     Raises:
-        RunError: the path is a folder, its folder is missing or not writable, or the file is read-only.
+        RunError: the path is a folder, its folder is missing or is a file, the folder is not writable (no
+            permission, a read-only mount, ``/proc``) or the file is read-only; the message names ``option``.
     """
     out = Path(path)
     folder = out.parent
     if out.is_dir():
         raise RunError(f"{option} {path!r} is a folder; give a file name in it, e.g. {str(out / 'out')!r}")
+    if folder.exists() and not folder.is_dir():
+        raise RunError(f"{option} {path!r}: {str(folder)!r} is a file, not a folder; write elsewhere")
     if not folder.is_dir():
         raise RunError(f"{option} {path!r}: the folder {str(folder)!r} does not exist; create it or write elsewhere")
-    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise RunError(f"{option} {path!r} cannot be written here (no write permission); write elsewhere")
+    if out.exists():
+        try:
+            with open(out, "a"):  # opened to append, nothing written: the file is unchanged
+                pass
+        except OSError:
+            raise RunError(f"{option} {path!r} is read-only here (no write permission); make it writable or "
+                           "write elsewhere") from None
+    elif not os.access(folder, os.W_OK | os.X_OK) or not _can_create_in(folder):
+        raise RunError(f"{option} {path!r} cannot be written: the folder {str(folder)!r} takes no new files (no "
+                       "write permission or a read-only file system); write elsewhere")
+
+
+def check_writable_folder(option: str, path: str) -> None:
+    """``path`` is a folder the command can write files into, created (with its parents) if missing.
+
+    Raises:
+        RunError: the path is a file, the nearest existing folder above it is a file, or the folder (or, when it is
+            missing, that nearest existing folder) takes no new files; the message names ``option``.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"{option} {path!r} is a file, not a folder; give a folder (it is created if missing), "
+                       f"e.g. {str(out.parent / (out.stem + '-out'))!r}")
+    nearest = out
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise RunError(f"{option} {path!r}: {str(nearest)!r} is a file, so the folder cannot be created there; "
+                       "give a folder elsewhere")
+    if not os.access(nearest, os.W_OK | os.X_OK) or not _can_create_in(nearest):
+        where = "it" if nearest == out else f"the folder {str(nearest)!r} (it would be created there)"
+        raise RunError(f"{option} {path!r} cannot be written: {where} takes no new files (no write permission or "
+                       "a read-only file system); give a folder elsewhere")
+
+
+@contextlib.contextmanager
+def writing(option: str, path: object) -> Iterator[None]:
+    """Turn an ``OSError`` of the writes in the ``with`` block (a full disk, permissions changed) into one line.
+
+    Raises:
+        RunError: the block raised ``OSError``; the message names ``option``, ``path`` and the system's reason.
+    """
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise RunError(f"{option} {str(path)!r} could not be written: {reason}"
+                       + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else "")
+                       + "; free space or write elsewhere") from None
 
 
 def check_source_file(option: str, path: str) -> None:

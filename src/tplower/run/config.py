@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core.errors import TPLowerError
 from ..plans import entries as plans
-from .checks import RunError, check_backend, check_kill_rank, check_numbers, torchrun_env
+from .checks import RunError, check_backend, check_kill_rank, check_numbers, check_writable_folder, torchrun_env
 from .models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton
 
 __all__ = ["DTENSOR_STYLES", "RunConfig", "RunError", "check_config", "load_plan", "texts_from", "torchrun_env"]
@@ -102,7 +102,8 @@ def check_config(cfg: RunConfig) -> None:
             naming no module, too few sentences, a bad number (``--steps``
             below 1, a ``--lr`` or ``--timeout`` not above 0, a negative or
             non-finite ``--tolerance``), a ``kill_rank`` the run does not have,
-            or ``nccl`` without a GPU per rank (when spawning).
+            or ``nccl`` without a GPU per rank (when spawning), a ``checkpoint``
+            folder that cannot be written.
     """
     try:
         model_spec(cfg.model)
@@ -111,6 +112,8 @@ def check_config(cfg: RunConfig) -> None:
     check_numbers(steps=cfg.steps, batch_size=cfg.batch_size, repeat=cfg.repeat, tp=cfg.tp, dp=cfg.dp, lr=cfg.lr,
                   tolerance=cfg.tolerance, timeout=cfg.timeout)
     check_kill_rank(cfg.kill_rank, cfg.world)
+    if cfg.checkpoint:
+        check_writable_folder("--checkpoint", cfg.checkpoint)
     if torchrun_env() is None:  # under torchrun the launcher's environment picks the backend
         check_backend(cfg.backend, cfg.world)
     if cfg.compile is not None:
