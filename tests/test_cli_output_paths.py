@@ -155,6 +155,17 @@ def test_a_missing_folder_for_a_file_is_refused(
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize(("argv", "option", "kind"), [p for p in OPTIONS if p.values[2] == "file"])
+def test_a_file_name_with_a_trailing_slash_is_refused(
+    argv: list[str], option: str, kind: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Path("plans.yaml/") is Path("plans.yaml"): the slash would be dropped and a file written under the name
+    path = str(tmp_path / _name(option, kind)) + "/"
+    line = _refusal([*argv, path], capsys)
+    assert f"{option} {path!r} ends with '/', which names a folder" in line and path[:-1] in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_missing_folder_for_a_folder_is_accepted_and_not_yet_made(tmp_path: Path) -> None:
     check_writable_folder("--out", str(tmp_path / "a" / "b"))
     check_writable_folder("--out", str(tmp_path))

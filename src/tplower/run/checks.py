@@ -175,6 +175,9 @@ def check_writable(option: str, path: str) -> None:
     """
     out = Path(path)
     folder = out.parent
+    if path.endswith(("/", os.sep)) and not out.is_dir():  # Path() drops the slash: "p.yaml/" would write "p.yaml"
+        raise RunError(f"{option} {path!r} ends with '/', which names a folder; give a file name, e.g. "
+                       f"{str(out)!r}")
     if out.is_dir():
         raise RunError(f"{option} {path!r} is a folder; give a file name in it, e.g. {str(out / 'out')!r}")
     if folder.exists() and not folder.is_dir():
