@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +193,11 @@ def _check_arguments(args: argparse.Namespace) -> _Checked:
         from ..run.checks import check_writable_folder
 
         check_writable_folder("--checkpoint", args.checkpoint)
+    if args.codegen:  # as given: resolving drops a trailing '/'
+        from ..run.checks import check_writable
+
+        if args.codegen.endswith(("/", os.sep)):
+            check_writable("--codegen", args.codegen)
     codegen = _codegen_path(args.codegen, args.model, tp)
     _check_codegen(codegen, args.model, args.dp, tp, args.plan)
     plan_value(args.plan)
