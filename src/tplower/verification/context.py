@@ -57,6 +57,14 @@ class _WorldComparer(Comparer):
         return float(t[0])
 
 
+def _gather_last(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``t``'s pieces along its last dim from every rank of the 1-D ``mesh``, in rank order (equal pieces: whole
+    heads per rank, as :func:`tplower.parallelize` checks)."""
+    pieces = [torch.empty_like(t) for _ in range(mesh.size())]
+    dist.all_gather(pieces, t.contiguous(), group=mesh.get_group())
+    return torch.cat(pieces, dim=-1)
+
+
 def _hook(model: nn.Module, paths: tuple[str, ...], into: dict[str, dict[str, torch.Tensor]]) -> None:
     """Record each attention module's output tensor (its first element) and the gradient arriving at it."""
     modules = dict(model.named_modules())
@@ -157,12 +165,25 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
                     want_loss.detach(), 0)]
     rows = []
     where = f"S(1) over {context!r}"
+    split = axis if axis is not None and axis in (mesh.mesh_dim_names or ()) else None
+
+    def attention_whole(t: torch.Tensor | None, want: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
+        """Made whole over ``context``, and over ``axis`` where the module's output keeps this rank's heads (an
+        attention whose output projection is a module of its own, BERT's ``self``: the last dim split by tp)."""
+        if t is None:
+            return None, where
+        t = whole(t)
+        if split is None or want is None or t.shape[-1] == want.shape[-1]:
+            return t, where
+        return _gather_last(t, mesh[split]), f"{where}, S(-1) over {split!r}"
+
     for i, path in enumerate(installed.modules, start=1):
         r, p = ref_rec.get(path, {}), par_rec.get(path, {})
-        fwd = check("forward", path, "attention output (this rank's tokens, gathered)", where,
-                    whole(p["out"]) if "out" in p else None, r.get("out"), i)
-        bwd = check("backward", path, "gradient at the attention output", where,
-                    whole(p["grad"]) if "grad" in p else None, r.get("grad"), i)
+        out, out_where = attention_whole(p.get("out"), r.get("out"))
+        grad, grad_where = attention_whole(p.get("grad"), r.get("grad"))
+        fwd = check("forward", path, "attention output (this rank's tokens, gathered)", out_where, out, r.get("out"),
+                    i)
+        bwd = check("backward", path, "gradient at the attention output", grad_where, grad, r.get("grad"), i)
         checks += [fwd, bwd]
         rows.append(BoundaryVerdict(path, f"context {context_mode}", fwd.max_diff, bwd.max_diff, fwd.ok and bwd.ok))
     first, first_want = _first_tensor(got).detach(), _first_tensor(want).detach()
