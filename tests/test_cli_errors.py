@@ -67,6 +67,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out["x"] = str(d / "x.pt")
     torch.save(torch.randn(4, D), out["x"])
     out["dir"] = str(d)
+    out["broken_md"] = str(d / "notes_plan.md")
+    Path(out["broken_md"]).write_text("up: colwise\n down: [\n")
     out["text"] = str(d / "notes.md")
     Path(out["text"]).write_text("# a text file, not torch.save's\n")
     return out
@@ -134,6 +136,12 @@ REFUSALS = [
                  ["-o", "'/nonexistent-dir' does not exist"], None, id="plan-output-folder"),
     pytest.param(["plan", "--model", "gpt2", "-o", "{dir}/plan.txt"], ["'.txt'", ".yaml", ".json"], None,
                  id="plan-output-suffix"),
+    pytest.param(["explain", "S(0)", "R", "extra"], ["unrecognized arguments: extra", "tplower explain --help"], None,
+                 id="explain-extra-argument"),
+    pytest.param(["codegen", "--model", "all-minilm-l6-v2", "-o", "{dir}/gen.txt"],
+                 ["codegen writes Python", "ending in .py", "gen.py"], None, id="codegen-output-suffix"),
+    pytest.param(["explain", "--plan", "{broken_md}"], ["notes_plan.md' is not valid YAML"], "yaml",
+                 id="explain-plan-md-is-yaml"),
     pytest.param(["plan", "--model", "gpt2", "--axis", ""], ["argument --axis: '' is not a mesh axis name", "e.g. tp"],
                  None, id="plan-axis-empty"),
     pytest.param(["plan", "--model", "gpt2", "--axis", "t p"], ["'t p' is not a mesh axis name"], None,

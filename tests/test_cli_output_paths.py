@@ -90,8 +90,10 @@ def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
-def _name(option: str, kind: str) -> str:
-    return "out" if kind == "folder" else "out" + SUFFIX.get(option, ".py")
+def _name(option: str, kind: str, command: str) -> str:
+    if kind == "folder":
+        return "out"
+    return "out.py" if command == "codegen" else "out" + SUFFIX.get(option, ".py")  # codegen -o writes Python
 
 
 @pytest.mark.skipif(IS_ROOT, reason="root writes into a folder of mode 0o500")
@@ -99,7 +101,7 @@ def _name(option: str, kind: str) -> str:
 def test_a_folder_without_write_permission_is_refused(
     argv: list[str], option: str, kind: str, locked: Path, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = str(locked / _name(option, kind))
+    path = str(locked / _name(option, kind, argv[0]))
     line = _refusal([*argv, path], capsys)
     assert f"{option} {path!r} cannot be written" in line and "elsewhere" in line, line
     assert os.listdir(locked) == []  # the probe left nothing behind
@@ -110,7 +112,7 @@ def test_a_folder_without_write_permission_is_refused(
 def test_a_path_in_proc_is_refused(
     argv: list[str], option: str, kind: str, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = "/proc/" + _name(option, kind)
+    path = "/proc/" + _name(option, kind, argv[0])
     line = _refusal([*argv, path], capsys)
     assert f"{option} {path!r} cannot be written" in line and "'/proc'" in line and "elsewhere" in line, line
 
@@ -149,7 +151,7 @@ def test_a_file_given_for_a_folder_is_refused(
 def test_a_missing_folder_for_a_file_is_refused(
     argv: list[str], option: str, kind: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = str(tmp_path / "missing" / _name(option, kind))
+    path = str(tmp_path / "missing" / _name(option, kind, argv[0]))
     line = _refusal([*argv, path], capsys)
     assert f"the folder {str(tmp_path / 'missing')!r} does not exist" in line and option in line, line
     assert not (tmp_path / "missing").exists()
@@ -160,7 +162,7 @@ def test_a_file_name_with_a_trailing_slash_is_refused(
     argv: list[str], option: str, kind: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Path("plans.yaml/") is Path("plans.yaml"): the slash would be dropped and a file written under the name
-    path = str(tmp_path / _name(option, kind)) + "/"
+    path = str(tmp_path / _name(option, kind, argv[0])) + "/"
     line = _refusal([*argv, path], capsys)
     assert f"{option} {path!r} ends with '/', which names a folder" in line and path[:-1] in line, line
     assert list(tmp_path.iterdir()) == []

@@ -128,7 +128,10 @@ def test_plan_with_a_wrong_module_name(tmp_path: Path) -> None:
 def test_tp_that_does_not_divide_the_heads() -> None:
     p = _tplower("run", "--nproc", "5", "--no-progress")
     assert p.returncode == 2
-    assert "--nproc 5 does not divide num_attention_heads=12" in p.stderr and "[1, 2, 3, 4, 6, 12]" in p.stderr
+    # the divisors of 12 this machine can spawn: 2 processes a core, at least 8
+    limit = max(8, 2 * (os.cpu_count() or 1))
+    allowed = str([d for d in (1, 2, 3, 4, 6, 12) if d <= limit])
+    assert "--nproc 5 does not divide num_attention_heads=12" in p.stderr and allowed in p.stderr, p.stderr
 
 
 @pytest.mark.slow  # test_reliability ends dying ranks of the same harness

@@ -13,6 +13,7 @@ on every rank and for every run with the same model, plan and mesh::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,10 @@ def main(args: argparse.Namespace) -> int:
     from ..run.checks import check_writable, writing
 
     if args.out is not None:
-        check_writable("-o", args.out)
+        if not args.out.endswith(("/", os.sep)) and Path(args.out).suffix != ".py" and not Path(args.out).is_dir():
+            raise TPLowerError(f"-o {args.out!r}: codegen writes Python; give a file name ending in .py, e.g. "
+                               f"{str(Path(args.out).with_suffix('.py'))!r}")
+        check_writable("-o", args.out, ".py")
     try:
         source = emit_file(args)
     except (ValueError, TypeError, OSError) as exc:  # TPLowerError, and the library's own checks

@@ -52,6 +52,11 @@ class Parser(argparse.ArgumentParser):
 
     _words: list[str] | None = None  # the words being parsed, for the hint of :meth:`error`
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: the subcommands' parsers by name (filled by the caller that adds them): each names its own errors
+        self.subcommands: dict[str, argparse.ArgumentParser] = {}
+
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(p)
+        parser.subcommands[name] = p
     return parser
 
 
@@ -86,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = _with_command(list(sys.argv[1:] if argv is None else argv))
     if isinstance(args_list, str):
         return fail("", args_list)
-    args = build_parser().parse_args(args_list)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(args_list)
+    if extra:  # named by the subcommand, as its other errors are
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     for noisy in ("torch.distributed.tensor", "torch.distributed.tensor._redistribute"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -301,8 +301,8 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
                 yaml: Any = importlib.import_module("yaml")
                 data = yaml.safe_load(text)
         except Exception as exc:  # json.JSONDecodeError / yaml.YAMLError: say which file
-            raise TPLowerError(f"plan file {str(path)!r} is not valid {path.suffix.lstrip('.') or 'YAML'}: "
-                               f"{exc}") from None
+            kind = "JSON" if path.suffix.lower() == ".json" else "YAML"  # any other suffix is read as YAML
+            raise TPLowerError(f"plan file {str(path)!r} is not valid {kind}: {exc}") from None
         if not isinstance(data, Mapping):
             raise TPLowerError(f"plan file {str(path)!r}: the top level must map module names to entries")
         source = data

@@ -163,11 +163,13 @@ def _can_create_in(folder: Path) -> bool:
     return True
 
 
-def check_writable(option: str, path: str) -> None:
+def check_writable(option: str, path: str, suffix: str = "") -> None:
     """``path`` is a file the command can create or overwrite: not a folder, in a folder that exists and is writable.
 
     Made before a command imports torch or starts a rank, so a path that cannot be written costs a fraction of a
     second, not a whole run.
+
+    ``suffix``: the file kind the command writes (``".py"``), used in the example name of the message.
 
     Raises:
         RunError: the path is a folder, its folder is missing or is a file, the folder is not writable (no
@@ -179,7 +181,7 @@ def check_writable(option: str, path: str) -> None:
         raise RunError(f"{option} {path!r} ends with '/', which names a folder; give a file name, e.g. "
                        f"{str(out)!r}")
     if out.is_dir():
-        raise RunError(f"{option} {path!r} is a folder; give a file name in it, e.g. {str(out / 'out')!r}")
+        raise RunError(f"{option} {path!r} is a folder; give a file name in it, e.g. {str(out / ('out' + suffix))!r}")
     if folder.exists() and not folder.is_dir():
         raise RunError(f"{option} {path!r}: {str(folder)!r} is a file, not a folder; write elsewhere")
     if not folder.is_dir():

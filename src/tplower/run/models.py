@@ -295,6 +295,10 @@ def check_tp(name: str, tp: int, option: str = "--tp") -> None:
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         ok = [d for d in range(1, max(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
+        if option.startswith("--nproc"):  # local processes: no more than this machine takes
+            from .checks import local_process_limit
+
+            ok = [d for d in ok if d <= local_process_limit()]
         what = ", ".join(f"{k}={v}" for k, v in bad.items())
         sep = "" if option.endswith("=") else " "
         raise TPLowerError(f"{option}{sep}{tp} does not divide {what} of {name}: each rank must own whole heads; "
