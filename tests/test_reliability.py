@@ -245,8 +245,10 @@ def test_ranks_end_when_their_parent_is_killed(tmp_path, method):
     # SIGKILL runs no cleanup in the parent: each rank watches for it and ends by itself, not at the group's timeout
     script = tmp_path / "orphans.py"
     script.write_text(_ORPHAN_SCRIPT)
+    private = tmp_path / "tmp"  # the run's temporary folder lands here, apart from other processes' folders
+    private.mkdir()
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path), method],
-                              env=os.environ | {"OMP_NUM_THREADS": "1"})
+                              env=os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(private)})
     pids: list[int] = []
     try:
         deadline = time.time() + 120
@@ -260,6 +262,7 @@ def test_ranks_end_when_their_parent_is_killed(tmp_path, method):
         while any(_alive(p) for p in pids) and time.time() < deadline:
             time.sleep(0.2)
         assert not any(_alive(p) for p in pids), "ranks outlived their killed parent"
+        assert not list(private.glob("tplower-*")), "the run's temporary folder was left"
     finally:
         parent.kill()
         for p in pids:

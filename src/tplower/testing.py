@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import threading
@@ -73,11 +74,11 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _exit_with(caller: int, every: float = 1.0) -> None:
+def _exit_with(caller: int, folder: str, every: float = 1.0) -> None:
     """End this rank soon after the process that started the run (``caller``) is gone, killed with SIGKILL, which
     runs no cleanup: a rank left behind would wait in a collective until its process group's timeout, holding a
     core. Spawned ranks are the caller's children (re-parented when it dies); a fork server's outlive it, so the
-    caller's pid is watched too."""
+    caller's pid is watched too. The run's temporary ``folder`` (the caller's, left by its death) goes first."""
     parent = os.getppid()
 
     def gone() -> bool:
@@ -94,6 +95,7 @@ def _exit_with(caller: int, every: float = 1.0) -> None:
     def watch() -> None:
         while not gone():
             time.sleep(every)
+        shutil.rmtree(folder, ignore_errors=True)  # every rank tries; whichever comes first removes it
         os._exit(1)
 
     threading.Thread(target=watch, name="tplower-parent-watch", daemon=True).start()
@@ -106,7 +108,7 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
         os.environ.clear()
         os.environ.update(env)
     if caller is not None:
-        _exit_with(caller)
+        _exit_with(caller, os.path.dirname(init_file))
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, "a model tplower run knows (built without weights)")
     parser.add_argument("--mesh", default="tp=2", help="mesh axes, e.g. tp=4 or dp=2,tp=2 (default tp=2)")
     parser.add_argument("--axis", default="tp", help="the tensor-parallel mesh axis HF styles shard on (default tp)")
-    parser.add_argument("-o", "--out", metavar="FILE.py", help="where to write the file (default: standard output)")
+    parser.add_argument("-o", "--out", "--output", dest="out", metavar="FILE.py",
+                        help="where to write the file (default: standard output)")
 
 
 def _model_and_plan(args: argparse.Namespace, tp: int) -> tuple[nn.Module, Any]:

@@ -221,10 +221,11 @@ def run_interruptible(command: str, main: Callable[[argparse.Namespace], int], a
         with signals_raise():
             return run_command(command, main, args)
     except Terminated:
-        print(f"tplower {command}: terminated (SIGTERM); its processes were ended", file=sys.stderr, flush=True)
+        print(f"tplower {command}: terminated (SIGTERM); any processes it started were ended", file=sys.stderr,
+              flush=True)
         return TERMINATED
     except KeyboardInterrupt:
-        print(f"tplower {command}: interrupted; its processes were ended", file=sys.stderr, flush=True)
+        print(f"tplower {command}: interrupted; any processes it started were ended", file=sys.stderr, flush=True)
         return INTERRUPTED
     except BrokenPipeError:  # the reader of standard output left (``tplower explain ... | head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere

@@ -42,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="check the derived plan against one process first (a tiny random input of the model's "
                              "kind, every gradient); refuse it (exit 1, nothing written) when it does not match")
-    parser.add_argument("--nproc", type=positive_int, default=2, help="with --verify: local gloo ranks (default 2)")
-    parser.add_argument("--timeout", type=positive_float, default=600.0,
-                        help="with --verify: seconds for the whole run")
+    parser.add_argument("--nproc", type=positive_int, default=None,
+                        help="with --verify: local gloo ranks (default 2)")
+    parser.add_argument("--timeout", type=positive_float, default=None,
+                        help="with --verify: seconds for the whole run (default 600)")
 
 
 def skeleton_for(name: str) -> Any:
@@ -181,6 +182,12 @@ def main(args: argparse.Namespace) -> int:
             (checked before any rank starts).
         tplower.testing.RankFailure: a rank of ``--verify`` died or raised.
     """
+    unread = [opt for opt, value in (("--nproc", args.nproc), ("--timeout", args.timeout)) if value is not None]
+    if unread and not args.verify:
+        raise TPLowerError(f"{' and '.join(unread)} {'are' if len(unread) > 1 else 'is'} read with --verify only; "
+                           f"add --verify, or drop {'them' if len(unread) > 1 else 'it'}")
+    args.nproc = 2 if args.nproc is None else args.nproc
+    args.timeout = 600.0 if args.timeout is None else args.timeout
     if args.verify:  # before torch is imported: a count this machine cannot spawn is refused at once
         from ..run.checks import check_local_world
 
