@@ -46,7 +46,9 @@ def _rank_body(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]
         prog = mesh_lowerer(mesh).program(case.src, case.dst, _local_shape(case, rank, world), "cpu",
                                           grad=case.grad, global_shape=case.global_shape)
         plan = prog.plan
-        rows.append({"case": case.id, "status": result.status, "ok": result.ok, "lowered": result.lowered,
+        label = f"{case.src}->{case.dst}" + (f" g={case.grad}" if case.grad else "")  # world, shape: in the title
+        rows.append({"case": case.id, "transition": label, "status": result.status, "ok": result.ok,
+                     "lowered": result.lowered,
                      "forward": "; ".join(s.op_str() for s in plan.forward) if plan else "dtensor",
                      "backward": "; ".join(s.op_str() for s in plan.backward) if plan else "dtensor",
                      "grad": ",".join(map(str, parse_placements(case.grad or "R", ("tp",), tensor_ndim=nd)))})
@@ -106,7 +108,7 @@ def demo_table(rows: list[dict[str, Any]], oks: list[bool]) -> list[str]:
     ``case``, ``forward``, ``backward``, ``status``), its verdict failed where ``oks[i]`` (every rank) is false.
     Each column is as wide as its longest cell, so a long op such as ``reduce_scatter(dim=0, op=sum)`` keeps the
     next column aligned."""
-    cells = [(r["case"], r["forward"] or "identity", r["backward"] or "identity",
+    cells = [(r.get("transition", r["case"]), r["forward"] or "identity", r["backward"] or "identity",
               r["status"] if ok else f"FAIL ({r['status']})") for r, ok in zip(rows, oks, strict=True)]
     head = ("transition", "forward", "backward", "vs DTensor")
     widths = [max(len(c[j]) for c in (head, *cells)) for j in range(3)]

@@ -150,8 +150,8 @@ def context_to_table(info: dict[str, Any]) -> str:
         rows = [(r["what"], r["collective"], "one a parameter" if r["count"] < 0 else str(r["count"]),
                  format_bytes(r["bytes_per_rank"])) for r in part["rows"]]
         widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.append(f"total per rank, forward and backward: {format_bytes(part['step_bytes_per_rank'])}")
     u, a = info["ulysses"]["step_bytes_per_rank"], info["allgather"]["step_bytes_per_rank"]
     if u is None:  # allgather splits no heads: it always runs

@@ -75,8 +75,8 @@ def plan_to_table(info: dict[str, Any]) -> str:
     lines = [f"{info['src']} -> {info['dst']} (grad {info['grad']} -> {info['grad_to']}), global "
              f"{tuple(info['global_shape'])} {info['dtype']}, local {tuple(info['local_in_shape'])} -> "
              f"{tuple(info['local_out_shape'])}"]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(f"total bytes sent per rank: forward {format_bytes(info['forward_bytes_per_rank'])}, "
                  f"backward {format_bytes(info['backward_bytes_per_rank'])}")
     return "\n".join(lines)
@@ -193,8 +193,8 @@ def moe_to_table(info: dict[str, Any]) -> str:
         rows = [(r["direction"], r["what"], r["collective"], str(tuple(r["shape"])), format_bytes(r["bytes_per_rank"]))
                 for r in part["rows"]] or [("both", "-", "none", "-", "0 B")]
         widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         extra = (f" (every slot to another rank: {format_bytes(part['worst_step_bytes_per_rank'])})"
                  if kind == "ep" else "")
         lines.append(f"total per rank: forward {format_bytes(part['forward_bytes_per_rank'])}, backward "
