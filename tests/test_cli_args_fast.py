@@ -199,6 +199,9 @@ BEFORE_TORCH = [
     (["run", "--tp", "3", "--dp", "1", "--nproc", "2"], "--tp 3 x --dp 1 = 3 ranks, but the run has 2"),
     (["run", "--nproc", "100000"], "--nproc 100000 would spawn"),
     (["run", "--nproc", "5"], "--nproc 5 does not divide num_attention_heads=12"),
+    (["explain", "--plan", "no-such-plan.yaml"], "--plan 'no-such-plan.yaml': no such file"),
+    (["codegen", "--model", "all-minilm-l6-v2", "--plan", "no-such-plan.json"], "--plan 'no-such-plan.json': no such"),
+    (["plan", "--model", "bert", "-o", "plan.txt"], "the suffix '.txt' says no plan format"),
 ]
 
 

@@ -74,6 +74,7 @@ def main(args: argparse.Namespace) -> int:
     """
     from ..run.checks import check_writable, writing
 
+    plan_value(args.plan)  # before torch is imported: a --plan file that is not there
     if args.out is not None:
         if not args.out.endswith(("/", os.sep)) and Path(args.out).suffix != ".py" and not Path(args.out).is_dir():
             raise TPLowerError(f"-o {args.out!r}: codegen writes Python; give a file name ending in .py, e.g. "

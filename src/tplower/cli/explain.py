@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TPLowerError
 from ..core.words import count
-from .errors import plan_keyword
 
 if TYPE_CHECKING:
     import torch
@@ -248,9 +247,11 @@ def _modes(args: argparse.Namespace) -> list[str]:
 
 
 def _explain_plan(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    from .target import plan_value
+
+    plan: Any = plan_value(args.plan)  # before torch is imported: a --plan file that is not there
     from ..plans.forms import explain_plan_lines
 
-    plan: Any = plan_keyword(args.plan)
     if "tp" not in names:  # a plan's styles shard over the axis named tp; without one every boundary is identity
         raise TPLowerError(f"--plan shards over the mesh axis named tp, and --mesh {args.mesh} has none (axes: "
                            f"{', '.join(names)}), so the plan would do nothing; add a tp axis, e.g. --mesh "

@@ -192,9 +192,9 @@ def main(args: argparse.Namespace) -> int:
         from ..run.checks import check_local_world
 
         check_local_world("--nproc", args.nproc)
+    check_output(args.output)  # before torch is imported
     from ..plans.derive import derive_plan
 
-    check_output(args.output)
     model = skeleton_for(args.model)
     derived = derive_plan(model, embeddings=args.embeddings, axis=args.axis)
     if args.verify:
