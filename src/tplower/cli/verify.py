@@ -119,6 +119,34 @@ def _input_keys(inputs: Any) -> list[int | str] | None:
     return list(range(len(inputs))) if isinstance(inputs, tuple | list) else [0]
 
 
+def _check_input_dims(placements: dict[int | str, str], inputs: Any) -> None:
+    """Each ``S(d)`` of ``--input-placement`` splits a dim its input has (``inputs`` read here; ``None`` checks
+    nothing): torch.chunk's dims, ``-ndim .. ndim - 1``.
+
+    Raises:
+        TPLowerError: a dim past the input's, naming the input and its shape.
+    """
+    import re
+
+    from ..core.placement_text import SHARD_RE
+
+    if inputs is None or callable(inputs):
+        return
+    for key, text in placements.items():
+        found = re.fullmatch(SHARD_RE, text.strip())
+        try:
+            value = inputs[key] if isinstance(inputs, dict | list | tuple) else inputs if key == 0 else None
+        except (KeyError, IndexError):
+            continue
+        ndim = getattr(value, "ndim", None)
+        if found is None or ndim is None:
+            continue
+        dim = int(found.group(1))
+        if not -ndim <= dim < ndim:
+            raise TPLowerError(f"--input-placement {key}={text}: dim {dim} is out of range for input {key!r} of "
+                               f"shape {tuple(value.shape)} ({ndim} dims); use S(d) with d in {-ndim}..{ndim - 1}")
+
+
 def _check_input_keys(placements: dict[int | str, str], keys: list[int | str] | None, where: str) -> None:
     """Each key of ``--input-placement`` names one of ``keys`` (the inputs of ``where``); ``None`` checks nothing.
 
@@ -301,6 +329,14 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     inputs = _module_inputs(args, mod)
     _check_input_keys(placements, _input_keys(inputs if inputs is not None else getattr(mod, "example_inputs", None)),
                       f"--module {args.module}")
+    if placements:  # the shapes the placements split, here, before any rank (a function is called for them)
+        given = inputs if inputs is not None else getattr(mod, "example_inputs", None)
+        if callable(given):
+            try:
+                given = given()
+            except Exception:  # the ranks call it too and report what it raises
+                given = None
+        _check_input_dims(placements, given)
     check_plan(build_module(args.module, meta=True), plan, *mesh, experts=args.experts, command="verify", **context)
     return {"model": None, "module": args.module, "texts": None, "inputs": inputs, **_common(args, plan, placements)}
 
