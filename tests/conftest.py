@@ -63,3 +63,17 @@ def pytest_terminal_summary(terminalreporter):  # type: ignore[no-untyped-def]
         detail = ", ".join(f"{k}={v}" for k, v in counts.items() if k != "cases")
         terminalreporter.write_line(f"{label}: {counts['cases']} cases ({detail})")
     terminalreporter.write_line(f"total: {total} cases checked forward and backward on every rank")
+
+
+@pytest.fixture
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a rank fails the test: every refusal in a test that takes this must come before."""
+
+    def spawned(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a rank was started before the bad option was refused")
+
+    import tplower.run.launch
+    import tplower.testing
+
+    monkeypatch.setattr(tplower.testing, "run_processes", spawned)
+    monkeypatch.setattr(tplower.run.launch, "run_processes", spawned)

@@ -51,7 +51,7 @@ SUFFIX = {"--json": ".json", "--codegen": ".py", "-o": ".yaml"}
 
 
 @pytest.fixture
-def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_work(no_spawn: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Starting a rank, the bench, emitting or deriving fails the test: each refusal here must come before."""
 
     def worked(*args: object, **kwargs: object) -> None:
@@ -60,11 +60,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     import tplower.bench.phases
     import tplower.cli.codegen
     import tplower.cli.plan
-    import tplower.run.launch
-    import tplower.testing
 
-    monkeypatch.setattr(tplower.testing, "run_processes", worked)
-    monkeypatch.setattr(tplower.run.launch, "run_processes", worked)
     monkeypatch.setattr(tplower.bench.phases, "run_bench", worked)
     monkeypatch.setattr(tplower.cli.codegen, "emit_file", worked)
     monkeypatch.setattr(tplower.cli.plan, "skeleton_for", worked)

@@ -26,19 +26,6 @@ ROOT = Path(__file__).parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture
-def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Starting a rank fails the test: every refusal here must come before."""
-
-    def spawned(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a rank was started before the bad option was refused")
-
-    import tplower.run.launch
-    import tplower.testing
-
-    monkeypatch.setattr(tplower.testing, "run_processes", spawned)
-    monkeypatch.setattr(tplower.run.launch, "run_processes", spawned)
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
