@@ -9,17 +9,9 @@ no torch come before torch is imported; an option value that starts with ``-`` g
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-from tplower.cli import main
-
-ROOT = Path(__file__).parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-
+from cli_refusals import one_line, refused_before_torch
 
 
 @pytest.fixture
@@ -28,18 +20,6 @@ def sixteen_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # not under torchrun: the counts are spawned here
         monkeypatch.delenv(key, raising=False)
-
-
-def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (rc, err)
-    assert lines[0].startswith(f"tplower {argv[0]}: error: "), err
-    return lines[0]
 
 
 # (argv, words the one line must hold) on a machine of 16 cores: at most 32 local processes
@@ -69,7 +49,7 @@ TOO_MANY = [
 def test_a_count_above_the_machine_is_refused(
     argv: list[str], words: list[str], no_spawn: None, sixteen_cores: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _one_line(argv, capsys)
+    line = one_line(argv, capsys)
     assert all(w in line for w in words), line
 
 
@@ -77,7 +57,7 @@ def test_the_bound_is_at_least_8_on_a_small_machine(
     monkeypatch: pytest.MonkeyPatch, no_spawn: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # 2 per core would be 2: the floor of 8 holds
-    line = _one_line(["demo", "--nproc", "9"], capsys)
+    line = one_line(["demo", "--nproc", "9"], capsys)
     assert "--nproc 9" in line and "1..8" in line, line
 
 
@@ -88,36 +68,36 @@ MINILM_DIVISORS = "[1, 2, 3, 4, 6, 12]"
 def test_run_names_nproc_when_tp_was_not_given(
     no_spawn: None, sixteen_cores: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _one_line(["run", "--nproc", "5"], capsys)
+    line = one_line(["run", "--nproc", "5"], capsys)
     assert "--nproc 5 does not divide num_attention_heads=12" in line and MINILM_DIVISORS in line, line
     assert "--tp" not in line, line
-    line = _one_line(["run", "--nproc", "5", "--tp", "5"], capsys)  # given: --tp is named
+    line = one_line(["run", "--nproc", "5", "--tp", "5"], capsys)  # given: --tp is named
     assert "--tp 5 does not divide num_attention_heads=12" in line, line
-    line = _one_line(["run", "--nproc", "10", "--dp", "2"], capsys)  # tp = 10 / 2 = 5
+    line = one_line(["run", "--nproc", "10", "--dp", "2"], capsys)  # tp = 10 / 2 = 5
     assert "--nproc 10 / --dp 2 gives tp=5" in line and "does not divide num_attention_heads=12" in line, line
-    line = _one_line(["run", "--nproc", "5", "--dp", "2"], capsys)
+    line = one_line(["run", "--nproc", "5", "--dp", "2"], capsys)
     assert "--nproc 5 is not a multiple of --dp 2" in line, line
 
 
 def test_verify_input_placement_keys_are_the_models_inputs(no_spawn: None, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    line = _one_line(["verify", "--model", "all-minilm-l6-v2", "--input-placement", "0=S(1)"], capsys)
+    line = one_line(["verify", "--model", "all-minilm-l6-v2", "--input-placement", "0=S(1)"], capsys)
     # a BERT tokenizer's output: the three keyword inputs the ranks pass to the model
     assert "--input-placement names 0, which is not an input of all-minilm-l6-v2" in line, line
     assert "input_ids, token_type_ids, attention_mask (by keyword)" in line, line
-    line = _one_line(["verify", "--model", "llama-tiny", "--input-placement", "mask=S(1)"], capsys)
+    line = one_line(["verify", "--model", "llama-tiny", "--input-placement", "mask=S(1)"], capsys)
     assert "names 'mask'" in line and "its inputs are input_ids (by keyword)" in line, line
     assert line.endswith("e.g. --input-placement input_ids=R"), line
 
 
 def test_a_value_starting_with_a_dash_gets_the_equals_hint(capsys: pytest.CaptureFixture[str]) -> None:
-    line = _one_line(["explain", "S(0)", "R", "--shape", "-1,4"], capsys)
+    line = one_line(["explain", "S(0)", "R", "--shape", "-1,4"], capsys)
     assert "argument --shape: expected one argument" in line and "written with '=': --shape=-1,4" in line, line
-    line = _one_line(["demo", "--shape", "-3,2"], capsys)
+    line = one_line(["demo", "--shape", "-3,2"], capsys)
     assert "--shape=-3,2" in line, line
-    line = _one_line(["explain", "S(0)", "R", "--shape"], capsys)  # a missing value: no hint about '-'
+    line = one_line(["explain", "S(0)", "R", "--shape"], capsys)  # a missing value: no hint about '-'
     assert "expected one argument" in line and "=" not in line.partition("expected one argument")[2], line
-    line = _one_line(["explain", "S(0)", "R", "--shape=-1,4"], capsys)
+    line = one_line(["explain", "S(0)", "R", "--shape=-1,4"], capsys)
     assert "--shape '-1,4': '-1' is not a non-negative integer" in line, line
 
 
@@ -158,16 +138,6 @@ def test_torch_free_placement_check_agrees_with_the_torch_parse(text: str) -> No
     assert check_placement_text(text, arg="SRC") == want
 
 
-_BEFORE_TORCH = """
-import contextlib, sys
-from tplower.cli.main import main
-codes = []
-for argv in {argvs!r}:
-    with contextlib.suppress(SystemExit):
-        codes.append(main(argv))
-print(codes, sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
-"""
-
 # each refused by a check of the arguments alone; (argv, words of its one line)
 BEFORE_TORCH = [
     (["explain", "Q", "R"], "SRC='Q' is not a valid placement"),
@@ -193,14 +163,6 @@ BEFORE_TORCH = [
 
 
 def test_argument_checks_come_before_torch_is_imported() -> None:
-    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    argvs = [argv for argv, _ in BEFORE_TORCH]
-    done = subprocess.run(
-        [sys.executable, "-c", _BEFORE_TORCH.format(argvs=argvs)], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{[2] * len(argvs)} []", (done.stdout, done.stderr)
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == len(argvs) and "Traceback" not in done.stderr, done.stderr
+    lines = refused_before_torch([argv for argv, _ in BEFORE_TORCH])
     for (argv, words), line in zip(BEFORE_TORCH, lines, strict=True):
-        assert line.startswith(f"tplower {argv[0]}: error: ") and words in line, (argv, line)
+        assert words in line, (argv, line)

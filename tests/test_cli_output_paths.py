@@ -10,18 +10,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_refusals import one_line, refused_before_torch
 
-from tplower.cli import main
 from tplower.run.checks import RunError, check_writable, check_writable_folder, writing
 
 ROOT = Path(__file__).parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
@@ -76,16 +73,6 @@ def locked(tmp_path: Path) -> Iterator[Path]:
     folder.chmod(0o700)
 
 
-def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run ``tplower argv`` here; assert exit 2 with exactly one line and no traceback; return the line."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert "Traceback" not in err
-    assert len(lines) == 1 and lines[0].startswith(f"tplower {argv[0]}: error: "), err
-    return lines[0]
-
-
 def _name(option: str, kind: str, command: str) -> str:
     if kind == "folder":
         return "out"
@@ -98,7 +85,7 @@ def test_a_folder_without_write_permission_is_refused(
     argv: list[str], option: str, kind: str, locked: Path, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = str(locked / _name(option, kind, argv[0]))
-    line = _refusal([*argv, path], capsys)
+    line = one_line([*argv, path], capsys)
     assert f"{option} {path!r} cannot be written" in line and "elsewhere" in line, line
     assert os.listdir(locked) == []  # the probe left nothing behind
 
@@ -109,7 +96,7 @@ def test_a_path_in_proc_is_refused(
     argv: list[str], option: str, kind: str, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = "/proc/" + _name(option, kind, argv[0])
-    line = _refusal([*argv, path], capsys)
+    line = one_line([*argv, path], capsys)
     assert f"{option} {path!r} cannot be written" in line and "'/proc'" in line and "elsewhere" in line, line
 
 
@@ -119,7 +106,7 @@ def test_a_folder_given_for_a_file_is_refused(
 ) -> None:
     if option == "-o" and argv[0] == "plan":  # plan checks the suffix first: a folder whose name has one
         (tmp_path := tmp_path / "plans.yaml").mkdir()
-    line = _refusal([*argv, str(tmp_path)], capsys)
+    line = one_line([*argv, str(tmp_path)], capsys)
     assert f"{option} {str(tmp_path)!r} is a folder" in line and "give a file name" in line, line
 
 
@@ -137,7 +124,7 @@ def test_a_file_given_for_a_folder_is_refused(
     file = tmp_path / "notes.md"
     file.write_text("kept\n")
     path = str(file / "sub" if below else file)
-    line = _refusal([*argv, path], capsys)
+    line = one_line([*argv, path], capsys)
     what = f"{str(file)!r} is a file, so the folder cannot be created" if below else f"{path!r} is a file"
     assert f"{option} {path!r}" in line and what in line, line
     assert file.read_text() == "kept\n" and not (tmp_path / "notes.md-out").exists()
@@ -148,7 +135,7 @@ def test_a_missing_folder_for_a_file_is_refused(
     argv: list[str], option: str, kind: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = str(tmp_path / "missing" / _name(option, kind, argv[0]))
-    line = _refusal([*argv, path], capsys)
+    line = one_line([*argv, path], capsys)
     assert f"the folder {str(tmp_path / 'missing')!r} does not exist" in line and option in line, line
     assert not (tmp_path / "missing").exists()
 
@@ -159,7 +146,7 @@ def test_a_file_name_with_a_trailing_slash_is_refused(
 ) -> None:
     # Path("plans.yaml/") is Path("plans.yaml"): the slash would be dropped and a file written under the name
     path = str(tmp_path / _name(option, kind, argv[0])) + "/"
-    line = _refusal([*argv, path], capsys)
+    line = one_line([*argv, path], capsys)
     assert f"{option} {path!r} ends with '/', which names a folder" in line and path[:-1] in line, line
     assert list(tmp_path.iterdir()) == []
 
@@ -200,19 +187,9 @@ def test_codegen_whose_folder_goes_away_before_the_write_ends_in_one_line(
 
     monkeypatch.setattr(tplower.cli.codegen, "emit_file", emitted)
     path = str(folder / "x.py")
-    line = _refusal(["codegen", "--model", "all-minilm-l6-v2", "-o", path], capsys)
+    line = one_line(["codegen", "--model", "all-minilm-l6-v2", "-o", path], capsys)
     assert f"-o {path!r} could not be written: {os.strerror(errno.ENOENT)}" in line, line
 
-
-_BEFORE_TORCH = """
-import contextlib, sys
-from tplower.cli.main import main
-codes = []
-for argv in {argvs!r}:
-    with contextlib.suppress(SystemExit):
-        codes.append(main(argv))
-print(codes, sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
-"""
 
 
 def test_output_paths_are_refused_before_torch_is_imported(tmp_path: Path) -> None:
@@ -225,9 +202,4 @@ def test_output_paths_are_refused_before_torch_is_imported(tmp_path: Path) -> No
         ["bench", "--out", str(file)],
         ["codegen", "--model", "all-minilm-l6-v2", "-o", str(tmp_path)],
     ]
-    done = subprocess.run(
-        [sys.executable, "-c", _BEFORE_TORCH.format(argvs=argvs)], capture_output=True, text=True, timeout=120, env=ENV
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{[2] * len(argvs)} []", (done.stdout, done.stderr)
-    assert done.stderr.count(": error: ") == len(argvs) and "Traceback" not in done.stderr
+    refused_before_torch(argvs)

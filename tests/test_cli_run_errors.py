@@ -19,12 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tplower.cli import main
-
-ROOT = Path(__file__).parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-
+from cli_refusals import ENV, one_line, refused_before_torch
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +29,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     bad = d / "gen_bad.py"
     bad.write_text("MESH = [['dp', 1], ['tp', 2]]\ndef forward(x:\n    return x\n")
     return {"dir": str(d), "bad": str(bad)}
-
-
-def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (rc, err)
-    assert lines[0].startswith(f"tplower {argv[0]}: error: "), err
-    return lines[0]
 
 
 # (argv with {name} for a file of the fixture, words the one line must hold, words it must not hold)
@@ -70,14 +53,14 @@ REFUSALS = [
 def test_bad_run_option_is_one_line_before_spawning(argv: list[str], words: list[str], absent: list[str],
                                                    files: dict[str, str], no_spawn: None,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    line = _one_line([a.format(**files) for a in argv], capsys)
+    line = one_line([a.format(**files) for a in argv], capsys)
     assert all(w in line for w in words), (words, line)
     assert not any(w in line for w in absent), (absent, line)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
 def test_nccl_without_a_gpu_is_refused_in_the_parent(no_spawn: None, capsys: pytest.CaptureFixture[str]) -> None:
-    line = _one_line(["run", "--model", "llama-tiny", "--backend", "nccl"], capsys)
+    line = one_line(["run", "--model", "llama-tiny", "--backend", "nccl"], capsys)
     assert "--backend nccl" in line and "use --backend gloo" in line
 
 
@@ -87,30 +70,16 @@ def test_plan_verify_on_ranks_the_heads_refuse(no_spawn: None, capsys: pytest.Ca
 
     heads = tiny_family("gpt2")[0].config.n_head
     nproc = next(n for n in range(2, heads + 1) if heads % n)  # the first rank count the heads do not divide
-    line = _one_line(["plan", "--model", "gpt2", "--verify", "--nproc", str(nproc)], capsys)
+    line = one_line(["plan", "--model", "gpt2", "--verify", "--nproc", str(nproc)], capsys)
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     assert f"--nproc {nproc}" in line and str(divisors) in line, line
 
-
-_BEFORE_TORCH = """
-import contextlib, sys
-from tplower.cli.main import main
-codes = []
-for argv in {argvs!r}:
-    with contextlib.suppress(SystemExit):
-        codes.append(main(argv))
-print(codes, sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
-"""
 
 
 def test_option_checks_that_need_no_torch_come_before_it(files: dict[str, str]) -> None:
     argvs = [["run", "--dp", "0"], ["run", "--kill-rank", "5"], ["run", "--json", "/nonexistent-dir/r.json"],
              ["run", "--codegen", files["bad"]], ["run", "--steps", "0"], ["run", "--plan", "/nonexistent/p.yaml"]]
-    done = subprocess.run([sys.executable, "-c", _BEFORE_TORCH.format(argvs=argvs)], capture_output=True, text=True,
-                          timeout=120, env=ENV)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{[2] * len(argvs)} []", (done.stdout, done.stderr)
-    assert done.stderr.count("tplower run: error: ") == len(argvs) and "Traceback" not in done.stderr
+    refused_before_torch(argvs)
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
