@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..context.install import installed_context
 from ..context.sequence import gather_sequence, shard_sequence
 from ..core.argcheck import check_mesh
+from ..core.redistribute import redistribute_local
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
 from .checks import Ticker, _build, _default_loss, _first_tensor, param_checks
@@ -55,14 +56,6 @@ class _WorldComparer(Comparer):
         t = torch.tensor([math.inf if math.isnan(x) else x], dtype=torch.float64)
         dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
         return float(t[0])
-
-
-def _gather_last(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``t``'s pieces along its last dim from every rank of the 1-D ``mesh``, in rank order (equal pieces: whole
-    heads per rank, as :func:`tplower.parallelize` checks)."""
-    pieces = [torch.empty_like(t) for _ in range(mesh.size())]
-    dist.all_gather(pieces, t.contiguous(), group=mesh.get_group())
-    return torch.cat(pieces, dim=-1)
 
 
 def _hook(model: nn.Module, paths: tuple[str, ...], into: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -175,7 +168,9 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
         t = whole(t)
         if split is None or want is None or t.shape[-1] == want.shape[-1]:
             return t, where
-        return _gather_last(t, mesh[split]), f"{where}, S(-1) over {split!r}"
+        whole_shape = (*t.shape[:-1], want.shape[-1])  # torch.chunk's pieces of the one-process width
+        return (redistribute_local(t, mesh[split], "S(-1)", "R", global_shape=whole_shape),
+                f"{where}, S(-1) over {split!r}")
 
     for i, path in enumerate(installed.modules, start=1):
         r, p = ref_rec.get(path, {}), par_rec.get(path, {})
