@@ -94,9 +94,9 @@ def test_demo_matches_dtensor(capsys):
 def test_demo_table_columns_fit_their_longest_cell():
     from tplower.cli.demo import demo_table
 
-    rows = [{"case": "P(sum)->S(0)", "forward": "reduce_scatter(dim=0, op=sum)", "backward": "all_gather(dim=0)",
+    rows = [{"transition": "P(sum)->S(0)", "forward": "reduce_scatter(dim=0, op=sum)", "backward": "all_gather(dim=0)",
              "status": "match"},
-            {"case": "R->R", "forward": "", "backward": "", "status": "match"}]
+            {"transition": "R->R", "forward": "", "backward": "", "status": "match"}]
     assert demo_table(rows, [True, False]) == [
         "transition    forward                        backward           vs DTensor",
         "P(sum)->S(0)  reduce_scatter(dim=0, op=sum)  all_gather(dim=0)  match",

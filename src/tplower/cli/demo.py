@@ -105,10 +105,10 @@ def main(args: argparse.Namespace) -> int:
 
 def demo_table(rows: list[dict[str, Any]], oks: list[bool]) -> list[str]:
     """The demo's table as lines: a header, then one line per transition of ``rows`` (rank 0's dicts with
-    ``case``, ``forward``, ``backward``, ``status``), its verdict failed where ``oks[i]`` (every rank) is false.
+    ``transition``, ``forward``, ``backward``, ``status``), its verdict failed where ``oks[i]`` (every rank) is false.
     Each column is as wide as its longest cell, so a long op such as ``reduce_scatter(dim=0, op=sum)`` keeps the
     next column aligned."""
-    cells = [(r.get("transition", r["case"]), r["forward"] or "identity", r["backward"] or "identity",
+    cells = [(r["transition"], r["forward"] or "identity", r["backward"] or "identity",
               r["status"] if ok else f"FAIL ({r['status']})") for r, ok in zip(rows, oks, strict=True)]
     head = ("transition", "forward", "backward", "vs DTensor")
     widths = [max(len(c[j]) for c in (head, *cells)) for j in range(3)]
