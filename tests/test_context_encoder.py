@@ -74,19 +74,28 @@ def test_encoder_with_padding_matches_one_process(ranks: list[dict[str, Any]], c
         assert hidden <= 1e-5 and grad <= 1e-5, (case, hidden, grad)
 
 
+#: (attention kernel, sequence length, balance): one that divides over cp, one that does not
+VERIFY_CASES = [("eager", 12, True), ("sdpa", 13, False)]
+
+
 def _verify_body(rank: int, world: int) -> list[tuple[str, str, float, bool]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(2))
-    report = tplower.verify(lambda: copy.deepcopy(MODELS["eager"]), "derive", mesh, {"input_ids": ids}, context="cp")
-    return [(c.phase, c.placement, c.max_diff, c.ok) for c in report.checks if c.module.endswith("attention.self")]
+    out = []
+    for impl, length, balance in VERIFY_CASES:
+        ids = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(2))
+        report = tplower.verify(lambda impl=impl: copy.deepcopy(MODELS[impl]), "derive", mesh, {"input_ids": ids},
+                                context="cp", balance=balance)
+        out += [(c.phase, c.placement, c.max_diff, c.ok) for c in report.checks if c.module.endswith("attention.self")]
+    return out
 
 
 def test_verify_gathers_bert_attention_over_cp_and_tp() -> None:
     # BERT's attention.self ends before its output projection: under tp its output keeps this rank's heads (the
     # last dim split), so verify makes it whole over tp as well as over cp before comparing with one process
-    MODELS.setdefault("eager", _bert("eager"))
+    for impl in ("eager", "sdpa"):
+        MODELS.setdefault(impl, _bert(impl))
     ranks = run_threaded(4, _verify_body, timeout=300)
     for checks in ranks:
-        assert len(checks) == 4  # two layers, forward and backward
+        assert len(checks) == 4 * len(VERIFY_CASES)  # two layers, forward and backward, per case
         for phase, where, diff, ok in checks:
             assert where == "S(1) over 'cp', S(-1) over 'tp'" and ok and diff <= 1e-5, (phase, where, diff)
