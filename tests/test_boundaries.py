@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tplower import TPLowerError, create_tp_collective_lowerer
 from tplower.plans.entries import load_plan, match_plan, resolve_entry
@@ -117,9 +117,9 @@ def test_hf_styles_per_module_kind():
     with pytest.raises(TPLowerError, match="defined for linear modules only"):
         resolve_entry("local_colwise", "norm", kind="other")
     emb = resolve_entry("rowwise", "emb", kind="embedding")  # transformers shards the hidden dim here
-    assert emb.params == {"weight": {"tp": "S(1)"}} and emb.out_dst == {"out": {"tp": "R"}}
+    assert emb.params == {"weight": {"tp": Shard(1)}} and emb.out_dst == {"out": {"tp": Replicate()}}
     merged = resolve_entry({"style": "rowwise", "out_dst": {"out": {"tp": "S(1)"}}}, "o", axis="mp")
-    assert merged.in_src == {"0": {"mp": "S(-1)"}} and merged.out_dst == {"out": {"tp": "S(1)"}}
+    assert merged.in_src == {"0": {"mp": Shard(-1)}} and merged.out_dst == {"out": {"tp": Shard(1)}}
     assert merged.deferred_bias == "bias"
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from tplower import TPLowerError
 from tplower.cli.main import main as cli_main
@@ -126,11 +127,11 @@ def test_a_linear_style_on_a_conv1d_names_the_conv1d_style() -> None:
     with pytest.raises(TPLowerError, match="takes conv1d_rowwise"):
         resolve_entry("rowwise", "h.0.mlp.c_proj", kind="other")
     entry = resolve_entry({"style": "conv1d_colwise", "packed": {"weight": 3, "bias": 3}}, "c_attn", kind="other")
-    assert entry.params == {"weight": {"tp": "S(1)"}, "bias": {"tp": "S(0)"}} and entry.packed == {"weight": 3,
-                                                                                                   "bias": 3}
+    assert entry.params == {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}
+    assert entry.packed == {"weight": 3, "bias": 3}
     assert entry.local_compute == "tplower.families.conv1d:conv1d_forward"
     row = resolve_entry("conv1d_rowwise", "c_proj", kind="other")
-    assert row.params == {"weight": {"tp": "S(0)"}, "bias": {"tp": "R"}} and row.deferred_bias == "bias"
+    assert row.params == {"weight": {"tp": Shard(0)}, "bias": {"tp": Replicate()}} and row.deferred_bias == "bias"
 
 
 def _derived_against_one_process(rank: int, world: int, names: list[str]) -> dict[str, tuple[Any, list[str]]]:

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import tplower
-from tplower import TPLowerError
+from tplower import TPLowerError, parse_placement
 from tplower.plans.expert_layout import expert_param_placement
 from tplower.run.hf_table import architectures, input_ids, tiny_model
 from tplower.testing import run_processes, run_threaded
@@ -163,7 +163,8 @@ def test_expert_parameter_dims(arch: str, qual: str, pname: str, style: str, pla
     module = tiny_model(architectures([arch])[0]).get_submodule(qual)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a style whose packing the layout corrects warns (checked above)
-        assert expert_param_placement(module, pname, style, "tp", qual) == ({"tp": place}, None, parts)
+        assert expert_param_placement(module, pname, style, "tp", qual) == ({"tp": parse_placement(place)}, None,
+                                                                             parts)
     assert expert_param_placement(module, pname, "grouped_gemm", "tp", qual) is None  # by expert: plain rule
 
 
@@ -190,7 +191,7 @@ BY_SHAPES = [  # (weights, declared attributes, parameter, style, placement): th
 def test_undeclared_layout_read_from_the_shapes(shapes: dict[str, tuple[int, ...]], attrs: dict[str, Any],
                                                  pname: str, style: str, place: str) -> None:
     module = _weights(shapes, **attrs)
-    assert expert_param_placement(module, pname, style, "tp", "experts") == ({"tp": place}, None, 1)
+    assert expert_param_placement(module, pname, style, "tp", "experts") == ({"tp": parse_placement(place)}, None, 1)
 
 
 def test_shapes_that_fit_no_layout_are_refused() -> None:

@@ -55,11 +55,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils.hooks import RemovableHandle
 
+from ..core.language.placements import format_placement, format_placements
 from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
+from ..plans.schema import Placed
 from ..runtime.boundary import _Boundary
 from .lora_init import LOCAL_DRAWS, draw_whole, local_draws_left
 from .peft_save import collective_peft_save
@@ -92,29 +95,39 @@ def redirect_to_base(matched: Mapping[str, str], modules: Mapping[str, nn.Module
     return out
 
 
-def _axis_spec(spec: Any, axis: str) -> str:
+def _on_axis(spec: Placed, axis: str) -> Placement | None:
+    """A read placement (:data:`tplower.plans.schema.Placed`) on ``axis``: a named one's (``R`` where it names no
+    ``axis``), a one-axis tuple's only placement; ``None`` for a tuple over several axes (which axis is which is
+    the mesh's to say)."""
     if isinstance(spec, Mapping):
-        return str(spec.get(axis, "R"))
-    return str(spec)
+        return spec.get(axis, Replicate())
+    return spec[0] if isinstance(spec, tuple) and len(spec) == 1 else None
+
+
+def _text(spec: Placed, axis: str) -> str:
+    if isinstance(spec, tuple) and len(spec) != 1:
+        return format_placements(spec)
+    return format_placement(_on_axis(spec, axis) or Replicate())
 
 
 def _family(entry: BoundaryEntry, axis: str, qual: str) -> str:
     """``"colwise"`` (weight ``S(0)``) or ``"rowwise"`` (``S(1)``) of a base entry, else refuse."""
-    weight = _axis_spec(entry.params.get("weight", entry.params.get("*", "R")), axis)
+    spec: Placed = entry.params.get("weight", entry.params.get("*", {}))
+    weight = _on_axis(spec, axis)
     odd = [f for f in ("partial_tail", "masked_lookup", "expert_dispatch", "local_compute")
            if getattr(entry, f) is not None] + (["share"] if entry.share else [])
-    if weight in ("S(0)", "S(-2)") and not odd:
+    if weight in (Shard(0), Shard(-2)) and not odd:
         return "colwise"
-    if weight in ("S(1)", "S(-1)") and not odd:
+    if weight in (Shard(1), Shard(-1)) and not odd:
         return "rowwise"
-    raise TPLowerError(f"module {qual!r}: a LoRA adapter on a base placed {weight} on {axis!r}"
+    raise TPLowerError(f"module {qual!r}: a LoRA adapter on a base placed {_text(spec, axis)} on {axis!r}"
                        f"{' with ' + ', '.join(odd) if odd else ''} has no placement tplower can prove; "
                        "LoRA is placed for colwise (S(0)) and rowwise (S(1)) linear layers only: leave this "
                        "module out of the LoRA target_modules")
 
 
-def _sharded(spec: Any, axis: str) -> bool:
-    return _axis_spec(spec, axis).startswith("S(")
+def _sharded(spec: Placed, axis: str) -> bool:
+    return isinstance(_on_axis(spec, axis), Shard)
 
 
 def adapter_entries(base: BoundaryEntry, axis: str, qual: str, has_bias: bool
@@ -140,14 +153,15 @@ def adapter_entries(base: BoundaryEntry, axis: str, qual: str, has_bias: bool
     sharded = dataclasses.replace(base, params=params, param_grads={}, local_attrs={}, packed=packed,
                                   deferred_bias=None)
     if family == "colwise":
-        inp = next(iter(base.in_src.values()), "R")
+        inp = next(iter(base.in_src.values()), {})
         name, whole_name = "lora_B", "lora_A"
     else:
-        inp = next(iter(base.out_dst.values()), "R")
+        inp = next(iter(base.out_dst.values()), {})
         name, whole_name = "lora_A", "lora_B"
-    rep = {axis: "R"}
+    rep = {axis: Replicate()}
     whole = BoundaryEntry(params={"weight": rep, "bias": rep},
-                          param_grads={"weight": {axis: "P(sum)"}, "bias": {axis: "P(sum)"}} if _sharded(inp, axis)
+                          param_grads={"weight": {axis: Partial("sum")}, "bias": {axis: Partial("sum")}}
+                          if _sharded(inp, axis)
                           else {})
     return name, sharded, whole_name, whole
 

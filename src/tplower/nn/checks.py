@@ -19,6 +19,7 @@ from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm
 from ..plans.heads import config_head_counts
+from ..plans.schema import placements_of
 from ..runtime.params import ParamLayout
 
 __all__ = ["QKV_SIBLINGS", "check_heads", "check_partial_input_grads", "check_qkv_siblings", "check_uneven_names",
@@ -42,7 +43,7 @@ def check_heads(model: nn.Module, entries: Mapping[str, BoundaryEntry], lowerer:
     if not bad:
         return
     split = [q for q, e in entries.items() if (".attn" in q or "attention" in q or "self_attn" in q) and any(
-        "S(" in str(spec) for spec in e.params.values())]
+        isinstance(p, Shard) for spec in e.params.values() for p in placements_of(spec))]
     if not split:
         return
     ok = [d for d in range(1, max(counts.values()) + 1) if all(v % d == 0 for v in counts.values())]

@@ -30,10 +30,10 @@ from ..adapters.lora import redirect_to_base
 from ..core.language.placements import format_placement, format_placements
 from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
 from ..core.support.errors import TPLowerError
-from ..plans.entries import BoundaryEntry, PlanValue, match_plan, resolve_entry
+from ..plans.entries import BoundaryEntry, PlanValue, ReadValue, match_plan
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad
-from ..plans.hf import param_key_placement, resolve_model_plan, shipped_keys
+from ..plans.hf import param_key_placement, read_model_plan, shipped_keys
 from ..runtime.boundary import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move
 from ..runtime.params import ParamLayout, check_plain_parameter
 from . import checks, moves
@@ -209,15 +209,15 @@ def resolve_module(module: nn.Module, qual: str, entry: BoundaryEntry, lowerer: 
         moves.opens_region(form, lowerer, axis))
 
 
-def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, module: nn.Module, axis: str,
+def _with_param(entry: BoundaryEntry, pname: str, value: PlanValue, read: ReadValue, module: nn.Module, axis: str,
                 where: str, config: Any) -> BoundaryEntry:
-    if not isinstance(value, str):
+    if not read.bare or read.style is None:
         raise TPLowerError(f"plan[{where!r}]: a key naming a parameter takes an HF style string, not {value!r}")
     p = module._parameters[pname]
     assert p is not None
     # an expert weight or bias: split on the intermediate dim its module's layout declares (tplower.plans.expert_layout)
-    expert = expert_param_placement(module, pname, value, axis, where.rpartition(".")[0], config)
-    place, grad, packed = expert or param_key_placement(value, pname, p.ndim, axis, f"plan[{where!r}]")
+    expert = expert_param_placement(module, pname, read.style, axis, where.rpartition(".")[0], config)
+    place, grad, packed = expert or param_key_placement(read.style, pname, p.ndim, axis, f"plan[{where!r}]")
     return dataclasses.replace(entry, params={**entry.params, pname: place},
                                param_grads={**entry.param_grads, **({pname: grad} if grad else {})},
                                packed={**entry.packed, **({pname: packed} if packed > 1 else {})})
@@ -234,6 +234,14 @@ def _check_ties(model: nn.Module, resolved: tuple[ModulePlan, ...]) -> None:
             if (first[0].mesh, first[0].placements) != (layout.mesh, layout.placements):
                 raise TPLowerError(f"plan[{mp.qual!r}].params[{name!r}]: a shared parameter gets two placements "
                                    f"(module {first[1]!r} places it {format_placements(first[0].placements)})")
+
+
+def _made(made: dict[tuple[str, str], BoundaryEntry], read: ReadValue, kind: str, axis: str) -> BoundaryEntry:
+    """``read``'s entry for a module of ``kind``, made once per plan key and kind (entries are immutable)."""
+    got = made.get((read.key, kind))
+    if got is None:
+        got = made[(read.key, kind)] = read.entry(kind, axis)
+    return got
 
 
 def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
@@ -263,20 +271,21 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
     if plan is None:
         plan = {}
     tp = mesh.size(names_.index(axis)) if axis in names_ else None
-    plan = resolve_model_plan(plan, model, experts=experts, axis=axis, tp=tp)
+    plan, read = read_model_plan(plan, model, experts=experts, axis=axis, tp=tp)  # every value read once
     lowerer = mesh_lowerer(mesh)
     config = getattr(model, "config", None)
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in modules]
     matched = redirect_to_base(match_plan(plan, [*modules, *params], strict=strict, owner=type(model).__name__,
                                           may_miss=shipped_keys(model)), modules)  # LoRA layers: their base
-    entries = {qual: resolve_entry(plan[key], key, kind=_kind(modules[qual]), axis=axis)
+    made: dict[tuple[str, str], BoundaryEntry] = {}  # one entry per key and module kind
+    entries = {qual: _made(made, read[key], _kind(modules[qual]), axis)
                for qual, key in matched.items() if qual in modules}
     for name, key in matched.items():  # keys that name a parameter: place it within its module's entry
         if name not in modules:
             owner, _, pname = name.rpartition(".")
-            entries[owner] = _with_param(entries.get(owner, BoundaryEntry()), pname, plan[key], modules[owner],
-                                         axis, name, config)
+            entries[owner] = _with_param(entries.get(owner, BoundaryEntry()), pname, plan[key], read[key],
+                                         modules[owner], axis, name, config)
     checks.check_heads(model, entries, lowerer, axis)
     resolved = []
     for qual in (q for q in modules if q in entries):

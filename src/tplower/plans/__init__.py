@@ -6,7 +6,9 @@ entry a module gets, which form its boundary takes, how a style places a
 parameter, what a derived plan would say) is answered from the plan, the
 model's structure and the mesh's axis names alone:
 
-* :mod:`~tplower.plans.entries`: plan entries, files and matching (:class:`BoundaryEntry`, :func:`load_plan`);
+* :mod:`~tplower.plans.entries`: plan entries, files and matching (:class:`BoundaryEntry`, :func:`load_plan`), and
+  each plan value read once (:func:`~tplower.plans.entries.read_plan`); :mod:`~tplower.plans.schema`: an entry's
+  fields checked and its placement text read into PyTorch's types, the only place a plan's text is parsed;
 * :mod:`~tplower.plans.keys`: plan keys against a model's names, and the message for a key that names nothing;
 * :mod:`~tplower.plans.styles`: transformers' style names as entries;
 * :mod:`~tplower.plans.hf`: a transformers model's own plan (``"auto"``) and its parameter keys;

@@ -67,7 +67,10 @@ field              meaning
 =================  =============================================================
 
 A placement is a named mapping ``{"tp": "S(1)"}`` (a missing axis is ``R``)
-or a comma list of canonical strings with one per mesh axis. An input is
+or a comma list of canonical strings with one per mesh axis. A plan is read once,
+first (:func:`read_plan`): every placement string into PyTorch's ``Shard``/``Replicate``/``Partial``
+(:mod:`tplower.plans.schema`), every style checked; the entries and forms every later stage takes hold
+those types, never text. An input is
 named by its ``forward`` parameter name or by its position (``"0"`` is the
 first argument however it is passed); an output by ``"out"`` (the output,
 or its first element), a position, or a name of ``out_names``.
@@ -89,34 +92,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from ..core.language.placements import parse_placement
 from ..core.support.errors import TPLowerError
 from .keys import glob_regex, key_hint, matching_keys, unmatched_key_message
-from .styles import HF_STYLES, PARAMETER_ONLY_STYLES, entry_from_style  # re-exported: they lived here
+from .schema import ENTRY_FIELDS, MAP_FIELDS, Placed, PlacementSpec, is_read, read_fields, read_placement_map
+from .styles import HF_STYLES, PARAMETER_ONLY_STYLES, check_style, entry_from_style  # re-exported: they lived here
 
 __all__ = [
     "ENTRY_FIELDS",
     "HF_STYLES",
     "BoundaryEntry",
+    "PlacementSpec",
     "PlanValue",
+    "ReadValue",
     "entry_from_style",
     "load_plan",
     "match_plan",
     "matching_keys",
     "plan_name",
+    "plan_source",
+    "read_plan",
+    "read_value",
     "resolve_entry",
     "style_kind",
 ]
 
-PlacementSpec: TypeAlias = str | Mapping[str, str]
 PlanValue: TypeAlias = str | Mapping[str, Any]
 
-_MAP_FIELDS = ("in_src", "in_dst", "in_grad", "out_src", "out_dst", "out_grad", "params", "param_grads")
-#: Every field an entry mapping may have.
-ENTRY_FIELDS: tuple[str, ...] = _MAP_FIELDS + ("out_names", "local_attrs", "local_compute", "deferred_bias",
-                                                "packed", "partial_tail", "masked_lookup", "uneven",
-                                                "optional_inputs", "share", "expert_dispatch", "style")
-_LOCAL_ATTR_RULES = ("divide",)
 #: plans named by a string, in any case: the model's own (``"auto"``) and one derived from its modules
 PLAN_NAMES: tuple[str, ...] = ("auto", "derive")
 
@@ -133,21 +134,22 @@ def plan_name(plan: object) -> str | None:
 class BoundaryEntry:
     """One module's declared boundary (see the module docstring for the fields).
 
-    Placement values are kept as written (named mappings or comma lists);
-    they are checked against a mesh's axis names by
-    :func:`tplower.plans.forms.classify_boundary_form`. Treat the mappings as
-    read-only.
+    Placement values are read (:data:`tplower.plans.schema.Placed`): named mappings ``{"tp": Shard(1)}`` or
+    tuples with one placement per mesh axis, PyTorch's types, checked against a mesh's axis names by
+    :func:`tplower.plans.forms.classify_boundary_form`. An entry built with placement text
+    (``in_src={"x": {"tp": "S(1)"}}``) reads it when it is made, so every entry holds placements, never
+    text; a bad one raises :class:`~tplower.TPLowerError` naming the field. Treat the mappings as read-only.
     """
 
-    in_src: Mapping[str, PlacementSpec] = field(default_factory=dict)
-    in_dst: Mapping[str, PlacementSpec] = field(default_factory=dict)
-    in_grad: Mapping[str, PlacementSpec] = field(default_factory=dict)
-    out_src: Mapping[str, PlacementSpec] = field(default_factory=dict)
-    out_dst: Mapping[str, PlacementSpec] = field(default_factory=dict)
-    out_grad: Mapping[str, PlacementSpec] = field(default_factory=dict)
+    in_src: Mapping[str, Placed] = field(default_factory=dict)
+    in_dst: Mapping[str, Placed] = field(default_factory=dict)
+    in_grad: Mapping[str, Placed] = field(default_factory=dict)
+    out_src: Mapping[str, Placed] = field(default_factory=dict)
+    out_dst: Mapping[str, Placed] = field(default_factory=dict)
+    out_grad: Mapping[str, Placed] = field(default_factory=dict)
     out_names: tuple[str, ...] | None = None
-    params: Mapping[str, PlacementSpec] = field(default_factory=dict)
-    param_grads: Mapping[str, PlacementSpec] = field(default_factory=dict)
+    params: Mapping[str, Placed] = field(default_factory=dict)
+    param_grads: Mapping[str, Placed] = field(default_factory=dict)
     local_attrs: Mapping[str, str] = field(default_factory=dict)
     local_compute: str | None = None
     deferred_bias: str | None = None
@@ -160,6 +162,12 @@ class BoundaryEntry:
     expert_dispatch: str | None = None
     style: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in MAP_FIELDS:  # text given to the constructor is read here, once
+            value = getattr(self, name)
+            if not (isinstance(value, Mapping) and all(is_read(spec) for spec in value.values())):
+                object.__setattr__(self, name, read_placement_map(value, f"BoundaryEntry.{name}"))
+
     def input_names(self) -> tuple[str, ...]:
         """Declared inputs, in order of first mention (``in_src`` then ``in_dst``, ``in_grad``)."""
         return tuple(dict.fromkeys([*self.in_src, *self.in_dst, *self.in_grad]))
@@ -169,76 +177,75 @@ class BoundaryEntry:
         return tuple(dict.fromkeys([*self.out_src, *self.out_dst, *self.out_grad]))
 
 
-# ---- schema ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReadValue:
+    """One plan value read (:func:`read_value`): the first stage of every plan, after which no text is parsed.
 
-def _check_placement(spec: Any, where: str) -> PlacementSpec:
-    if isinstance(spec, str):
-        for part in (p for p in spec.split(",") if p.strip()):
-            parse_placement(part)
-        return spec
-    if isinstance(spec, Mapping):
-        for axis, value in spec.items():
-            if not isinstance(axis, str) or not isinstance(value, str):
-                raise TPLowerError(f"{where}: {dict(spec)!r} must map axis names to placement strings")
-            parse_placement(value)
-        return dict(spec)
-    raise TPLowerError(f"{where}: {spec!r} is not a placement; use {{'tp': 'S(1)'}} or 'S(1),R'")
+    Attributes:
+        key: the plan key, for messages.
+        style: the HF style the value names or starts from (checked known), else ``None``.
+        fields: the value's own entry fields, read (placements typed; ``style`` left out).
+        bare: the value is the style's name alone (a string, as a key naming a parameter takes).
+        given: a :class:`BoundaryEntry` given as the value, taken as it is.
+    """
+
+    key: str
+    style: str | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    bare: bool = False
+    given: BoundaryEntry | None = None
+
+    def entry(self, kind: str = "linear", axis: str = "tp") -> BoundaryEntry:
+        """The :class:`BoundaryEntry` for a module of ``kind`` (see :func:`entry_from_style`) on ``axis``: the
+        style's fields with the value's own merged into them name by name.
+
+        Raises:
+            TPLowerError: a style with no faithful translation for this kind of module (naming the key).
+        """
+        if self.given is not None:
+            return self.given
+        if self.style is None:
+            return BoundaryEntry(**self.fields)
+        base = read_fields(entry_from_style(self.style, kind, axis=axis, module=self.key), self.key)
+        for name, v in self.fields.items():
+            base[name] = {**base.get(name, {}), **v} if name in MAP_FIELDS else v
+        return BoundaryEntry(**base, style=self.style)
 
 
-def _check_map(value: Any, where: str) -> dict[str, PlacementSpec]:
+def read_value(value: PlanValue | BoundaryEntry, key: str = "?") -> ReadValue:
+    """Read one plan value once: an HF style string, an entry mapping (optionally with ``style``) or an entry.
+
+    Raises:
+        TPLowerError: a schema error or an unknown style; the message names the key, the field and the value
+            as written.
+    """
+    if isinstance(value, BoundaryEntry):
+        return ReadValue(key, value.style, given=value)
+    if isinstance(value, str):
+        if value not in PARAMETER_ONLY_STYLES:  # those are checked on the parameter a key names (at install)
+            check_style(value, key)
+        return ReadValue(key, value, bare=True)
     if not isinstance(value, Mapping):
-        raise TPLowerError(f"{where}: {value!r} must be a mapping of names to placements")
-    out = {}
-    for name, spec in value.items():
-        key = str(name)
-        try:
-            out[key] = _check_placement(spec, f"{where}[{key!r}]")
-        except TPLowerError as exc:
-            msg = str(exc)
-            raise TPLowerError(msg if msg.startswith(where) else f"{where}[{key!r}]: {msg}") from None
-    return out
+        raise TPLowerError(f"plan[{key!r}]: {value!r} must be a style string or a mapping of entry fields")
+    fields = read_fields(value, key)
+    style = fields.pop("style", None)
+    if style is not None:
+        check_style(style, key)
+    return ReadValue(key, style, fields)
 
 
-def _check_fields(value: Mapping[str, Any], module: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, v in value.items():
-        where = f"plan[{module!r}].{key}"
-        if key in _MAP_FIELDS:
-            out[key] = _check_map(v, where)
-        elif key == "out_names":
-            if isinstance(v, str) or not isinstance(v, Iterable) or not all(isinstance(n, str) for n in v):
-                raise TPLowerError(f"{where}: {v!r} must be a list of output names")
-            out[key] = tuple(v)
-        elif key in ("uneven", "optional_inputs", "share"):  # YAML may write a position as a number
-            if isinstance(v, str | bytes | Mapping) or not isinstance(v, Iterable) or not all(
-                    isinstance(n, str) or (isinstance(n, int) and not isinstance(n, bool) and n >= 0) for n in v):
-                raise TPLowerError(f"{where}: {v!r} must be a list of input and output names (or positions)")
-            out[key] = tuple(str(n) for n in v)
-        elif key == "local_attrs":
-            if not isinstance(v, Mapping) or any(r not in _LOCAL_ATTR_RULES for r in v.values()):
-                raise TPLowerError(f"{where}: {v!r} must map attribute names to one of {_LOCAL_ATTR_RULES}")
-            out[key] = dict(v)
-        elif key == "packed":
-            if not isinstance(v, Mapping) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 2
-                                                     for k in v.values()):
-                raise TPLowerError(f"{where}: {v!r} must map parameter names to a part count (an integer >= 2)")
-            out[key] = {str(n): k for n, k in v.items()}
-        elif key == "partial_tail":
-            if not (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool) and v > 0)):
-                raise TPLowerError(f"{where}: {v!r} must be a positive integer or a config attribute name")
-            out[key] = v
-        elif key in ("local_compute", "deferred_bias", "masked_lookup", "expert_dispatch", "style"):
-            if not isinstance(v, str):
-                raise TPLowerError(f"{where}: {v!r} must be a string")
-            out[key] = v
-        else:
-            raise TPLowerError(f"plan[{module!r}]: unknown field {key!r}; allowed: {', '.join(ENTRY_FIELDS)}")
-    return out
+def read_plan(plan: Mapping[str, PlanValue]) -> dict[str, ReadValue]:
+    """Every value of ``plan`` read once (:func:`read_value`), keyed as written.
+
+    Raises:
+        TPLowerError: as :func:`read_value`.
+    """
+    return {str(k): read_value(v, str(k)) for k, v in plan.items()}
 
 
 def resolve_entry(value: PlanValue | BoundaryEntry, module: str = "?", *, kind: str = "linear",
                   axis: str = "tp") -> BoundaryEntry:
-    """The :class:`BoundaryEntry` of one plan value.
+    """The :class:`BoundaryEntry` of one plan value: :func:`read_value` then :meth:`ReadValue.entry`.
 
     Args:
         value: an HF style string, an entry mapping (optionally with
@@ -252,28 +259,15 @@ def resolve_entry(value: PlanValue | BoundaryEntry, module: str = "?", *, kind: 
         TPLowerError: a schema error; the message names the module, the
             field and the bad value.
     """
-    if isinstance(value, BoundaryEntry):
-        return value
-    if isinstance(value, str):
-        value = {"style": value}
-    if not isinstance(value, Mapping):
-        raise TPLowerError(f"plan[{module!r}]: {value!r} must be a style string or a mapping of entry fields")
-    fields = _check_fields(value, module)
-    style = fields.get("style")
-    if style is not None:
-        base = _check_fields(entry_from_style(style, kind, axis=axis, module=module), module)
-        for key, v in fields.items():
-            base[key] = {**base.get(key, {}), **v} if key in _MAP_FIELDS else v
-        fields = base
-    return BoundaryEntry(**fields)
+    return read_value(value, module).entry(kind, axis)
 
 
 def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanValue]:
     """Load and check a plan from a mapping or a ``.yaml``/``.yml``/``.json`` file.
 
-    Every value is checked (an HF style as for a module kind it is defined
-    for, ``nn.Linear`` where it is); the values are
-    returned as written, since a style translates per module kind at install.
+    Every value is checked by reading it (:func:`read_plan`: the schema, each placement, the style known); the
+    values are returned as written, the plain mapping a user edits (a style translates per module kind at
+    install).
 
     Returns:
         ``{module name or glob: value}`` in the source's order.
@@ -283,6 +277,18 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
             a schema error (naming the module, the field and the value), or
             a plan name (``"auto"``, ``"derive"``, in any case) instead of a file.
         TypeError: ``source`` is neither a mapping nor a path.
+    """
+    plan = plan_source(source)
+    read_plan(plan)
+    return plan
+
+
+def plan_source(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanValue]:
+    """A plan's mapping as written, from a mapping or a YAML/JSON file, not yet read (keys as strings, values
+    copied): :func:`load_plan` without the check, for a caller that reads the values itself (:func:`read_plan`).
+
+    Raises:
+        TPLowerError, TypeError: as :func:`load_plan`, less the schema errors.
     """
     if (name := plan_name(source)) is not None:
         raise TPLowerError(f"load_plan: {source!r} is the plan name {name!r}, built from a model ('auto': its own "
@@ -308,10 +314,7 @@ def load_plan(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanVal
         source = data
     if not isinstance(source, Mapping):
         raise TypeError(f"plan must be a mapping or a path to a YAML/JSON file, got {type(source).__name__}")
-    plan = {str(k): copy.deepcopy(v) for k, v in source.items()}
-    for key, value in plan.items():
-        _check_value(value, key)
-    return plan
+    return {str(k): copy.deepcopy(v) for k, v in source.items()}
 
 
 def style_kind(value: Any) -> str:
@@ -322,13 +325,6 @@ def style_kind(value: Any) -> str:
         return "linear"
     kinds = [k for k, v in HF_STYLES[style].items() if not isinstance(v, str)]
     return "linear" if "linear" in kinds or "*" in kinds or not kinds else kinds[0]
-
-
-def _check_value(value: Any, key: str) -> None:
-    """Check a plan value without knowing its module's kind: the schema, and that a style is known."""
-    if isinstance(value, str) and value in PARAMETER_ONLY_STYLES:
-        return  # checked at install, on the parameter its key names (a module key is refused there)
-    resolve_entry(value, key, kind=style_kind(value))
 
 
 def match_plan(plan: Mapping[str, PlanValue], names: Iterable[str], *, strict: bool = False,

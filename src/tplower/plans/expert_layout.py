@@ -52,6 +52,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ..core.support.errors import TPLowerError
 from .entries import BoundaryEntry
@@ -159,7 +160,7 @@ def expert_param(module: nn.Module, pname: str, qual: str = "?", axis: str = "tp
 
 
 def expert_param_placement(module: nn.Module, pname: str, style: str, axis: str, qual: str, config: Any = None
-                           ) -> tuple[dict[str, str], None, int] | None:
+                           ) -> tuple[dict[str, Placement], None, int] | None:
     """The placement and packing a split style gives expert parameter ``pname`` of module ``qual``.
 
     Its intermediate dim, packed as the module declares (else as the style says: ``packed_*`` 2 parts);
@@ -182,7 +183,7 @@ def expert_param_placement(module: nn.Module, pname: str, style: str, axis: str,
     if info is None:
         return None
     if info.dim is None:
-        return {axis: "R"}, None, 1
+        return {axis: Replicate()}, None, 1
     said = 2 if style.startswith("packed_") else 1
     parts = said if info.parts is None else info.parts
     if parts != said:
@@ -192,18 +193,18 @@ def expert_param_placement(module: nn.Module, pname: str, style: str, axis: str,
                "stays beside its up)").format(w=what, s=style)
         warnings.warn(f"tplower: plan[{qual + '.' + pname!r}] shards the experts' {how}, which the experts' "
                       "forward needs", stacklevel=4)
-    return {axis: f"S({info.dim})"}, None, parts
+    return {axis: Shard(info.dim)}, None, parts
 
 
 def expert_biases(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm, axis: str
-                  ) -> tuple[BoundaryEntry, dict[str, dict[str, str]]]:
+                  ) -> tuple[BoundaryEntry, dict[str, dict[str, Placement]]]:
     """``entry`` with the expert biases it leaves out placed after their weights, and the hidden-side uses.
 
     A gate/up bias (``gate_up_proj_bias [E, 2I]``) whose weight is split inside each expert on ``axis`` is
     split alike (dim 1, the weight's packing) where the entry does not place it. A hidden-side bias
     (``down_proj_bias``) of a module whose output is a partial sum is added by each rank's experts to their
     piece of the output, so the block's one reduction would count it ``n`` times: each rank adds its ``1/n``
-    share instead (``{bias: {axis: "P(sum)"}}``, the second value; the parameter stays a whole ``R`` DTensor
+    share instead (``{bias: {axis: Partial("sum")}}``, the second value; the parameter stays a whole ``R`` DTensor
     and its gradient arrives whole: :class:`tplower.runtime.params.ParamLayout`'s ``use``), unless the entry
     places it sharded on ``axis`` itself.
     """
@@ -212,7 +213,8 @@ def expert_biases(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm, a
         return entry, {}
     i = names.index(axis)
     partial = any(isinstance(o.src[i], Partial) for o in form.outputs)
-    params, packed, uses = dict(entry.params), dict(entry.packed), {}
+    params, packed = dict(entry.params), dict(entry.packed)
+    uses: dict[str, dict[str, Placement]] = {}
     for name, p in module._parameters.items():
         info = expert_param(module, name, axis=axis) if name.endswith("_bias") else None
         if p is None or info is None:
@@ -221,10 +223,10 @@ def expert_biases(module: nn.Module, entry: BoundaryEntry, form: BoundaryForm, a
         weight = name[:-len("_bias")]
         w = parse_spec(entry.params.get(weight, {}), names, (axis,), f"params[{weight!r}]", tensor_ndim=3)[i]
         if info.dim is not None and name not in entry.params and isinstance(w, Shard) and w.dim in (1, 2):
-            params[name] = {axis: "S(1)"}
+            params[name] = {axis: Shard(1)}
             packed.update({name: entry.packed[weight]} if weight in entry.packed else {})
         elif info.dim is None and partial and isinstance(here, Replicate):
-            uses[name] = {axis: "P(sum)"}
+            uses[name] = {axis: Partial("sum")}
     if params == entry.params:
         return entry, uses
     return dataclasses.replace(entry, params=params, packed=packed), uses

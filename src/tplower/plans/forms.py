@@ -36,7 +36,8 @@ from ..core.language.placements import format_placement, parse_placements, repli
 from ..core.language.transitions import classify_axis
 from ..core.support.argcheck import check_names, describe
 from ..core.support.errors import TPLowerError
-from .entries import BoundaryEntry, PlacementSpec, PlanValue, load_plan, resolve_entry, style_kind
+from .entries import BoundaryEntry, PlanValue, load_plan, read_plan, resolve_entry, style_kind
+from .schema import Placed
 
 __all__ = [
     "FORMS",
@@ -111,11 +112,12 @@ class BoundaryForm:
     mesh_dim_names: tuple[str, ...]
 
 
-def parse_spec(spec: PlacementSpec, names: Sequence[str], axes: Sequence[str], where: str, *,
+def parse_spec(spec: Placed, names: Sequence[str], axes: Sequence[str], where: str, *,
                tensor_ndim: int | None = None) -> Placements:
-    """Placements of ``spec`` on a mesh with axis ``names``; active-axis names the mesh lacks are dropped.
+    """Placements of a read ``spec`` on a mesh with axis ``names``; active-axis names the mesh lacks are dropped.
 
-    ``tensor_ndim``, when given, normalises negative shard dims (as
+    ``spec`` is read already (an entry's, :data:`tplower.plans.schema.Placed`): this binds it to the mesh's
+    axes, it parses no text. ``tensor_ndim``, when given, normalises negative shard dims (as
     :func:`~tplower.parse_placements`).
 
     Raises:
@@ -181,9 +183,9 @@ def _sharded_axes(entry: BoundaryEntry, names: Sequence[str], axes: Sequence[str
 
 def _side_ops(entry: BoundaryEntry, side: str, names: Sequence[str], axes: Sequence[str], active: Sequence[str],
               module: str, sharded: set[int]) -> tuple[BoundaryOp, ...]:
-    srcs: Mapping[str, PlacementSpec] = getattr(entry, f"{side}_src")
-    dsts: Mapping[str, PlacementSpec] = getattr(entry, f"{side}_dst")
-    grads: Mapping[str, PlacementSpec] = getattr(entry, f"{side}_grad")
+    srcs: Mapping[str, Placed] = getattr(entry, f"{side}_src")
+    dsts: Mapping[str, Placed] = getattr(entry, f"{side}_dst")
+    grads: Mapping[str, Placed] = getattr(entry, f"{side}_grad")
     order = entry.input_names() if side == "in" else entry.output_names()
     ops = []
     for name in order:
@@ -232,7 +234,8 @@ def classify_boundary_form(entry: BoundaryEntry | PlanValue, mesh_dim_names: Seq
         raise ValueError(f"injection={injection!r}; allowed: None, {', '.join(INJECTIONS)}")
     names = check_names(mesh_dim_names, "mesh_dim_names", "classify_boundary_form")
     axes = check_names(axes, "axes", "classify_boundary_form")
-    entry = resolve_entry(entry, module, axis=axes[0] if axes else "tp")
+    if not isinstance(entry, BoundaryEntry):
+        entry = resolve_entry(entry, module, axis=axes[0] if axes else "tp")
     active = [a for a in axes if a in names]
     sharded = _sharded_axes(entry, names, axes, module)
     inputs = _side_ops(entry, "in", names, axes, active, module, sharded)
@@ -260,7 +263,7 @@ def classify_boundary_form(entry: BoundaryEntry | PlanValue, mesh_dim_names: Seq
         mesh_dim_names=names)
 
 
-def deferred_bias_grad(form: BoundaryForm) -> dict[str, str]:
+def deferred_bias_grad(form: BoundaryForm) -> dict[str, Placement]:
     """Named placement of a deferred bias's local gradient: ``P(sum)`` on every axis the first output shards.
 
     A bias added to a shard of the output (``P -> S(1)``, sequence
@@ -269,7 +272,7 @@ def deferred_bias_grad(form: BoundaryForm) -> dict[str, str]:
     if not form.outputs:
         return {}
     dst = form.outputs[0].dst
-    return {form.mesh_dim_names[i]: "P(sum)" for i, p in enumerate(dst) if isinstance(p, Shard)}
+    return {form.mesh_dim_names[i]: Partial("sum") for i, p in enumerate(dst) if isinstance(p, Shard)}
 
 
 def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names: Sequence[str], *,
@@ -291,8 +294,9 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
     if not isinstance(axis, str):
         raise TypeError(f"explain_plan_lines: axis must be a str, got {describe(axis)}")
     lines = []
-    for key, value in load_plan(plan).items():
-        entry = resolve_entry(value, key, axis=axis, kind=style_kind(value))
+    plan = load_plan(plan) if not isinstance(plan, Mapping) else plan
+    for key, read in read_plan(plan).items():  # each value read once
+        entry = read.entry(style_kind(read.style), axis)
         form = classify_boundary_form(entry, names, axes=(axis,), module=key)
         lines.append(f"{key}: {form.form}")
         lines.extend(f"  {a}" for a in form.annotations)
@@ -308,7 +312,8 @@ def explain_plan_lines(plan: Mapping[str, PlanValue] | str | Any, mesh_dim_names
                 lines.append(f"  param {pname}: grad {', '.join(moved)} ==> backward all_reduce")
         if entry.deferred_bias:
             grad = deferred_bias_grad(form)
-            tail = f"; grad {', '.join(f'{a} {p}' for a, p in grad.items())} ==> backward all_reduce" if grad else ""
+            tail = (f"; grad {', '.join(f'{a} {format_placement(p)}' for a, p in grad.items())} ==> backward "
+                    "all_reduce") if grad else ""
             lines.append(f"  param {entry.deferred_bias}: added once after the output transition{tail}")
         lines.extend(f"  {name}: {axis} 1/n share of a sum ==> divide, forward and backward" for name in entry.share)
     return lines

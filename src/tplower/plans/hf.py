@@ -18,23 +18,27 @@ transformers' ``shard_param`` rules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ..core.support.errors import TPLowerError
 from .derive import derive_plan
-from .entries import PlanValue, load_plan, matching_keys, plan_name
+from .entries import PlanValue, ReadValue, matching_keys, plan_name, plan_source, read_plan
 
 __all__ = ["AUTO", "COLWISE_STYLES", "DERIVE", "PACKED_PARTS", "model_ep_plan", "model_tp_plan",
-           "param_key_placement", "resolve_model_plan", "shipped_keys"]
+           "param_key_placement", "read_model_plan", "resolve_model_plan", "shipped_keys"]
 
 #: the plan argument that means "the model's own plan" (any case: :func:`tplower.plans.entries.plan_name`)
 AUTO = "auto"
 #: the plan argument that means "a plan derived from the model's module structure" (any case)
 DERIVE = "derive"
+V = TypeVar("V")
 
 
 def _shipped_plan(model: nn.Module, kind: str) -> dict[str, str] | None:
@@ -137,26 +141,31 @@ def _spellings(key: str, model: nn.Module) -> list[str]:
     return out
 
 
-def _resolve_keys(plan: Mapping[str, PlanValue], model: nn.Module) -> dict[str, PlanValue]:
-    """``plan`` with each key in its first spelling (:func:`_spellings`) that names a module or parameter of
-    ``model``; a key that names nothing in any spelling, or whose spelling another key already has, stays as
-    written. One rule for every key and every model: whether a key is prefixed never depends on the others."""
+def _key_names(keys: Iterable[str], model: nn.Module) -> dict[str, str]:
+    """Each key's first spelling (:func:`_spellings`) that names a module or parameter of ``model``; a key that
+    names nothing in any spelling, or whose spelling another key already has, stays as written. One rule for
+    every key and every model: whether a key is prefixed never depends on the others."""
     names = _names(model)
-    keys = list(plan)
+    keys = list(keys)
     spelled = {k: _spellings(k, model) for k in keys}
     found = matching_keys({s for options in spelled.values() for s in options}, names)
-    out: dict[str, PlanValue] = {}
+    out: dict[str, str] = {}
     for key in keys:
         name = next((s for s in spelled[key] if s in found), key)
-        if name != key and (name in plan or name in out):  # two keys for one name: the written one wins
+        if name != key and (name in keys or name in out.values()):  # two keys for one name: the written one wins
             name = key
-        out[name] = plan[key]
+        out[key] = name
     return out
+
+
+def _resolve_keys(plan: Mapping[str, V], model: nn.Module) -> dict[str, V]:
+    """``plan`` keyed by :func:`_key_names`."""
+    return {name: plan[key] for key, name in _key_names(plan, model).items()}
 
 
 def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *,
                        experts: str = "tp", axis: str = "tp", tp: int | None = None) -> dict[str, PlanValue]:
-    """The plan keyed by ``model``'s own names.
+    """The plan keyed by ``model``'s own names: :func:`read_model_plan`'s plan as written.
 
     Args:
         plan: ``"auto"`` (the model's own plan, :func:`model_tp_plan`),
@@ -186,19 +195,40 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
         TPLowerError: as :func:`tplower.plans.entries.load_plan`, ``"auto"`` on a
             model without a plan, or ``"derive"`` on one no rule matches.
     """
+    return read_model_plan(plan, model, experts=experts, axis=axis, tp=tp)[0]
+
+
+def read_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *, experts: str = "tp",
+                    axis: str = "tp", tp: int | None = None) -> tuple[dict[str, PlanValue], dict[str, ReadValue]]:
+    """The plan keyed by ``model``'s own names (as :func:`resolve_model_plan` describes), as written and read.
+
+    The first stage of ``parallelize``: each value is read once (:func:`tplower.plans.entries.read_plan`:
+    placement text into PyTorch's types, styles checked), before any key is matched; every later stage takes
+    the read values.
+
+    Returns:
+        ``(plan as written, {key: read value})``, the same keys in the same order.
+
+    Raises:
+        TPLowerError: as :func:`resolve_model_plan`.
+    """
     name = plan_name(plan)
     if name == DERIVE:  # at the axis' size where known: attention it cannot split stays whole
-        return _resolve_keys(load_plan(derive_plan(model, axis=axis, tp=tp).plan), model)
-    if name == AUTO:
+        source = plan_source(derive_plan(model, axis=axis, tp=tp).plan)
+    elif name == AUTO:
         inner, _ = _wrapped_model(model)
         if experts == "ep":  # the expert-parallel keys replace the tensor-parallel ones they name
-            shipped = {**model_tp_plan(inner), **model_ep_plan(inner)}
+            source = plan_source({**model_tp_plan(inner), **model_ep_plan(inner)})
         else:
-            shipped = model_tp_plan(inner)
-        resolved = _resolve_keys(load_plan(shipped), model)
-        used = matching_keys(resolved, _names(model))
-        return {k: v for k, v in resolved.items() if k in used} if used else resolved
-    return _resolve_keys(load_plan(plan), model)
+            source = plan_source(model_tp_plan(inner))
+    else:
+        source = plan_source(plan)
+    read = read_plan(source)
+    names = _key_names(source, model)
+    if name == AUTO and (used := matching_keys(names.values(), _names(model))):
+        names = {key: n for key, n in names.items() if n in used}
+    return ({n: source[key] for key, n in names.items()},
+            {n: read[key] if n == key else dataclasses.replace(read[key], key=n) for key, n in names.items()})
 
 
 # transformers' shard_param rules, per style, for a key that names one parameter
@@ -212,7 +242,7 @@ PACKED_PARTS = 2
 
 
 def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str
-                        ) -> tuple[dict[str, str], dict[str, str] | None, int]:
+                        ) -> tuple[dict[str, Placement], dict[str, Placement] | None, int]:
     """The placement, partial-gradient placement and packing an HF style gives one parameter named by a plan key.
 
     Colwise styles shard dim ``ndim - 2`` (dim 0 of a vector; dim 1, the
@@ -234,29 +264,29 @@ def param_key_placement(style: str, name: str, ndim: int, axis: str, where: str
         TPLowerError: a style that has no meaning for a single parameter.
     """
     if style == "packed_colwise":
-        return ({axis: "S(-1)"}, None, 1) if ndim == 1 else ({axis: f"S({ndim - 2})"}, None, PACKED_PARTS)
+        return ({axis: Shard(-1)}, None, 1) if ndim == 1 else ({axis: Shard(ndim - 2)}, None, PACKED_PARTS)
     if style == "packed_rowwise":
-        return ({axis: "R"}, None, 1) if ndim == 1 else ({axis: "S(-1)"}, None, PACKED_PARTS)
+        return ({axis: Replicate()}, None, 1) if ndim == 1 else ({axis: Shard(-1)}, None, PACKED_PARTS)
     if style == "grouped_gemm":  # expert parallelism: an [experts, ...] weight or bias sharded by expert
-        return {axis: "S(0)"}, None, 1
+        return {axis: Shard(0)}, None, 1
     place, grad = _plain_param_placement(style, name, ndim, axis, where)
     return place, grad, 1
 
 
 def _plain_param_placement(style: str, name: str, ndim: int, axis: str, where: str
-                           ) -> tuple[dict[str, str], dict[str, str] | None]:
+                           ) -> tuple[dict[str, Placement], dict[str, Placement] | None]:
     if style in _COLWISE:
-        return {axis: f"S({max(ndim - 2, 0)})"}, None
+        return {axis: Shard(max(ndim - 2, 0))}, None
     if style in _ROWWISE:
-        return {axis: "R" if name == "bias" else "S(-1)"}, None
+        return {axis: Replicate() if name == "bias" else Shard(-1)}, None
     if style == "embedding_rowwise":
-        return {axis: "S(0)"}, None
+        return {axis: Shard(0)}, None
     if style == "embedding_colwise":
-        return {axis: "S(1)"}, None
+        return {axis: Shard(1)}, None
     if style == "replicate":
-        return {axis: "R"}, None
+        return {axis: Replicate()}, None
     if style == "replicated_with_grad_allreduce":
-        return {axis: "R"}, {axis: "P(sum)"}
+        return {axis: Replicate()}, {axis: Partial("sum")}
     allowed = (*_COLWISE, *_ROWWISE, "packed_colwise", "packed_rowwise", "grouped_gemm", "embedding_rowwise",
                "embedding_colwise", "replicate", "replicated_with_grad_allreduce")
     raise TPLowerError(f"{where}: style {style!r} on a parameter has no translation; a parameter key takes one of "

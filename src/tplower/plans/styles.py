@@ -14,9 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
 from ..core.support.errors import TPLowerError
 
-__all__ = ["HF_STYLES", "PARAMETER_ONLY_STYLES", "entry_from_style"]
+__all__ = ["HF_STYLES", "PARAMETER_ONLY_STYLES", "check_style", "entry_from_style"]
+
+
+# The placements every style is written with: PyTorch's own types, so a style's entry is read (typed) as it is made.
+_R, _S0, _S1, _S_LAST, _SUM = Replicate(), Shard(0), Shard(1), Shard(-1), Partial("sum")
 
 
 # Each style is written for one tensor-parallel axis ``a``; values follow transformers'
@@ -26,54 +33,54 @@ __all__ = ["HF_STYLES", "PARAMETER_ONLY_STYLES", "entry_from_style"]
 # every other direct parameter of the module on dim 0 too (a per-output scale, as transformers'
 # shard_param does for all of a module's parameters).
 
-def _colwise(a: str, out: str) -> dict[str, Any]:
-    return {"in_src": {"0": {a: "R"}}, "in_dst": {"0": {a: "R"}},
-            "out_src": {"out": {a: "S(-1)"}}, "out_dst": {"out": {a: out}},
-            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}, "*": {a: "S(0)"}}}
+def _colwise(a: str, out: Placement) -> dict[str, Any]:
+    return {"in_src": {"0": {a: _R}}, "in_dst": {"0": {a: _R}},
+            "out_src": {"out": {a: _S_LAST}}, "out_dst": {"out": {a: out}},
+            "params": {"weight": {a: _S0}, "bias": {a: _S0}, "*": {a: _S0}}}
 
 
-def _rowwise(a: str, inp: str) -> dict[str, Any]:
-    return {"in_src": {"0": {a: inp}}, "in_dst": {"0": {a: "S(-1)"}},
-            "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
-            "params": {"weight": {a: "S(1)"}, "bias": {a: "R"}}, "deferred_bias": "bias"}
+def _rowwise(a: str, inp: Placement) -> dict[str, Any]:
+    return {"in_src": {"0": {a: inp}}, "in_dst": {"0": {a: _S_LAST}},
+            "out_src": {"out": {a: _SUM}}, "out_dst": {"out": {a: _R}},
+            "params": {"weight": {a: _S1}, "bias": {a: _R}}, "deferred_bias": "bias"}
 
 
 def _local_colwise(a: str) -> dict[str, Any]:
-    return {"in_src": {"0": {a: "R"}}, "in_dst": {"0": {a: "R"}}, "in_grad": {"0": {a: "R"}},
-            "params": {"weight": {a: "S(0)"}, "bias": {a: "S(0)"}, "*": {a: "S(0)"}}}
+    return {"in_src": {"0": {a: _R}}, "in_dst": {"0": {a: _R}}, "in_grad": {"0": {a: _R}},
+            "params": {"weight": {a: _S0}, "bias": {a: _S0}, "*": {a: _S0}}}
 
 
 def _local_rowwise(a: str) -> dict[str, Any]:
-    return {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "P(sum)"}},
-            "params": {"weight": {a: "S(1)"}, "bias": {a: "R"}}}
+    return {"out_src": {"out": {a: _SUM}}, "out_dst": {"out": {a: _SUM}},
+            "params": {"weight": {a: _S1}, "bias": {a: _R}}}
 
 
 def _sequence_parallel(a: str) -> dict[str, Any]:
     # torch's SequenceParallel: input and output sharded on the sequence dim (1), parameters
     # replicated; each rank's parameter gradient covers its tokens only, so it is reduced.
-    return {"in_src": {"0": {a: "S(1)"}}, "in_dst": {"0": {a: "S(1)"}},
-            "out_src": {"out": {a: "S(1)"}}, "out_dst": {"out": {a: "S(1)"}},
-            "params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
+    return {"in_src": {"0": {a: _S1}}, "in_dst": {"0": {a: _S1}},
+            "out_src": {"out": {a: _S1}}, "out_dst": {"out": {a: _S1}},
+            "params": {"*": {a: _R}}, "param_grads": {"*": {a: _SUM}}}
 
 
 def _embedding_hidden(a: str) -> dict[str, Any]:
     # weight dim -1 (the hidden dim) sharded, ids replicated, output gathered: transformers 5's
     # "embedding_colwise" (and its older RowwiseParallel on nn.Embedding); torch's ColwiseParallel
     # (output_layouts=Replicate()) for embeddings.
-    return {"out_src": {"out": {a: "S(-1)"}}, "out_dst": {"out": {a: "R"}}, "params": {"weight": {a: "S(1)"}}}
+    return {"out_src": {"out": {a: _S_LAST}}, "out_dst": {"out": {a: _R}}, "params": {"weight": {a: _S1}}}
 
 
 def _embedding_vocab(a: str) -> dict[str, Any]:
     # vocabulary-parallel: weight rows sharded, masked local lookup, partial outputs all-reduced;
     # transformers 5's "embedding_rowwise", torch's RowwiseParallel on nn.Embedding.
-    return {"masked_lookup": "0", "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
-            "params": {"weight": {a: "S(0)"}}}
+    return {"masked_lookup": "0", "out_src": {"out": {a: _SUM}}, "out_dst": {"out": {a: _R}},
+            "params": {"weight": {a: _S0}}}
 
 
 def _packed_colwise(a: str) -> dict[str, Any]:
     # a fused projection (gate and up packed along the output dim): each packed part sharded on its own,
     # so each rank holds its piece of every part (transformers' _StridedShard(0, split_factor=2)).
-    return {**_colwise(a, "S(-1)"), "packed": {"weight": 2, "bias": 2}}
+    return {**_colwise(a, _S_LAST), "packed": {"weight": 2, "bias": 2}}
 
 
 _CONV1D = "tplower.families.conv1d:conv1d_forward"
@@ -83,20 +90,20 @@ def _conv1d_colwise(a: str) -> dict[str, Any]:
     # transformers' Conv1D stores its weight [in, out]: a column split shards weight dim 1 and bias dim 0; the
     # local compute sizes the output from the local weight (Conv1D.forward reshapes to the module's whole nf).
     # A fused projection (GPT-2's c_attn: q, k, v along out) adds packed: {weight: 3, bias: 3}.
-    return {**_colwise(a, "S(-1)"), "params": {"weight": {a: "S(1)"}, "bias": {a: "S(0)"}},
+    return {**_colwise(a, _S_LAST), "params": {"weight": {a: _S1}, "bias": {a: _S0}},
             "local_compute": _CONV1D}
 
 
 def _conv1d_rowwise(a: str) -> dict[str, Any]:
     # a row split of a Conv1D shards weight dim 0 (its inputs); the bias is added once after the reduction
-    return {**_rowwise(a, "S(-1)"), "params": {"weight": {a: "S(0)"}, "bias": {a: "R"}},
+    return {**_rowwise(a, _S_LAST), "params": {"weight": {a: _S0}, "bias": {a: _R}},
             "local_compute": _CONV1D}
 
 
 def _replicated_partial_grad(a: str) -> dict[str, Any]:
     # parameters replicated, their local gradients partial (a per-head q/k norm between colwise and
     # rowwise layers sees this rank's heads only): reduced in backward.
-    return {"params": {"*": {a: "R"}}, "param_grads": {"*": {a: "P(sum)"}}}
+    return {"params": {"*": {a: _R}}, "param_grads": {"*": {a: _SUM}}}
 
 
 def _moe_tp_experts(a: str) -> dict[str, Any]:
@@ -107,8 +114,8 @@ def _moe_tp_experts(a: str) -> dict[str, Any]:
     # input gradient of an entry that shards a parameter: the expert weights, placed by their own plan keys;
     # experts left whole keep whole gradients). The routing indices ("1") are integers and pass as they are.
     # Experts that take their tokens already scaled by the router (Llama 4: forward(hidden_states)) have no "2".
-    moved = {"0": {a: "R"}, "2": {a: "R"}}
-    return {"in_src": moved, "in_dst": moved, "out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}},
+    moved = {"0": {a: _R}, "2": {a: _R}}
+    return {"in_src": moved, "in_dst": moved, "out_src": {"out": {a: _SUM}}, "out_dst": {"out": {a: _R}},
             "optional_inputs": ("2",)}
 
 
@@ -117,27 +124,27 @@ def _ep_dispatch_experts(a: str) -> dict[str, Any]:
     # plan keys: grouped_gemm, Shard(0)); each rank takes its piece of the replicated tokens and their routing,
     # dispatches every slot to the rank holding its expert, and gathers the combined output back (uneven: the
     # token count need not divide). The module then holds E/n experts (num_experts divided).
-    whole = {"0": {a: "R"}, "1": {a: "R"}, "2": {a: "R"}}
-    piece = {"0": {a: "S(0)"}, "1": {a: "S(0)"}, "2": {a: "S(0)"}}
-    return {"in_src": whole, "in_dst": piece, "out_src": {"out": {a: "S(0)"}}, "out_dst": {"out": {a: "R"}},
+    whole = {"0": {a: _R}, "1": {a: _R}, "2": {a: _R}}
+    piece = {"0": {a: _S0}, "1": {a: _S0}, "2": {a: _S0}}
+    return {"in_src": whole, "in_dst": piece, "out_src": {"out": {a: _S0}}, "out_dst": {"out": {a: _R}},
             "uneven": ("out",), "local_attrs": {"num_experts": "divide"}, "expert_dispatch": "num_experts"}
 
 
-_ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: "P(sum)"}}, "out_dst": {"out": {a: "R"}}}}
+_ALL_REDUCE: dict[str, Any] = {"*": lambda a: {"out_src": {"out": {a: _SUM}}, "out_dst": {"out": {a: _R}}}}
 
 #: style -> {module kind -> builder(axis) or the reason it has no faithful translation}
 HF_STYLES: dict[str, dict[str, Any]] = {
-    "colwise": {"linear": lambda a: _colwise(a, "S(-1)"),
+    "colwise": {"linear": lambda a: _colwise(a, _S_LAST),
                 "embedding": "use embedding_rowwise (vocabulary) or embedding_colwise (hidden dim) for embeddings",
                 "other": "it is defined for nn.Linear modules only (a transformers Conv1D, weight [in, out], takes "
                          "conv1d_colwise)"},
-    "colwise_rep": {"linear": lambda a: _colwise(a, "R")},
-    "colwise_gather_output": {"linear": lambda a: _colwise(a, "R")},
-    "rowwise": {"linear": lambda a: _rowwise(a, "S(-1)"), "embedding": _embedding_hidden,
+    "colwise_rep": {"linear": lambda a: _colwise(a, _R)},
+    "colwise_gather_output": {"linear": lambda a: _colwise(a, _R)},
+    "rowwise": {"linear": lambda a: _rowwise(a, _S_LAST), "embedding": _embedding_hidden,
                 "other": "it is defined for nn.Linear and nn.Embedding modules only (a transformers Conv1D, weight "
                          "[in, out], takes conv1d_rowwise)"},
-    "rowwise_rep": {"linear": lambda a: _rowwise(a, "R"), "embedding": _embedding_hidden},
-    "rowwise_split_input": {"linear": lambda a: _rowwise(a, "R")},
+    "rowwise_rep": {"linear": lambda a: _rowwise(a, _R), "embedding": _embedding_hidden},
+    "rowwise_split_input": {"linear": lambda a: _rowwise(a, _R)},
     "local_colwise": {"linear": _local_colwise},
     # transformers' Conv1D (GPT-2): a linear layer with its weight stored [in, out] (tplower.families.conv1d)
     "conv1d_colwise": {"other": _conv1d_colwise},
@@ -156,7 +163,7 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     "gather": _ALL_REDUCE,
     "all_reduce": _ALL_REDUCE,
     "sequence_parallel": {"*": _sequence_parallel},
-    "replicate": {"*": lambda a: {"params": {"*": {a: "R"}}}},
+    "replicate": {"*": lambda a: {"params": {"*": {a: _R}}}},
     "replicated_with_grad_allreduce": {"*": _replicated_partial_grad},
     "local_params": {"*": lambda a: {}},
     # multi-head latent attention: the rotary tail of kv_a_proj's output skips kv_b_proj (colwise)
@@ -176,8 +183,26 @@ _UNFAITHFUL = {
 }
 
 
+def check_style(style: str, module: str = "?") -> None:
+    """Refuse a style that is no key of :data:`HF_STYLES`: unknown, or one with no faithful translation (the message
+    says why); ``module`` names the plan key in the message.
+
+    Raises:
+        TPLowerError: as said.
+    """
+    if style in HF_STYLES:
+        return
+    why = _UNFAITHFUL.get(style)
+    if why is not None:
+        raise TPLowerError(f"plan[{module!r}]: style {style!r} has no faithful translation: {why}")
+    raise TPLowerError(f"plan[{module!r}]: style {style!r} is unknown; allowed: {', '.join(HF_STYLES)}")
+
+
 def entry_from_style(style: str, kind: str = "linear", *, axis: str = "tp", module: str = "?") -> dict[str, Any]:
     """The entry fields of an HF ``tp_plan`` style for a module of ``kind`` on mesh axis ``axis``.
+
+    Placements are PyTorch's ``Shard``/``Replicate``/``Partial``, named by ``axis`` (``{"tp": Shard(0)}``): a
+    style is read as it is made, never as text.
 
     Args:
         style: a key of :data:`HF_STYLES`.
@@ -188,12 +213,8 @@ def entry_from_style(style: str, kind: str = "linear", *, axis: str = "tp", modu
         TPLowerError: an unknown style, or one without a faithful translation
             for this kind of module (the message says why).
     """
-    table = HF_STYLES.get(style)
-    if table is None:
-        why = _UNFAITHFUL.get(style)
-        if why is not None:
-            raise TPLowerError(f"plan[{module!r}]: style {style!r} has no faithful translation: {why}")
-        raise TPLowerError(f"plan[{module!r}]: style {style!r} is unknown; allowed: {', '.join(HF_STYLES)}")
+    check_style(style, module)
+    table = HF_STYLES[style]
     rule = table.get(kind, table.get("*"))
     if rule is None:
         kinds = [k for k, v in table.items() if not isinstance(v, str)]
