@@ -35,7 +35,7 @@ PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "all_to_all_splits", 
           "TPLowerError", "TPLowerTypeError", "TPOperators", "TransitionPlan", "VerifyReport", "__version__",
           "classify_axis", "classify_boundary_form", "classify_tp_transition", "create_tp_collective_lowerer",
           "explain_plan_lines", "format_placement", "format_placements", "full_state_dict", "gather_sequence",
-          "load_plan", "load_safetensors", "mesh_lowerer", "parallelize",
+          "load_plan", "load_safetensors", "mesh_lowerer", "parallelize", "plan_for",
           "parse_placement", "parse_placements", "plan_steps", "plan_transition", "redistribute_local",
           "replicate_partials", "set_cache_size", "shard_sequence", "shutdown", "verify",
           "vocab_parallel_cross_entropy"]

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .nn.parallelize import parallelize
     from .plans.entries import BoundaryEntry, load_plan
     from .plans.forms import BoundaryForm, classify_boundary_form, explain_plan_lines
+    from .plans.hf import plan_for
     from .runtime.operators import TPOperators
     from .state.full_state import full_state_dict
     from .state.loading import load_safetensors
@@ -94,6 +95,7 @@ _HOMES: dict[str, str] = {
     "BoundaryForm": ".plans.forms",
     "classify_boundary_form": ".plans.forms",
     "explain_plan_lines": ".plans.forms",
+    "plan_for": ".plans.hf",
     "TPOperators": ".runtime.operators",
     "full_state_dict": ".state.full_state",
     "load_safetensors": ".state.loading",
@@ -134,6 +136,7 @@ __all__ = [
     "parse_placement",
     "parse_placements",
     "plan_dispatch",
+    "plan_for",
     "plan_steps",
     "plan_transition",
     "redistribute_local",

@@ -27,12 +27,13 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..core.support.argcheck import check_int
 from ..core.support.errors import TPLowerError
 from .derive import derive_plan
 from .entries import PlanValue, ReadValue, matching_keys, plan_name, plan_source, read_plan
 
 __all__ = ["AUTO", "COLWISE_STYLES", "DERIVE", "PACKED_PARTS", "model_ep_plan", "model_tp_plan",
-           "param_key_placement", "read_model_plan", "resolve_model_plan", "shipped_keys"]
+           "param_key_placement", "plan_for", "read_model_plan", "resolve_model_plan", "shipped_keys"]
 
 #: the plan argument that means "the model's own plan" (any case: :func:`tplower.plans.entries.plan_name`)
 AUTO = "auto"
@@ -196,6 +197,55 @@ def resolve_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Mod
             model without a plan, or ``"derive"`` on one no rule matches.
     """
     return read_model_plan(plan, model, experts=experts, axis=axis, tp=tp)[0]
+
+
+def plan_for(model: nn.Module, plan: str = "auto", *, experts: str = "tp", axis: str = "tp",
+             tp: int | None = None) -> dict[str, PlanValue]:
+    """The plan ``parallelize(model, mesh, plan)`` would install, as the plain mapping a user edits and passes back.
+
+    ``parallelize(model, mesh, plan_for(model, "auto"))`` places every parameter and runs every boundary as
+    ``parallelize(model, mesh, "auto")`` does; change one key first for "the model's own plan, with one change"
+    (embeddings whole, experts planned by hand, a LoRA target left out). Keys are the model's own names (a key
+    shipped under the base model is given under its prefix, ``model.layers.*.mlp.up_proj``), values as written
+    (HF style strings; ``"derive"`` also gives entry mappings), so the result is also what ``load_plan`` takes
+    and YAML writes. This is the public route to a transformers model's own plan: code that read it from an
+    internal module (``tplower.nn.hf_plans.model_tp_plan``, moved since) calls this instead.
+
+    Args:
+        model: the model it is for (a transformers model for ``"auto"``); nothing about it changes.
+        plan: ``"auto"`` (the model's own ``tp_plan``, else ``config.base_model_tp_plan``) or ``"derive"`` (a
+            plan derived from its module structure, :func:`tplower.plans.derive.derive_plan`), in any case.
+        experts: with ``"auto"``: ``"tp"`` (the ``tp_plan``) or ``"ep"`` (its ``ep_plan``'s keys over it), as
+            :func:`tplower.parallelize` takes it.
+        axis: the tensor-parallel mesh axis (``"derive"`` names it in the entries it writes).
+        tp: with ``"derive"``: the axis' size the plan is for (``mesh.size(axis)``, which ``parallelize`` uses:
+            attention whose head counts it does not divide stays whole); ``None``: unknown, every rule applies.
+
+    Returns:
+        ``{module or parameter name or glob: HF style or entry mapping}``, a fresh ``dict`` in the plan's order.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``axis`` not a ``str`` or ``tp`` not an int.
+        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``.
+        TPLowerError: ``plan`` is neither ``"auto"`` nor ``"derive"`` (a mapping or a file is a plan already:
+            pass it to ``parallelize``, or read it with ``load_plan``), ``tp`` below 1, ``"auto"`` on a model
+            without a plan, ``experts="ep"`` on one without an ``ep_plan``, or ``"derive"`` on one no rule matches.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan_for: model must be a torch.nn.Module, got {type(model).__name__}")
+    if plan_name(plan) is None:
+        raise TPLowerError(f"plan_for: plan={plan!r}; allowed: 'auto' (the model's own transformers plan) or "
+                           "'derive' (derived from its modules), in any case; a mapping or a YAML/JSON file is a "
+                           "plan already: pass it to parallelize, or read it with tplower.load_plan")
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"plan_for: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts) "
+                         "or 'ep' (expert parallelism)")
+    if not isinstance(axis, str):
+        raise TypeError(f"plan_for: axis must be a mesh axis name (str), got {type(axis).__name__}")
+    size = check_int(tp, "tp", "plan_for", optional=True)
+    if size is not None and size < 1:
+        raise TPLowerError(f"plan_for: tp={size}; the axis' size is at least 1 (or None: unknown)")
+    return resolve_model_plan(plan, model, experts=experts, axis=axis, tp=size)
 
 
 def read_model_plan(plan: Mapping[str, PlanValue] | str | Path, model: nn.Module, *, experts: str = "tp",
