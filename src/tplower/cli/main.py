@@ -9,7 +9,6 @@ what it needs inside ``main``, so ``--help`` is instant.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import sys
@@ -49,8 +48,9 @@ def package_version() -> str:
         return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand (errors are one line, exit 2)."""
+def build_parser() -> Parser:
+    """The argument parser with every subcommand (errors are one line, exit 2; each subcommand's parser in
+    :attr:`Parser.subcommands`)."""
     parser = Parser(prog="tplower", description=DESCRIPTION, epilog=f"without a command: tplower {DEFAULT} (its "
                     f"options work alone, e.g. tplower --model llama-tiny); tplower COMMAND --help for each")
     parser.add_argument("-v", "--verbose", action="store_true",

@@ -119,6 +119,16 @@ def _input_keys(inputs: Any) -> list[int | str] | None:
     return list(range(len(inputs))) if isinstance(inputs, tuple | list) else [0]
 
 
+def _input(inputs: Any, key: int | str) -> Any:
+    """The input ``key`` names in ``inputs`` (a dict by name or position, a list or tuple by position, else one
+    tensor: position 0); ``None`` where it names none."""
+    if isinstance(inputs, dict):
+        return inputs.get(key)
+    if isinstance(inputs, list | tuple):
+        return inputs[key] if isinstance(key, int) and -len(inputs) <= key < len(inputs) else None
+    return inputs if key == 0 else None
+
+
 def _check_input_dims(placements: dict[int | str, str], inputs: Any) -> None:
     """Each ``S(d)`` of ``--input-placement`` splits a dim its input has (``inputs`` read here; ``None`` checks
     nothing): torch.chunk's dims, ``-ndim .. ndim - 1``.
@@ -134,10 +144,7 @@ def _check_input_dims(placements: dict[int | str, str], inputs: Any) -> None:
         return
     for key, text in placements.items():
         found = re.fullmatch(SHARD_RE, text.strip())
-        try:
-            value = inputs[key] if isinstance(inputs, dict | list | tuple) else inputs if key == 0 else None
-        except (KeyError, IndexError):
-            continue
+        value: Any = _input(inputs, key)
         ndim = getattr(value, "ndim", None)
         if found is None or ndim is None:
             continue
