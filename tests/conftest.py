@@ -12,8 +12,10 @@ import tplower.testing
 from tplower.conformance import quiet_dtensor_logs
 
 quiet_dtensor_logs()
-# Spawned ranks fork from one server that imported torch and tplower once (4 s saved per rank started).
+# Spawned ranks fork from one server that imported torch and tplower once (4 s saved per rank started), and
+# transformers' model base, which most ranks here build models on (2-3 s of CPU more per rank).
 tplower.testing.START_METHOD = "forkserver"
+tplower.testing.PRELOAD = (*tplower.testing.PRELOAD, "transformers.modeling_utils", "transformers.generation.utils")
 
 # CI runs the same examples every time; elsewhere hypothesis explores new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)

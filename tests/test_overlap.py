@@ -12,6 +12,7 @@ matmul, without it after. Real gloo processes at world 2.
 from __future__ import annotations
 
 import copy
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -129,9 +130,14 @@ def _small_models(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _body(rank: int, world: int) -> dict[str, Any]:
+    """The small models, and tiny Llama where transformers is installed: one spawn of 2 gloo ranks."""
+    return {**_small_models(rank, world), "llama": _llama(rank, world) if find_spec("transformers") else None}
+
+
 @pytest.fixture(scope="module")
 def small() -> dict[str, Any]:
-    return run_processes(2, _small_models)[0]  # type: ignore[no-any-return]
+    return run_processes(2, _body)[0]  # type: ignore[no-any-return]
 
 
 def test_mlp_gradients_equal_the_unfused_bit_for_bit_and_one_process(small: dict[str, Any]) -> None:
@@ -196,9 +202,9 @@ def _llama(rank: int, world: int) -> dict[str, float]:
     }
 
 
-def test_tiny_llama_gradients_match_unfused_and_one_process() -> None:
+def test_tiny_llama_gradients_match_unfused_and_one_process(small: dict[str, Any]) -> None:
     pytest.importorskip("transformers")
-    got = run_processes(2, _llama)[0]
+    got = small["llama"]
     # q, k, v, gate, up per layer (2 layers) and lm_head are colwise linears; o, down rowwise
     assert got["overlapped_modules"] == 11
     assert got["on_off"] < 1e-6 and got["on_one"] < 1e-5 and got["loss"] < 1e-5, got

@@ -212,9 +212,22 @@ def _train_body(rank: int, world: int, sp: bool) -> dict[str, Any]:
     return norms
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sequence_parallel"])
-def test_clip_grad_norm_and_optimizers_match_one_process(sp: bool) -> None:
-    for norms in run_processes(2, _train_body, sp):
+def _stack_body(rank: int, world: int) -> dict[str, Any]:
+    """The optimizer runs (plain and sequence parallel) and the precision checks, in one spawn of 2 gloo ranks (a
+    failed check fails the spawn, and so each test that reads it, with the rank's traceback)."""
+    _precision_body(rank, world)
+    return {"plain": _train_body(rank, world, False), "sequence_parallel": _train_body(rank, world, True)}
+
+
+@pytest.fixture(scope="module")
+def stack() -> list[dict[str, Any]]:
+    res: list[dict[str, Any]] = run_processes(2, _stack_body)
+    return res
+
+
+@pytest.mark.parametrize("part", ["plain", "sequence_parallel"])
+def test_clip_grad_norm_and_optimizers_match_one_process(stack: list[dict[str, Any]], part: str) -> None:
+    for norms in (r[part] for r in stack):
         for key, values in norms.items():
             opt, who = key.split("/")
             if who != "ref":  # the global norm, as one process computes it
@@ -282,8 +295,8 @@ def _assert_grads(v: dict[str, nn.Module], sp: bool, world: int, rank: int, labe
         torch.testing.assert_close(_full(p.grad), ref[name].grad, **TOL, msg=lambda m, n=name: f"{label} {n}: {m}")
 
 
-def test_activation_checkpointing_and_bf16_autocast_match_one_process() -> None:
-    run_processes(2, _precision_body)
+def test_activation_checkpointing_and_bf16_autocast_match_one_process(stack: list[dict[str, Any]]) -> None:
+    assert len(stack) == 2  # each rank compared against one process in the shared spawn (_precision_body's checks)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
