@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.argcheck import check_mesh
-from ..core.collectives import _all_gather_base
-from ..core.errors import TPLowerError
-from ..core.redistribute import redistribute_local
+from ..core.lower.collectives import _all_gather_base
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.argcheck import check_mesh
+from ..core.support.errors import TPLowerError
 from .layout import SequenceLayout
 
 __all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
