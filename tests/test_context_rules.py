@@ -5,7 +5,9 @@ frequencies picked from the sequence length (Llama ``dynamic``, Phi-3
 ``longrope``, at 40 tokens past a switch at 32), the loss's divisor given for a
 whole gradient-accumulation step, a bidirectional sliding window (Gemma 3 as an
 encoder; ModernBERT's ``sliding_window + 1``), labels one per token (a masked LM,
-a token classifier) and an encoder-decoder model. Each gives one process's loss,
+a token classifier), an encoder-decoder model, and what the audit of such rules
+found: positions a model numbers itself (RoBERTa from the pad token, OPT from the
+padding mask), a pooled first token, a sequence-level head, encoder states. Each gives one process's loss,
 output and every gradient (within 1e-5), or a refusal on every rank that issued
 no collective.
 """
@@ -57,7 +59,7 @@ def _rope(kind: str, rope: dict[str, Any], **over: Any) -> Callable[[], torch.nn
 
 
 _BERT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "intermediate_size": 64, "type_vocab_size": 2}
+         "intermediate_size": 64, "type_vocab_size": 2, "max_position_embeddings": 64}
 _MODERNBERT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
                "num_attention_heads": 4, "local_attention": 8, "global_attn_every_n_layers": 2, "pad_token_id": 0,
                "bos_token_id": 1, "eos_token_id": 2, "sep_token_id": 3, "cls_token_id": 4}
@@ -97,6 +99,12 @@ RULES = {
     # item 4 (and ModernBERT's window, local_attention 8, passed to attention as sliding_window + 1)
     "modernbert-mlm": Rule(_transformers("ModernBertForMaskedLM", "ModernBertConfig", **_MODERNBERT),
                            {"input_ids": IDS, "attention_mask": MASK, "labels": MLM}, shift_labels=False),
+    # the audit: RoBERTa numbers its tokens from the pad token (its embeddings' own function, run on the whole ids);
+    # a base BERT's pooler (the first token) gives no output under cp, its encoder one process's
+    "roberta-mlm": Rule(_transformers("RobertaForMaskedLM", "RobertaConfig", **_BERT),
+                        {"input_ids": IDS, "attention_mask": MASK, "labels": MLM}, "allgather", shift_labels=False),
+    "bert-base-with-pooler": Rule(_transformers("BertModel", "BertConfig", **_BERT),
+                                  {"input_ids": IDS, "attention_mask": MASK}, out="last_hidden_state"),
     "bert-token-classification": Rule(_transformers("BertForTokenClassification", "BertConfig", **_BERT),
                                       {"input_ids": IDS, "token_type_ids": SEGMENTS, "labels": IDS % 2}, "allgather",
                                       shift_labels=False),
@@ -133,10 +141,15 @@ def _refusals(mesh: Any, models: dict[str, torch.nn.Module]) -> dict[str, tuple[
     def installed(name: str) -> torch.nn.Module:
         return tplower.parallelize(copy.deepcopy(models[name]), mesh, None, context="cp")
 
-    mlm, causal = installed("modernbert-mlm"), installed("rope-dynamic")
+    mlm, causal, opt, decoder = (installed(n) for n in ("modernbert-mlm", "rope-dynamic", "opt", "bert-decoder"))
     shifted = tplower.shard_sequence({"input_ids": IDS, "labels": MLM}, mesh)  # shift_labels=True: wrong for MLM
     unshifted = tplower.shard_sequence({"input_ids": IDS, "labels": IDS}, mesh, shift_labels=False)
+    padded = tplower.shard_sequence({"input_ids": IDS, "attention_mask": MASK.flip(1)}, mesh)  # no position_ids
+    plain = tplower.shard_sequence({"input_ids": IDS}, mesh)
+    states = torch.zeros(2, 5, 32)
     return {
+        "positions-from-the-mask": _refused(lambda: opt(**padded)),
+        "encoder-states": _refused(lambda: decoder(**plain, encoder_hidden_states=states)),
         "encoder-decoder": _refused(lambda: tplower.parallelize(copy.deepcopy(models["bart"]), mesh, None,
                                                                 context="cp")),
         "sequence-classification": _refused(lambda: installed("bert-classifier")),
@@ -151,6 +164,9 @@ def _body(rank: int, world: int, models: dict[str, torch.nn.Module]) -> dict[str
                                                  shift_labels=r.shift_labels) for name, r in RULES.items()}
     out["accumulated"] = _accumulated(mesh)
     out["refusals"] = _refusals(mesh, models)
+    base = tplower.parallelize(copy.deepcopy(models["bert-base-with-pooler"]), mesh, None, context="cp")
+    out["pooled"] = (base(**tplower.shard_sequence({"input_ids": IDS}, mesh)).pooler_output,
+                     models["bert-base-with-pooler"](input_ids=IDS).pooler_output.shape)
     return out
 
 
@@ -161,6 +177,10 @@ def ranks() -> list[dict[str, Any]]:
                                    encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)()
     models["bert-classifier"] = _transformers("BertForSequenceClassification", "BertConfig", **_BERT)()
+    models["opt"] = _transformers("OPTForCausalLM", "OPTConfig", vocab_size=128, hidden_size=32, num_hidden_layers=1,
+                                  ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32)()
+    models["bert-decoder"] = _transformers("BertLMHeadModel", "BertConfig", **_BERT, is_decoder=True,
+                                           add_cross_attention=True)()
     out: list[dict[str, Any]] = run_threaded(2, _body, models, timeout=300)
     return out
 
@@ -183,7 +203,16 @@ REFUSED = {
     "sequence-classification": ("BertForSequenceClassification", "sequence-level head", "gather_sequence"),
     "mlm-labels-shifted": ("ModernBertForMaskedLM", "its own label", "shift_labels=False"),
     "causal-labels-unshifted": ("LlamaForCausalLM", "causal LM", "shift_labels=True"),
+    "positions-from-the-mask": ("OPTForCausalLM", "OPTDecoder", "padding mask", "position_ids"),
+    "encoder-states": ("BertLMHeadModel", "encoder_hidden_states", "cross-attention"),
 }
+
+
+def test_a_base_encoders_pooled_first_token_is_not_given(ranks: list[dict[str, Any]]) -> None:
+    # one process pools the sequence's first token; under cp a rank's first token is its piece's: no pooled output
+    for r in ranks:
+        pooled, whole = r["pooled"]
+        assert pooled is None and whole == (2, 32)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -56,6 +56,7 @@ from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_conf
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
 from .rules import (
     TOKEN,
+    OwnPositions,
     PooledOutput,
     WholeLengthRope,
     check_labels,
@@ -221,9 +222,9 @@ class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
     def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any],
-                 grad_scale: int, kind: str | None = None) -> None:
+                 grad_scale: int, kind: str | None = None, positions: OwnPositions | None = None) -> None:
         self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
-        self.grad_scale, self.kind = grad_scale, kind
+        self.grad_scale, self.kind, self.positions = grad_scale, kind, positions
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -242,6 +243,8 @@ class _Hooks:
                                "sequence, which context parallelism does not split or exchange; call it without "
                                "encoder states, or train it without context=")
         check_labels(module, self.kind, split, self.axis)
+        if self.positions is not None:
+            kwargs = self.positions(module, kwargs, split)
         if self.kind == TOKEN and kwargs.get("labels") is not None:  # the head's own mean, weighted in after()
             self.live[_COUNT] = kwargs.get("num_items_in_batch")
             kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
@@ -385,7 +388,7 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, kind)
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, kind, OwnPositions(model))
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
                model.register_forward_hook(hooks.after, with_kwargs=True), *_rule_hooks(model, live))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),

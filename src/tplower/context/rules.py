@@ -23,6 +23,14 @@ one process's here, or refused before any collective:
   encoder-decoder's cross-attention reads another sequence. A base model's
   pooler (BERT's ``pooler_output``, the first token through a dense layer)
   returns ``None`` under context parallelism, as a model built without one.
+* **Positions a model numbers itself** (:class:`OwnPositions`): without
+  ``position_ids`` ``shard_sequence`` numbers the tokens ``0 .. S-1``, as
+  most models do (``cache_position``). RoBERTa's family numbers them from
+  the pad token (``create_position_ids_from_input_ids`` of its embeddings):
+  that function is run on the whole batch's ids and each rank takes its
+  tokens' positions. A model whose forward numbers them from the padding
+  mask (a ``cumsum``: OPT, BioGPT) matches ``0 .. S-1`` without padding; a
+  padded batch without ``position_ids`` is refused for it.
 * **Rope whose frequencies follow the sequence length**
   (:class:`WholeLengthRope`): transformers' ``dynamic`` (NTK) and ``longrope``
   (Phi-3) rotary modules pick their frequencies from ``max(position_ids) + 1``
@@ -33,6 +41,7 @@ one process's here, or refused before any collective:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -43,29 +52,32 @@ from ..core.errors import TPLowerError
 from .discover import _in_scope, text_config
 from .sequence import SPLIT_KEY, ContextSplit
 
-__all__ = ["CAUSAL", "TOKEN", "PooledOutput", "WholeLengthRope", "check_labels", "head_kind", "length_rope_modules",
-           "poolers", "token_loss"]
+__all__ = ["CAUSAL", "TOKEN", "OwnPositions", "PooledOutput", "WholeLengthRope", "check_labels", "head_kind",
+           "length_rope_modules", "poolers", "token_loss"]
 
 #: head kinds: next-token labels (shifted over the whole sequence) and one label per token (cut as they are)
 CAUSAL, TOKEN = "causal", "token"
-#: transformers' auto mappings (``MODEL_FOR_<name>_MAPPING_NAMES``) and the kind of head each names; ``None``:
-#: a head that pools or indexes the whole sequence (refused); "base": a model without a head
-_MAPPINGS: tuple[tuple[str, str | None], ...] = (
-    ("CAUSAL_LM", CAUSAL), ("IMAGE_TEXT_TO_TEXT", CAUSAL), ("MULTIMODAL_LM", CAUSAL),
-    ("MASKED_LM", TOKEN), ("TOKEN_CLASSIFICATION", TOKEN),
-    ("SEQUENCE_CLASSIFICATION", None), ("MULTIPLE_CHOICE", None), ("QUESTION_ANSWERING", None),
-    ("NEXT_SENTENCE_PREDICTION", None), ("PRETRAINING", None), ("TEXT_ENCODING", "base"), ("", "base"))
-_SEQUENCE_HEADS = ("a classifier pools the sequence (its first or last token, or a mean), a question-answering "
-                   "head indexes it by global start and end positions, and a pretraining head adds a "
-                   "next-sentence classifier")
+#: transformers' auto mappings (``MODEL_FOR_<name>_MAPPING_NAMES``) of token-level heads and the kind of each
+_TOKEN_HEADS = {"CAUSAL_LM": CAUSAL, "IMAGE_TEXT_TO_TEXT": CAUSAL, "MULTIMODAL_LM": CAUSAL, "MASKED_LM": TOKEN,
+                "TOKEN_CLASSIFICATION": TOKEN}
+#: heads that read the whole sequence at once, by mapping: why each is refused
+_SEQUENCE_HEADS = {
+    "SEQUENCE_CLASSIFICATION": "pools the sequence into one vector (its first or last token, or a mean)",
+    "MULTIPLE_CHOICE": "pools each choice's sequence into one vector (its first token)",
+    "QUESTION_ANSWERING": "picks answer start and end positions out of the whole sequence",
+    "NEXT_SENTENCE_PREDICTION": "classifies the sequence pair from its pooled first token",
+    "PRETRAINING": "adds a next-sentence classifier on the pooled first token",
+}
 
 
-def _kinds() -> dict[str, str | None]:
-    """Class name -> head kind, from transformers' auto mappings (the first mapping that names a class wins)."""
+def _kinds() -> dict[str, str]:
+    """Class name -> head kind (:data:`CAUSAL`, :data:`TOKEN`, ``"base"``, or why a sequence-level head is refused),
+    from transformers' auto mappings."""
     from transformers.models.auto import modeling_auto
 
-    out: dict[str, str | None] = {}
-    for name, kind in _MAPPINGS:
+    out: dict[str, str] = {}
+    base = {"TEXT_ENCODING": "base", "": "base"}  # models without a head (``""``: ``MODEL_MAPPING_NAMES``)
+    for name, kind in (*_TOKEN_HEADS.items(), *_SEQUENCE_HEADS.items(), *base.items()):
         mapping = getattr(modeling_auto, f"MODEL_FOR_{name}_MAPPING_NAMES" if name else "MODEL_MAPPING_NAMES", {})
         for value in mapping.values():
             for cls in (value,) if isinstance(value, str) else value:
@@ -73,7 +85,7 @@ def _kinds() -> dict[str, str | None]:
     return out
 
 
-def _known(model: nn.Module, kinds: Mapping[str, str | None]) -> tuple[type, str | None] | None:
+def _known(model: nn.Module, kinds: Mapping[str, str]) -> tuple[type, str] | None:
     """The class that decides ``model``'s kind: its own (or a base class's), else the outermost module's that the
     mappings name (a wrapper's model)."""
     for module in model.modules():
@@ -105,11 +117,12 @@ def head_kind(model: nn.Module) -> str | None:
     if found is None:
         return None
     cls, kind = found
-    if kind is None:
-        raise TPLowerError(f"context parallelism: {name} ({cls.__name__}) has a sequence-level head: "
-                           f"{_SEQUENCE_HEADS}, and under context parallelism each rank holds a piece of the "
-                           "sequence; parallelize its base model (or a token-level head: causal LM, masked LM, "
-                           "token classification) and pool tplower.gather_sequence(hidden, mesh) yourself")
+    if kind not in (CAUSAL, TOKEN, "base"):
+        head = name if cls is type(model) else f"{name} (a {cls.__name__})"
+        raise TPLowerError(f"context parallelism: {head} has a sequence-level head: it {kind}, and under context "
+                           "parallelism each rank holds a piece of the sequence; parallelize its base model (or a "
+                           "token-level head: causal LM, masked LM, token classification) and pool "
+                           "tplower.gather_sequence(hidden, mesh) yourself")
     return None if kind == "base" else kind
 
 
@@ -197,6 +210,60 @@ class WholeLengthRope:
             return t.narrow(-2, 0, t.shape[-2] - 1) if isinstance(t, torch.Tensor) else t
 
         return tuple(drop(t) for t in output) if isinstance(output, tuple) else drop(output)
+
+
+def _numbers_from_mask(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``position_ids`` and ``attention_mask`` and calls ``cumsum`` (it numbers the
+    tokens from the padding mask when no positions are given)."""
+    code = getattr(inspect.unwrap(getattr(cls, "forward", None) or (lambda: None)), "__code__", None)
+    if code is None:
+        return False
+    params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return "cumsum" in code.co_names and "position_ids" in params and "attention_mask" in params
+
+
+class OwnPositions:
+    """The whole sequence's positions for a model that numbers its tokens itself when none are given.
+
+    Args:
+        model: the model being installed; its text decoder's modules are read once.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.from_ids: Any = None  # the module whose create_position_ids_from_input_ids numbers the tokens
+        self.from_mask: str | None = None
+        for path, module in _in_scope(model):
+            if self.from_ids is None and callable(getattr(module, "create_position_ids_from_input_ids", None)) \
+                    and isinstance(getattr(module, "padding_idx", None), int):
+                self.from_ids = module
+            if self.from_mask is None and _numbers_from_mask(type(module)):
+                self.from_mask = f"{path or 'the model'} ({type(module).__name__})"
+
+    def __call__(self, model: nn.Module, kwargs: dict[str, Any], split: ContextSplit) -> dict[str, Any]:
+        """``kwargs`` with this rank's part of the model's own positions of the whole batch, where it has them.
+
+        Raises:
+            TPLowerError: a padded batch without ``position_ids`` for a model
+                that numbers its tokens from the padding mask (alike on every
+                rank: the split is the same on each).
+        """
+        if split.given_positions:
+            return kwargs
+        m = self.from_ids
+        if m is not None:
+            b, s = split.position_ids.shape
+            whole = m.create_position_ids_from_input_ids(split.input_ids, m.padding_idx) \
+                if split.input_ids is not None else \
+                m.create_position_ids_from_inputs_embeds(split.position_ids.new_empty((b, s, 0)), m.padding_idx)
+            index = split.local_index.to(split.position_ids.device)
+            return {**kwargs, "position_ids": whole.to(split.position_ids.device).index_select(1, index)}
+        mask = split.attention_mask
+        if self.from_mask is not None and mask is not None and not bool(mask.all()):
+            raise TPLowerError(f"{type(model).__name__}: {self.from_mask} numbers the tokens from the padding mask "
+                               "when no position_ids are given, and a rank holds a piece of it; pass the whole "
+                               "batch's position_ids to shard_sequence (as one process numbers them, e.g. "
+                               "attention_mask.cumsum(1) - 1 where the mask is 1)")
+        return kwargs
 
 
 class PooledOutput:

@@ -65,6 +65,11 @@ class ContextSplit:
             targets (``True``) or cut as they are (``False``); ``None``
             without labels. The model's forward pre-hook refuses labels cut
             for the other kind of head.
+        input_ids: ``[batch, S]`` the whole token ids (``None`` for
+            ``inputs_embeds``), and ``given_positions`` whether the batch
+            carried ``position_ids``: a model that numbers its tokens itself
+            when none are given (RoBERTa's from the pad token) gets its own
+            numbering of the whole sequence (:mod:`tplower.context.rules`).
     """
 
     layout: SequenceLayout
@@ -74,6 +79,8 @@ class ContextSplit:
     position_ids: torch.Tensor
     cache: dict[Any, Any] = field(default_factory=dict)
     shifted: bool | None = None
+    input_ids: torch.Tensor | None = None
+    given_positions: bool = True
 
     @property
     def local_index(self) -> torch.Tensor:
@@ -162,8 +169,11 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         t = batch.get(key)
         if isinstance(t, torch.Tensor) and tuple(t.shape[:2]) != (b, s) and not (key == "position_ids" and
                                                                                    tuple(t.shape) == (1, s)):
+            sections = (" (multimodal rope positions, one row per section: context parallelism cuts [batch, "
+                        "sequence] positions; give text positions as such, the model repeats them per section)"
+                        if key == "position_ids" and t.dim() == 3 else "")
             raise TPLowerError(f"shard_sequence: batch[{key!r}] has shape {tuple(t.shape)}; expected [{b}, {s}, ...] "
-                               "like input_ids")
+                               f"like input_ids{sections}")
     _agree(mesh, axis, b, s, main if main.dtype in (torch.int64, torch.int32) else main[..., 0].round())
     layout = SequenceLayout(s, n, balance)
     index = layout.global_index(rank).to(main.device)
@@ -187,7 +197,9 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
             out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     mask = batch.get("attention_mask")
     out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
-                                  shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None)
+                                  shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
+                                  input_ids=batch.get("input_ids"),
+                                  given_positions=batch.get("position_ids") is not None)
     return out
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from .compare import TOL, Outcome
 from .hf_configs import Arch, tiny_model
 
-__all__ = ["compare_context", "context_side"]
+__all__ = ["both_modes", "compare_context", "context_side"]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -75,14 +75,19 @@ def compare_context(ref: torch.nn.Module, mesh: Any, batch: Mapping[str, Any], m
     return diff, max(grads, default=0.0)
 
 
-def context_side(arch: Arch, mesh: Any, ids: torch.Tensor, vocab_size: int | None = None) -> Outcome:
-    """``arch``'s tiny model at cp = the mesh's ``cp`` size, Ulysses then all-gather, against one process."""
-    ref = tiny_model(arch, vocab_size)
+def both_modes(ref: torch.nn.Module, mesh: Any, batch: Mapping[str, Any], *, shift_labels: bool = True,
+               out: str = "logits") -> Outcome:
+    """:func:`compare_context` with Ulysses then all-gather: ``pass`` when both are within :data:`TOL`."""
     worst, grad = 0.0, 0.0
     for mode in ("ulysses", "allgather"):
-        d, g = compare_context(ref, mesh, {"input_ids": ids, "labels": ids}, mode)
+        d, g = compare_context(ref, mesh, batch, mode, shift_labels=shift_labels, out=out)
         if d > TOL or g > TOL:
-            return Outcome("fail", d, f"context_mode={mode!r}: loss/logits {d:.1e}, gradients {g:.1e} > {TOL:.0e}",
+            return Outcome("fail", d, f"context_mode={mode!r}: loss/output {d:.1e}, gradients {g:.1e} > {TOL:.0e}",
                            g)
         worst, grad = max(worst, d), max(grad, g)
     return Outcome("pass", worst, "", grad)
+
+
+def context_side(arch: Arch, mesh: Any, ids: torch.Tensor, vocab_size: int | None = None) -> Outcome:
+    """``arch``'s tiny model at cp = the mesh's ``cp`` size, Ulysses then all-gather, against one process."""
+    return both_modes(tiny_model(arch, vocab_size), mesh, {"input_ids": ids, "labels": ids})
