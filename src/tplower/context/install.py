@@ -26,12 +26,9 @@ process's answer:
   ``P(sum) -> R`` over the axis (an ``all_reduce``; gradient ``R``: each
   rank's local loss keeps gradient 1, as one process's per-token terms do);
 * the model-specific rules one process applies to the whole sequence
-  (:mod:`tplower.context.rules`): labels shifted only for a causal LM (the
-  pre-hook refuses labels cut for the other kind of head), a token head's
-  mean weighted by its share of the labels, rope whose frequencies follow
-  the sequence length given the whole batch's largest position, a base
-  model's pooled output dropped; encoder-decoder models, sequence-level
-  heads and ``encoder_hidden_states`` are refused.
+  (:class:`~tplower.context.rules.ModelRules`: rope, positions, labels, a
+  token head's loss, poolers; encoder-decoders and sequence-level heads
+  refused).
 
 Parameters stay as they are: their gradients are this rank's tokens' part
 (partial over the axis); whoever replicates them over the axis reduces them
@@ -54,17 +51,7 @@ from ..core.errors import TPLowerError
 from ..core.redistribute import redistribute_local
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
-from .rules import (
-    TOKEN,
-    OwnPositions,
-    PooledOutput,
-    WholeLengthRope,
-    check_labels,
-    head_kind,
-    length_rope_modules,
-    poolers,
-    token_loss,
-)
+from .rules import ModelRules
 from .sequence import SPLIT_KEY, ContextSplit, _axis
 
 __all__ = ["INNER", "INSTALL_ATTR", "ContextInstall", "install_context", "installed_context"]
@@ -74,7 +61,6 @@ INSTALL_ATTR = "_tplower_context_install"
 #: attention implementations context parallelism runs inside: their mask is a 4-D tensor it builds whole
 INNER = ("eager", "sdpa")
 _CACHE_KEYS = ("past_key_values", "cache")
-_COUNT = "num_items_in_batch"  # the live entry of a token head's batch: the whole count its loss is weighted by
 _NO_CACHE = ("generate() and KV caches do not run under context parallelism (the cache would hold this rank's "
              "tokens only); generate with a model parallelized without context=")
 
@@ -222,9 +208,9 @@ class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
     def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any],
-                 grad_scale: int, kind: str | None = None, positions: OwnPositions | None = None) -> None:
+                 grad_scale: int, rules: ModelRules | None = None) -> None:
         self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
-        self.grad_scale, self.kind, self.positions = grad_scale, kind, positions
+        self.grad_scale, self.rules = grad_scale, rules
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -238,19 +224,8 @@ class _Hooks:
             raise TPLowerError(f"{type(module).__name__}: the batch was split over axis {split.axis!r} "
                                f"({split.layout.size} ranks); the model runs over {self.axis!r} ({self.size}); "
                                f"call shard_sequence(batch, mesh, {self.axis!r})")
-        if kwargs.get("encoder_hidden_states") is not None:
-            raise TPLowerError(f"{type(module).__name__}: encoder_hidden_states given: cross-attention reads another "
-                               "sequence, which context parallelism does not split or exchange; call it without "
-                               "encoder states, or train it without context=")
-        check_labels(module, self.kind, split, self.axis)
-        if self.positions is not None:
-            kwargs = self.positions(module, kwargs, split)
-        if self.kind == TOKEN and kwargs.get("labels") is not None:  # the head's own mean, weighted in after()
-            self.live[_COUNT] = kwargs.get("num_items_in_batch")
-            kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
-            if self.live[_COUNT] is None:
-                raise TPLowerError(f"{type(module).__name__}: labels without num_items_in_batch; call it with every "
-                                   f"entry of shard_sequence(batch, mesh, {self.axis!r}, shift_labels=False)")
+        if self.rules is not None:
+            kwargs = self.rules.before(module, kwargs, split)
         if not split.layout.local_length(split.rank):
             kwargs = _placeholder(kwargs)
         self.live[SPLIT_KEY] = split
@@ -259,18 +234,12 @@ class _Hooks:
         return args, kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        pooled, count = self.live.get(PooledOutput.KEY), self.live.get(_COUNT)
+        # before the live batch is cleared: the rules read what the call left there
+        output, weigh = self.rules.after(output, kwargs.get("labels")) if self.rules else (output, None)
         self.live.clear()
         split = kwargs.get(SPLIT_KEY)
         if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
             output = _drop_placeholder(output)
-        output = PooledOutput.drop(output, pooled)
-        labels = kwargs.get("labels")
-
-        def whole(loss: torch.Tensor) -> torch.Tensor:
-            if isinstance(labels, torch.Tensor) and count is not None:  # a token head's mean of its own labels
-                loss = token_loss(loss, labels, count)
-            return self.whole(loss)
         if isinstance(output, MutableMapping):
             if output.get("aux_loss") is not None:
                 raise TPLowerError(f"{type(module).__name__}: the router's auxiliary load-balancing loss is a "
@@ -278,11 +247,11 @@ class _Hooks:
                                    "call the model without output_router_logits under context parallelism")
             loss = output.get("loss")
             if isinstance(loss, torch.Tensor):
-                output["loss"] = whole(loss)
+                output["loss"] = self.whole(weigh(loss) if weigh else loss)
             return output
-        if isinstance(output, tuple) and output and labels is not None \
+        if isinstance(output, tuple) and output and kwargs.get("labels") is not None \
                 and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
-            return (whole(output[0]), *output[1:])
+            return (self.whole(weigh(output[0]) if weigh else output[0]), *output[1:])
         return output
 
     def whole(self, loss: torch.Tensor) -> torch.Tensor:
@@ -292,17 +261,6 @@ class _Hooks:
         if self.grad_scale == 1:
             return out
         return out.detach() + self.grad_scale * (out - out.detach())
-
-
-def _rule_hooks(model: nn.Module, live: dict[str, Any]) -> list[Any]:
-    """Hooks of :mod:`tplower.context.rules`: rope given the whole sequence's length, poolers' outputs dropped."""
-    handles = []
-    for path, m in length_rope_modules(model):
-        rope = WholeLengthRope(live, path)
-        handles += [m.register_forward_pre_hook(rope.before, with_kwargs=True),
-                    m.register_forward_hook(rope.after, with_kwargs=True)]
-    pooled = PooledOutput(live)
-    return handles + [m.register_forward_hook(pooled.seen) for _, m in poolers(model)]
 
 
 def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: str = "ulysses", *,
@@ -357,7 +315,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     n, _ = _axis(mesh, axis, "install_context")
     if installed_context(model) is not None:
         raise TPLowerError("install_context: context parallelism is already installed on this model")
-    kind = head_kind(model)  # refuses encoder-decoders and sequence-level heads
+    live: dict[str, Any] = {}
+    rules = ModelRules(model, live, axis)  # refuses encoder-decoders and sequence-level heads
     found = attention_modules(model)
     check_mixers(model, found)
     if not found:
@@ -375,7 +334,6 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             _check_ulysses(path, m, n, axis, tp_size)
     register()
     configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its copy for the inner implementation)
-    live: dict[str, Any] = {}
     attached = []
     for path, m in found:
         own = getattr(m, "config", None) or config
@@ -388,8 +346,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, kind, OwnPositions(model))
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, rules)
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
-               model.register_forward_hook(hooks.after, with_kwargs=True), *_rule_hooks(model, live))
+               model.register_forward_hook(hooks.after, with_kwargs=True), *rules.hooks(model))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),
                                                   "/".join(sorted(set(inners.values()))), handles)

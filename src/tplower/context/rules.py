@@ -42,7 +42,7 @@ one process's here, or refused before any collective:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -52,8 +52,8 @@ from ..core.errors import TPLowerError
 from .discover import _in_scope, text_config
 from .sequence import SPLIT_KEY, ContextSplit
 
-__all__ = ["CAUSAL", "TOKEN", "OwnPositions", "PooledOutput", "WholeLengthRope", "check_labels", "head_kind",
-           "length_rope_modules", "poolers", "token_loss"]
+__all__ = ["CAUSAL", "TOKEN", "ModelRules", "OwnPositions", "PooledOutput", "WholeLengthRope", "check_labels",
+           "head_kind", "length_rope_modules", "poolers", "token_loss"]
 
 #: head kinds: next-token labels (shifted over the whole sequence) and one label per token (cut as they are)
 CAUSAL, TOKEN = "causal", "token"
@@ -302,3 +302,64 @@ def poolers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for path, module in _in_scope(model):
         if path == "pooler" or path.endswith(".pooler"):
             yield path, module
+
+
+class ModelRules:
+    """The rules of one installed model, applied by its forward hooks (:mod:`tplower.context.install`).
+
+    Args:
+        model: the model being installed (its head's kind and its own position numbering are read once).
+        live: the model's running batch, shared with its attention modules (``{"context_split": split}`` during
+            its forward; the rules leave a token head's count and a pooler's output there for the forward hook).
+        axis: the context-parallel axis, for messages.
+
+    Raises:
+        TPLowerError: an encoder-decoder model or a sequence-level head (:func:`head_kind`).
+    """
+
+    COUNT = "num_items_in_batch"
+
+    def __init__(self, model: nn.Module, live: dict[str, Any], axis: str) -> None:
+        self.kind, self.positions, self.live, self.axis = head_kind(model), OwnPositions(model), live, axis
+
+    def hooks(self, model: nn.Module) -> list[Any]:
+        """Register the module hooks: rope given the whole sequence's length, poolers' outputs dropped."""
+        handles = []
+        for path, m in length_rope_modules(model):
+            rope = WholeLengthRope(self.live, path)
+            handles += [m.register_forward_pre_hook(rope.before, with_kwargs=True),
+                        m.register_forward_hook(rope.after, with_kwargs=True)]
+        pooled = PooledOutput(self.live)
+        return handles + [m.register_forward_hook(pooled.seen) for _, m in poolers(model)]
+
+    def before(self, model: nn.Module, kwargs: dict[str, Any], split: ContextSplit) -> dict[str, Any]:
+        """The model's call as its rules take it (before any collective; alike on every rank).
+
+        Raises:
+            TPLowerError: ``encoder_hidden_states`` given; labels cut for the other kind of head
+                (:func:`check_labels`); a padded batch without positions for a model that numbers them from
+                the mask (:class:`OwnPositions`); a token head's labels without ``num_items_in_batch``.
+        """
+        name = type(model).__name__
+        if kwargs.get("encoder_hidden_states") is not None:
+            raise TPLowerError(f"{name}: encoder_hidden_states given: cross-attention reads another sequence, which "
+                               "context parallelism does not split or exchange; call it without encoder states, or "
+                               "train it without context=")
+        check_labels(model, self.kind, split, self.axis)
+        kwargs = self.positions(model, kwargs, split)
+        if self.kind == TOKEN and kwargs.get("labels") is not None:  # the head's own mean, weighted after it
+            if kwargs.get(self.COUNT) is None:
+                raise TPLowerError(f"{name}: labels without num_items_in_batch; call it with every entry of "
+                                   f"shard_sequence(batch, mesh, {self.axis!r}, shift_labels=False)")
+            self.live[self.COUNT] = kwargs[self.COUNT]
+            kwargs = {k: v for k, v in kwargs.items() if k != self.COUNT}
+        return kwargs
+
+    def after(self, output: Any, labels: Any) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor] | None]:
+        """The model's outputs without a pooled first token, and what makes a token head's loss this rank's part
+        of the whole mean (``None``: the loss already is)."""
+        output = PooledOutput.drop(output, self.live.get(PooledOutput.KEY))
+        count = self.live.get(self.COUNT)
+        if count is None or not isinstance(labels, torch.Tensor):
+            return output, None
+        return output, lambda loss: token_loss(loss, labels, count)
