@@ -58,6 +58,20 @@ def _rope(kind: str, rope: dict[str, Any], **over: Any) -> Callable[[], torch.nn
     return build
 
 
+def _gemma3_rope() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tplower.run.hf_configs import tiny_config
+
+    config = tiny_config("gemma3_text")
+    config.max_position_embeddings, config.layer_types = 32, ["sliding_attention", "full_attention"]
+    config.rope_parameters = {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    torch.manual_seed(0)
+    model: torch.nn.Module = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.float()
+
+
 _BERT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "intermediate_size": 64, "type_vocab_size": 2, "max_position_embeddings": 64}
 _MODERNBERT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
@@ -90,6 +104,8 @@ RULES = {
                                           "short_factor": [1.0] * _FACTORS, "long_factor": [4.0] * _FACTORS,
                                           "original_max_position_embeddings": 32},
                                 max_position_embeddings=128), {**WHOLE, "labels": WHOLE["input_ids"]}, "allgather"),
+    # rope parameters per layer type: Gemma 3's rotary module keeps one inv_freq per type, the full layers' dynamic
+    "rope-dynamic-per-layer-type": Rule(_gemma3_rope, {**WHOLE, "labels": WHOLE["input_ids"]}, "allgather"),
     # item 3: transformers stores sliding_window 6 as 4 and Gemma 3 masks |q - k| < 4
     "gemma3-bidirectional-ulysses": Rule(_transformers("Gemma3TextModel", "Gemma3TextConfig", **_GEMMA3),
                                          {"input_ids": IDS, "attention_mask": MASK}, out="last_hidden_state"),

@@ -160,8 +160,8 @@ def length_rope_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The rotary modules of ``model``'s text decoder whose frequencies follow the sequence length."""
     for path, module in _in_scope(model):
         if _length_dependent(getattr(module, "rope_type", None)) and \
-                isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-            yield path, module
+                any(name.endswith("inv_freq") for name, _ in module.named_buffers(recurse=False)):
+            yield path, module  # inv_freq, or one per layer type (Gemma 3's full_attention_inv_freq, ...)
 
 
 class WholeLengthRope:

@@ -50,12 +50,15 @@ class ContextRow:
 
 
 def _llama(rope: dict[str, Any], model_type: str = "llama", **over: Any) -> Callable[[], nn.Module]:
+    """A tiny causal LM of ``model_type`` with ``rope`` as its ``rope_parameters`` (with ``rope_theta`` 10000, unless
+    ``rope`` holds one dict per layer type) and 32 positions unless ``over`` says."""
     def build() -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         config = tiny_config(model_type)
-        for key, value in {"max_position_embeddings": _SWITCH, **over,
-                           "rope_parameters": {"rope_theta": 10000.0, **rope}}.items():
+        per_type = all(isinstance(v, dict) for v in rope.values())
+        parameters = rope if per_type else {"rope_theta": 10000.0, **rope}
+        for key, value in {"max_position_embeddings": _SWITCH, **over, "rope_parameters": parameters}.items():
             setattr(config, key, value)
         torch.manual_seed(0)
         model: nn.Module = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -95,6 +98,11 @@ ROWS: dict[str, ContextRow] = {
     "llama-rope-llama3": ContextRow("rope `llama3`", _llama({"rope_type": "llama3", "factor": 8.0,
                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0, **_LONG},
                                                            max_position_embeddings=128), "causal"),
+    "gemma3-rope-dynamic-per-layer-type": ContextRow(
+        "rope `dynamic` on the full layers only (one `inv_freq` per layer type)",
+        _llama({"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, "gemma3_text",
+               layer_types=["sliding_attention", "full_attention"]), "causal"),
     "phi3-longrope": ContextRow("Phi-3 `longrope`", _llama({"rope_type": "longrope", "short_factor": [1.0] * _FACTORS,
                                                            "long_factor": [4.0] * _FACTORS, **_LONG}, "phi3",
                                                           max_position_embeddings=128, **_LONG), "causal"),
