@@ -66,7 +66,8 @@ _SEQUENCE_HEADS = {
     "MULTIPLE_CHOICE": "pools each choice's sequence into one vector (its first token)",
     "QUESTION_ANSWERING": "picks answer start and end positions out of the whole sequence",
     "NEXT_SENTENCE_PREDICTION": "classifies the sequence pair from its pooled first token",
-    "PRETRAINING": "adds a next-sentence classifier on the pooled first token",
+    "PRETRAINING": "combines heads, some over the whole sequence (BERT's next-sentence classifier on the pooled first "
+                   "token)",
 }
 
 
