@@ -8,7 +8,9 @@ with what a parallelized model needs to give one process's answer:
   rotary embeddings and masks follow the whole sequence;
 * ``labels``/``shift_labels``: the labels shifted by one over the whole
   sequence *before* the split (the last token of a piece predicts the first
-  token of the next piece), and ``num_items_in_batch``, the count of labels
+  token of the next piece; a masked LM's or a token classifier's labels,
+  one per token, are cut as they are with ``shift_labels=False``), and
+  ``num_items_in_batch``, the count of labels
   that are not ``ignore_index`` in the whole batch: transformers' causal-LM
   loss then sums this rank's token losses and divides by the whole count, so
   the model's loss, summed over the axis, is one process's mean. A
@@ -59,6 +61,15 @@ class ContextSplit:
             packed documents start).
         cache: masks built from these, per kind of attention (filled by the
             attention as it runs; one batch's lifetime).
+        shifted: whether the batch's labels were shifted as next-token
+            targets (``True``) or cut as they are (``False``); ``None``
+            without labels. The model's forward pre-hook refuses labels cut
+            for the other kind of head.
+        input_ids: ``[batch, S]`` the whole token ids (``None`` for
+            ``inputs_embeds``), and ``given_positions`` whether the batch
+            carried ``position_ids``: a model that numbers its tokens itself
+            when none are given (RoBERTa's from the pad token) gets its own
+            numbering of the whole sequence (:mod:`tplower.context.rules`).
     """
 
     layout: SequenceLayout
@@ -67,6 +78,9 @@ class ContextSplit:
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     cache: dict[Any, Any] = field(default_factory=dict)
+    shifted: bool | None = None
+    input_ids: torch.Tensor | None = None
+    given_positions: bool = True
 
     @property
     def local_index(self) -> torch.Tensor:
@@ -101,7 +115,7 @@ def _agree(mesh: DeviceMesh, axis: str, batch: int, length: int, ids: torch.Tens
 
 
 def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp", *, balance: bool = True,
-                   ignore_index: int = -100) -> dict[str, Any]:
+                   ignore_index: int = -100, shift_labels: bool = True) -> dict[str, Any]:
     """This rank's part of a whole batch, cut on the sequence dim over ``mesh[axis]``; collective over the axis.
 
     Args:
@@ -119,15 +133,22 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
             ``2n-1-r`` of ``2n``), so causal attention costs the same on every
             rank; ``False``: one contiguous piece per rank.
         ignore_index: the label that counts for nothing (the shifted-in last label).
+        shift_labels: ``True`` for a causal LM (each token predicts the next
+            token's label: shifted over the whole sequence before the cut);
+            ``False`` for a head that scores each token against its own label
+            (masked LM, token classification: cut as they are). A model
+            parallelized with ``context=`` refuses labels cut for the other
+            kind of head.
 
     Returns:
         A new dict: the sequence entries cut to this rank's tokens
         (``torch.chunk`` pieces; a length that does not divide gives uneven
         pieces, down to none), ``position_ids`` of the tokens' global
         positions, with ``labels`` the globally shifted labels of this rank's
-        tokens (also as ``shift_labels``) and ``num_items_in_batch`` (the
-        given one, else this batch's count of shifted labels that are not
-        ``ignore_index``), and
+        tokens (also as ``shift_labels``; with ``shift_labels=False`` its
+        labels as they are) and ``num_items_in_batch`` (the given one, else
+        this batch's count of those labels that are not ``ignore_index``),
+        and
         ``context_split`` (:class:`ContextSplit`).
 
     Raises:
@@ -148,8 +169,11 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         t = batch.get(key)
         if isinstance(t, torch.Tensor) and tuple(t.shape[:2]) != (b, s) and not (key == "position_ids" and
                                                                                    tuple(t.shape) == (1, s)):
+            sections = (" (multimodal rope positions, one row per section: context parallelism cuts [batch, "
+                        "sequence] positions; give text positions as such, the model repeats them per section)"
+                        if key == "position_ids" and t.dim() == 3 else "")
             raise TPLowerError(f"shard_sequence: batch[{key!r}] has shape {tuple(t.shape)}; expected [{b}, {s}, ...] "
-                               "like input_ids")
+                               f"like input_ids{sections}")
     _agree(mesh, axis, b, s, main if main.dtype in (torch.int64, torch.int32) else main[..., 0].round())
     layout = SequenceLayout(s, n, balance)
     index = layout.global_index(rank).to(main.device)
@@ -165,12 +189,17 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
     out["position_ids"] = positions.index_select(1, index)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor):
-        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
-        out["labels"] = out["shift_labels"] = shifted.index_select(1, index)
+        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1) if shift_labels else labels
+        out["labels"] = shifted.index_select(1, index)
+        if shift_labels:
+            out["shift_labels"] = out["labels"]
         if batch.get("num_items_in_batch") is None:  # a given count (over every micro-batch) is the caller's
             out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     mask = batch.get("attention_mask")
-    out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions)
+    out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
+                                  shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
+                                  input_ids=batch.get("input_ids"),
+                                  given_positions=batch.get("position_ids") is not None)
     return out
 
 
