@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .discover import _in_scope, text_config
 from .sequence import SPLIT_KEY, ContextSplit
 

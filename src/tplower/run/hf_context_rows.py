@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .compare import Outcome, guarded, merge
 from .hf_configs import tiny_config
 from .hf_context import both_modes
