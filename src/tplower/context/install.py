@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
 from .rules import ModelRules
@@ -307,7 +308,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     if not isinstance(axis, str):
         raise TypeError(f"install_context: axis must be a mesh axis name (str), got {type(axis).__name__}")
     if mode not in MODES:
-        raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}")
+        raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}"
+                           f"{closest(str(mode), MODES)}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise TPLowerError(f"install_context: tp_size={tp_size!r} must be an int >= 1")
     if not isinstance(grad_scale, int) or grad_scale < 1:

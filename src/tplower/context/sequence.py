@@ -21,7 +21,13 @@ with what a parallelized model needs to give one process's answer:
 * ``context_split``: a :class:`ContextSplit` (the layout and the whole
   ``attention_mask`` and ``position_ids``, small ``[batch, S]`` integers),
   which the model's attention reads to build each rank's mask rows from the
-  global positions.
+  global positions, and which says what cut the batch (axis, ranks, balance):
+  :func:`gather_sequence` reads the balance from it, and a model
+  parallelized without context parallelism refuses a part that carries it
+  (:mod:`tplower.nn.calls`). A transformers model never parallelized cannot
+  refuse it: its forward passes unknown keywords on to its attention and loss
+  functions, which ignore them, so it runs this rank's tokens as a whole
+  sequence; give a part only to a model parallelized with ``context=axis``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..core.lower.collectives import _all_gather_base
 from ..core.lower.redistribute import redistribute_local
 from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 from .layout import SequenceLayout
 
 __all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
@@ -88,12 +95,20 @@ class ContextSplit:
         return self.layout.global_index(self.rank)
 
 
+def _hint(axis: str, names: tuple[str, ...]) -> str:
+    """The way out for a context axis the mesh lacks: the mesh's axis it most likely means (by spelling, else
+    ``'cp'``), or making the mesh with it."""
+    near = closest(axis, names, fallback="cp")
+    if near:
+        return f"{near}; pass the mesh's context-parallel axis by its name"
+    return (f"; make the mesh with a {axis!r} axis (init_device_mesh(..., mesh_dim_names=(..., {axis!r}, ...)))")
+
+
 def _axis(mesh: DeviceMesh, axis: str, where: str) -> tuple[int, int]:
     check_mesh(mesh, "mesh", where)
     names = tuple(mesh.mesh_dim_names or ())
     if axis not in names:
-        raise TPLowerError(f"{where}: axis={axis!r} is not an axis of the mesh {names}; make the mesh with a "
-                           f"{axis!r} axis (init_device_mesh(..., mesh_dim_names=(..., {axis!r}, ...)))")
+        raise TPLowerError(f"{where}: axis={axis!r} is not an axis of the mesh {names}{_hint(axis, names)}")
     return mesh.size(names.index(axis)), mesh.get_local_rank(axis)
 
 
@@ -203,26 +218,63 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
     return out
 
 
+def _split_of(split: ContextSplit | Mapping[str, Any], axis: str, n: int) -> ContextSplit:
+    """The :class:`ContextSplit` of ``split`` (a :func:`shard_sequence` part or its split), refused unless it was
+    cut over ``axis`` of ``n`` ranks."""
+    found = split.get(SPLIT_KEY) if isinstance(split, Mapping) else split
+    if not isinstance(found, ContextSplit):
+        raise TPLowerError(f"gather_sequence: split must be the part shard_sequence returned (or its "
+                           f"{SPLIT_KEY!r}), got {type(split).__name__}" +
+                           (f" without {SPLIT_KEY!r}" if isinstance(split, Mapping) else ""))
+    if found.axis != axis or found.layout.size != n:
+        raise TPLowerError(f"gather_sequence: the split was cut over axis {found.axis!r} ({found.layout.size} "
+                           f"ranks); this gather runs over {axis!r} ({n}); gather over axis={found.axis!r}")
+    return found
+
+
+def _balance(split: ContextSplit | Mapping[str, Any] | None, balance: bool | None, axis: str, n: int) -> bool:
+    """The balance to gather with: the split's (a ``balance`` given beside it must agree), else ``balance``,
+    else ``True`` (:func:`shard_sequence`'s default)."""
+    if split is None:
+        return True if balance is None else bool(balance)
+    cut = _split_of(split, axis, n).layout.balance
+    if balance is not None and bool(balance) != cut:
+        raise TPLowerError(f"gather_sequence: balance={balance!r}, but shard_sequence cut this batch with "
+                           f"balance={cut}; drop balance= (the split gives it)")
+    return cut
+
+
 def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: int = 1, *,
-                    balance: bool = True) -> torch.Tensor:
+                    balance: bool | None = None,
+                    split: ContextSplit | Mapping[str, Any] | None = None) -> torch.Tensor:
     """The whole of a tensor cut on ``dim`` by :func:`shard_sequence`, in the original token order; collective.
 
     Args:
         t: this rank's part, e.g. logits ``[B, local S, V]``.
-        mesh, axis, balance: as given to :func:`shard_sequence`.
+        mesh, axis: as given to :func:`shard_sequence`.
         dim: the sequence dim of ``t``.
+        balance: as given to :func:`shard_sequence`; default: the ``split``'s,
+            else ``True`` (its default). At an even length both cuts give
+            every rank as many tokens, so a wrong ``balance`` cannot be told
+            from ``t``: pass ``split`` and the cut is read from it.
+        split: the part :func:`shard_sequence` returned (or its
+            ``context_split``): the balance is read from it.
 
     Returns:
         ``[..., S, ...]`` on every rank of the axis. Differentiable: the
         gradient of the whole goes back as this rank's tokens' rows.
 
     Raises:
-        TPLowerError: an axis the mesh lacks, or local lengths that are not
-            the pieces of one layout (alike on every rank).
+        TPLowerError: an axis the mesh lacks (naming the axis it most likely
+            means), a ``split`` cut over another axis, a ``balance`` that is
+            not the ``split``'s (all before any collective), or local lengths
+            that are not the pieces of one layout (alike on every rank).
+        TypeError: ``t`` is not a tensor.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"gather_sequence: t must be a torch.Tensor, got {type(t).__name__}")
     n, _ = _axis(mesh, axis, "gather_sequence")
+    balance = _balance(split, balance, axis, n)
     d = dim % t.dim()
     group = mesh.get_group(axis)
     mine = torch.tensor([t.shape[d]], dtype=torch.int64)
