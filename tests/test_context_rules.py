@@ -25,8 +25,8 @@ from context_cases import _grads, batch, tiny
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
-from tplower.core.support.errors import TPLowerError
 from tplower.core.lower.traffic import CollectiveTraffic
+from tplower.core.support.errors import TPLowerError
 from tplower.run.hf_context import compare_context
 from tplower.testing import run_threaded
 
