@@ -76,8 +76,7 @@ _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _FC = torch.ops._c10d_functional
 
 
-def _tracing() -> bool:
-    return torch.compiler.is_compiling()
+_tracing = torch.compiler.is_compiling  # bound once: read on every call
 
 
 def _fc_all_reduce(x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:

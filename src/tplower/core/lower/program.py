@@ -24,6 +24,9 @@ from .overlap import PendingReduce, all_reduce_start
 
 __all__ = ["Program"]
 
+_apply = C.LoweredTransition.apply  # bound once: read on every call
+_grad_enabled = torch.is_grad_enabled
+
 
 def _released_step(x: torch.Tensor) -> torch.Tensor:
     raise TPLowerError("this tplower program's process groups were destroyed (dist.destroy_process_group() or "
@@ -83,7 +86,7 @@ class Program:
         """Run forward; differentiable through :class:`~tplower.core.lower.collectives.LoweredTransition`."""
         if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
             return self.forward[0](local)
-        if local.requires_grad and torch.is_grad_enabled():
-            out: torch.Tensor = C.LoweredTransition.apply(local, self)
+        if local.requires_grad and _grad_enabled():
+            out: torch.Tensor = _apply(local, self)
             return out
         return C.run_steps(local, self.forward)

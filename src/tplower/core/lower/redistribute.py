@@ -372,8 +372,8 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     group orders its ranks differently (DTensor gets uneven shards wrong there).
 
     A call whose arguments were seen before (the same mesh object, placements
-    given as the same strings or tuples, global shape, local shape and
-    device) goes straight to its program (:mod:`tplower.core.lower.callcache`);
+    holding the same strings or placements, as a string, tuple, list or
+    mapping, global shape, local shape and device) goes straight to its program (:mod:`tplower.core.lower.callcache`);
     every other call is checked in full first.
     """
     if not _is_compiling():
