@@ -29,6 +29,12 @@ the start of every run: on a shared machine read the spread, not one number.
 With ``--compile`` the compiled rows are timed too (``tplower_compiled`` over
 ``dtensor_compiled`` per run); compiling takes minutes per run on a few CPU
 cores.
+
+With ``--fake`` each run is ``benchmarks/step_overhead.py`` instead (this
+tree's script, on either side's tplower): the same copies in one process on a
+``fake`` group, no communication, so the ratios are CPU work alone, far less
+disturbed by a shared machine's scheduling than two real ranks; a change to
+tplower's per-call work shows there first. ``--reps`` is then its rounds.
 """
 
 from __future__ import annotations
@@ -62,18 +68,25 @@ def _driver(reps: int, model: str | None, compile_backend: str | None) -> None:
     print(MARK + json.dumps({"tplower": tplower.__file__, "rows": [{k: r[k] for k in keep} for r in rows]}))
 
 
-def _run(src: Path, reps: int, model: str | None, compile_backend: str | None) -> dict[str, Any]:
-    """One model phase on the tplower under ``src``, in a fresh process; its rows by variant and the load."""
+def _run(src: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One model phase (or fake-group step, ``--fake``) on the tplower under ``src``, in a fresh process."""
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     load = os.getloadavg()[0]
-    cmd = [sys.executable, __file__, "--driver", "--reps", str(reps)]
-    cmd += ["--model", model] if model else []
-    cmd += ["--compile", compile_backend] if compile_backend else []
+    if args.fake:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--rounds", str(args.reps),
+               "--copies", "tplower,megatron,dtensor", "--json"]
+    else:
+        cmd = [sys.executable, __file__, "--driver", "--reps", str(args.reps)]
+        cmd += ["--model", args.model] if args.model else []
+        cmd += ["--compile", args.compile] if args.compile else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(MARK)), None)
+    mark = "STEP-JSON " if args.fake else MARK
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(mark)), None)
     if done.returncode or line is None:
-        raise SystemExit(f"ab.py: the model phase on {src} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    got = json.loads(line[len(MARK):])
+        raise SystemExit(f"ab.py: the run on {src} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    got = json.loads(line[len(mark):])
+    if args.fake:
+        return {"load": load, "rows": {k: {"train_step_ms": v["step"]} for k, v in got.items()}}
     if not Path(got["tplower"]).resolve().is_relative_to(src.resolve()):
         raise SystemExit(f"ab.py: the run meant for {src} imported tplower from {got['tplower']}")
     return {"load": load, "rows": {r["variant"]: r for r in got["rows"]}}
@@ -114,6 +127,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model of tplower run (default all-MiniLM-L6-v2)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="also time the compiled copies (backend, default inductor)")
+    parser.add_argument("--fake", action="store_true",
+                        help="time benchmarks/step_overhead.py (one process, fake group: CPU work alone) instead")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.driver:
@@ -131,13 +146,14 @@ def main() -> None:
 
 def _compare(this: Path, rev: Path, args: argparse.Namespace) -> None:
     sides = {"this": this, args.rev: rev}
-    print(f"model step, tp=2, {args.reps} rounds a run, {args.pairs} pairs; this tree vs {args.rev}", flush=True)
+    what = "fake-group step (CPU work alone)" if args.fake else "model step"
+    print(f"{what}, tp=2, {args.reps} rounds a run, {args.pairs} pairs; this tree vs {args.rev}", flush=True)
     pairs: list[dict[str, dict[str, float]]] = []
     for i in range(args.pairs):
         order = list(sides) if i % 2 == 0 else list(sides)[::-1]
         pair: dict[str, dict[str, float]] = {}
         for side in order:
-            run = _run(sides[side], args.reps, args.model, args.compile)
+            run = _run(sides[side], args)
             pair[side] = {**_ratios(run), "load": run["load"]}
             cells = "  ".join(f"{k} {v:.3f}" for k, v in pair[side].items() if k not in ("load", "ref_ms"))
             print(f"  pair {i + 1} {side:>10s}: load {run['load']:.1f}  hand {pair[side]['ref_ms']:.1f} ms  {cells}",
