@@ -31,7 +31,7 @@ import torch.distributed as dist
 PARTS = ("zero_grad", "forward", "backward", "optimizer", "step")
 
 
-def _copies(names: list[str], world: int) -> tuple[dict[str, Any], Callable[[str], list[float]]]:
+def _copies(names: list[str], world: int, sentences_n: int = 16) -> tuple[dict[str, Any], Callable[[str], list[float]]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tplower.bench.model import _copies as bench_copies
@@ -46,7 +46,7 @@ def _copies(names: list[str], world: int) -> tuple[dict[str, Any], Callable[[str
     made = bench_copies(MINILM, mesh, mesh.get_group("tp"), lambda: load_model(MINILM)[0])
     models = {k: made[k] for k in names}
     _, tok = load_model(MINILM)
-    batch = task.make_batch(MINILM, tok, sentences()[:16])
+    batch = task.make_batch(MINILM, tok, sentences()[:sentences_n])
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
     def step(key: str) -> list[float]:
@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="repeat the measurement (default 1)")
     parser.add_argument("--copies", default="tplower,megatron,dtensor",
                         help="copies to time; ratios are to megatron's step (default tplower,megatron,dtensor)")
+    parser.add_argument("--sentences", type=int, default=16,
+                        help="batch size, even (default 16, the model phase's); 2 leaves mostly the per-call overhead")
     parser.add_argument("--json", action="store_true", help="also print each run's medians as one JSON line")
     args = parser.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -91,8 +93,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     names = args.copies.split(",")
-    _, step = _copies(names, args.world)
-    print(f"MiniLM train step, fake group of {args.world} (no communication), one process, "
+    _, step = _copies(names, args.world, args.sentences)
+    print(f"MiniLM train step, {args.sentences} sentences, fake group of {args.world} (no communication), one process, "
           f"{args.rounds} interleaved rounds a run, medians in ms; load {os.getloadavg()[0]:.1f}")
     ratios: dict[str, list[float]] = {k: [] for k in names if k != "megatron"}
     for run in range(args.runs):

@@ -40,6 +40,7 @@ from .backends import (  # re-exported: the names collectives always had
 __all__ = [
     "BackendCaps",
     "LoweredTransition",
+    "OwnedTransition",
     "StepProgram",
     "all_gather",
     "all_reduce",
@@ -162,17 +163,21 @@ def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: 
     return out
 
 
-def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True,
+               inplace: bool = False) -> torch.Tensor:
     """``P(op) -> R``: reduce every rank's value; shape unchanged.
 
     With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``.
+    ``inplace``: reduce ``x`` itself when it is contiguous (the caller owns it:
+    :meth:`tplower.core.lower.program.Program.run_owned`) and return it; by
+    default ``x`` is never modified and the result is a new tensor.
     Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
     """
     if _tracing() and x.numel():
         if op == "avg" and not native:
             return _fc_all_reduce(x, "sum", group) / n
         return _fc_all_reduce(x, op, group)
-    out = x.clone(memory_format=torch.contiguous_format)
+    out = x if inplace and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     if not out.numel():
         return out
     if op == "avg" and not native:
@@ -358,6 +363,24 @@ class LoweredTransition(torch.autograd.Function):
             raise RuntimeError("tplower transitions are differentiable once; double backward "
                                "(create_graph=True) through them is not supported")
         return run_steps(grad.contiguous(), ctx.program.backward), None
+
+
+class OwnedTransition(LoweredTransition):
+    """:class:`LoweredTransition` whose forward runs ``program.forward_owned``: steps that may write into ``x``.
+
+    For an input no one else reads (a layer's own fresh output): ``x`` is
+    marked dirty, so autograd sees the in-place write (a saved reference to
+    ``x`` would raise at backward, never read a changed value). Backward as
+    :class:`LoweredTransition`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, program: StepProgram) -> torch.Tensor:  # type: ignore[override]
+        ctx.program = program
+        out = run_steps(x, program.forward_owned)  # type: ignore[attr-defined]
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
 
 class _KeepBackward(torch.autograd.Function):
