@@ -208,3 +208,36 @@ def test_all_to_all_copies_once_a_side_at_most_and_only_where_the_pieces_are_not
         for case, (fwd, bwd, value_ok, grad_ok) in got.items():
             assert value_ok and grad_ok, case  # the global tensor's piece, and the gradient come back
             assert (fwd, bwd) == _A2A_COPIES[case], case
+
+
+def _owned_body(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    prog = mesh_lowerer(mesh).program("P(sum)", "R", (2, 3), "cpu")
+    want = sum(torch.full((2, 3), float(r + 1)) for r in range(world))  # every rank's value, summed
+    w = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    fresh = w * 1.0  # a fresh non-leaf: reduced in place, its history now ends in the reduction
+    out = prog.run_owned(fresh)
+    out.backward(torch.ones(2, 3))  # P -> R with gradient R: the identity backward
+    got = {"in place": out is fresh and torch.equal(out, want), "grad": torch.equal(w.grad, torch.ones(2, 3))}
+    leaf = torch.full((2, 3), float(rank + 1), requires_grad=True)  # a leaf that requires grad: copied
+    got["leaf kept"] = torch.equal(prog.run_owned(leaf), want) and torch.equal(leaf, torch.full((2, 3), rank + 1.0))
+    base = torch.full((4, 3), float(rank + 1))
+    view = base[:2]  # a view: copied, its base untouched
+    got["view kept"] = torch.equal(prog.run_owned(view), want) and torch.equal(base, torch.full((4, 3), rank + 1.0))
+    saved = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    y = saved.exp()  # exp saves its output for backward: a write into it must be seen, never read stale
+    prog.run_owned(y)
+    try:
+        y.sum().backward()
+        got["saved output refused"] = False
+    except RuntimeError as exc:
+        got["saved output refused"] = "modified by an inplace operation" in str(exc)
+    plain = mesh_lowerer(mesh).program("S(0)", "R", (2, 3), "cpu")  # not one all_reduce: as __call__
+    x = torch.full((2, 3), float(rank))
+    got["other programs as call"] = plain.forward_owned is None and torch.equal(plain.run_owned(x), plain(x))
+    return got
+
+
+def test_run_owned_reduces_a_fresh_tensor_in_place_and_copies_everything_else():
+    for got in run_threaded(2, _owned_body):
+        assert all(got.values()), got
