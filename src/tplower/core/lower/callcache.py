@@ -87,6 +87,9 @@ def _entry_key(p: object) -> object:
 
 _SHARD_TEXT = {d: f"S({d})" for d in range(-8, 8)}
 _PARTIAL_TEXT = {op: f"P({op})" for op in ("sum", "avg", "max", "min")}
+#: the keys of one-axis specs of one ``Shard`` or ``Replicate``, made once (no tuple made per call)
+_SHARD_KEYS = {d: (text,) for d, text in _SHARD_TEXT.items()}
+_REPLICATE_KEY = ("R",)
 
 
 def _snapshot(spec: object) -> object:
@@ -96,8 +99,14 @@ def _snapshot(spec: object) -> object:
     """
     kind = type(spec)
     if kind is list or kind is tuple:
-        if len(spec) == 1:  # type: ignore[arg-type]  # one mesh axis, the common case: no map object
-            return (_entry_key(spec[0]),)  # type: ignore[index]
+        if len(spec) == 1:  # type: ignore[arg-type]  # one mesh axis, the common case: a key made beforehand
+            p = spec[0]  # type: ignore[index]
+            kind = type(p)
+            if kind is Replicate:
+                return _REPLICATE_KEY
+            if kind is Shard:
+                return _SHARD_KEYS.get(p.dim) or (_entry_key(p),)
+            return (_entry_key(p),)
         return tuple(map(_entry_key, spec))  # type: ignore[call-overload]
     if kind is dict:
         return (_MAPPING, *spec.items())  # type: ignore[attr-defined]
