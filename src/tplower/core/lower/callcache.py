@@ -87,8 +87,9 @@ def _entry_key(p: object) -> object:
 
 _SHARD_TEXT = {d: f"S({d})" for d in range(-8, 8)}
 _PARTIAL_TEXT = {op: f"P({op})" for op in ("sum", "avg", "max", "min")}
-#: the keys of one-axis specs of one ``Shard`` or ``Replicate``, made once (no tuple made per call)
+#: the keys of one-axis specs of one ``Shard``, ``Partial`` or ``Replicate``, made once (no tuple made per call)
 _SHARD_KEYS = {d: (text,) for d, text in _SHARD_TEXT.items()}
+_PARTIAL_KEYS = {op: (text,) for op, text in _PARTIAL_TEXT.items()}
 _REPLICATE_KEY = ("R",)
 
 
@@ -106,6 +107,8 @@ def _snapshot(spec: object) -> object:
                 return _REPLICATE_KEY
             if kind is Shard:
                 return _SHARD_KEYS.get(p.dim) or (_entry_key(p),)
+            if kind is Partial:
+                return _PARTIAL_KEYS.get(p.reduce_op) or (_entry_key(p),)
             return (_entry_key(p),)
         return tuple(map(_entry_key, spec))  # type: ignore[call-overload]
     if kind is dict:
