@@ -75,8 +75,6 @@ _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # ``dist.*`` calls would trace to the same node plus a buffer and a copy into it (dynamo's remap), around every
 # collective. Eager keeps the in-place calls: about 10 us cheaper a call on CPU than the functional ops.
 _FC = torch.ops._c10d_functional
-
-
 _tracing = torch.compiler.is_compiling  # bound once: read on every call
 
 
@@ -167,11 +165,9 @@ def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native:
                inplace: bool = False) -> torch.Tensor:
     """``P(op) -> R``: reduce every rank's value; shape unchanged.
 
-    With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``.
-    ``inplace``: reduce ``x`` itself when it is contiguous (the caller owns it:
-    :meth:`tplower.core.lower.program.Program.run_owned`) and return it; by
-    default ``x`` is never modified and the result is a new tensor.
-    Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
+    With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``. ``inplace``: reduce a contiguous ``x`` itself
+    and return it (its caller owns it: :meth:`tplower.core.lower.program.Program.run_owned`); by default ``x``
+    is never modified. Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
     """
     if _tracing() and x.numel():
         if op == "avg" and not native:
@@ -366,13 +362,9 @@ class LoweredTransition(torch.autograd.Function):
 
 
 class OwnedTransition(LoweredTransition):
-    """:class:`LoweredTransition` whose forward runs ``program.forward_owned``: steps that may write into ``x``.
-
-    For an input no one else reads (a layer's own fresh output): ``x`` is
-    marked dirty, so autograd sees the in-place write (a saved reference to
-    ``x`` would raise at backward, never read a changed value). Backward as
-    :class:`LoweredTransition`.
-    """
+    """:class:`LoweredTransition` running ``program.forward_owned``, steps that may write into ``x`` (an input no
+    one else reads). ``x`` is marked dirty: a saved reference to it raises at backward, never reads a changed
+    value. Backward as :class:`LoweredTransition`."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, program: StepProgram) -> torch.Tensor:  # type: ignore[override]
