@@ -33,13 +33,17 @@ def test_tiny_bench_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.C
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"
     code = main(["bench", "--quick", "--out", str(out), "--worlds", "2", "--sizes", "1KiB",
-                 "--cases", "S(0)->R;P(sum)->S(0)", "--reps", "2", "--phases", "micro,memory"])
+                 "--cases", "S(0)->R;P(sum)->S(0);S(0)->S(1)", "--reps", "2", "--phases", "micro,memory"])
     assert code == 0
     text = capsys.readouterr().out
     assert "| world | transition |" in text and "tplower/raw" in text
     data = json.loads((out / "bench.json").read_text())
     impls = {r["impl"] for r in data["micro"]}
     assert {"raw", "tplower", "seed_op", "dtensor"} <= impls
+    # the floor with the layout copy: only S(0)->S(1) packs (its dim-1 pieces), forward and forward+backward
+    assert {(r["case"], r["mode"]) for r in data["micro"] if r["impl"] == "raw_packed"} == \
+        {("S(0)->S(1)", "fwd"), ("S(0)->S(1)", "fwd_bwd")}
+    assert "tplower/raw packed" in text
     assert all(len(r["samples_us"]) == 2 for r in data["micro"])
     assert {r["impl"] for r in data["memory"]} == {"raw", "tplower", "dtensor"}
     assert (out / "bench.md").read_text().startswith("# tplower bench")

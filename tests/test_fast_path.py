@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import tplower.core.lower.redistribute as redistribute_mod
 from tplower import mesh_lowerer, redistribute_local, set_cache_size
@@ -203,6 +203,61 @@ def test_each_shape_dtype_and_global_shape_gets_its_own_answer() -> None:
         assert shapes["uneven, global (3, 3)"] == (3, 3) and shapes["even, global (4, 3)"] == (4, 3)
 
 
+# ---- lists and mappings: served by what they hold now --------------------------------------------------------
+
+
+def _changed_specs() -> dict[str, tuple[Any, Callable[[Any], object]]]:
+    """A spec spelling ``P(sum)`` on the one axis ``tp``, and how to change it in place to mean ``R``."""
+    return {
+        "list of strings": (["P(sum)"], lambda s: s.__setitem__(0, "R")),
+        "list of placements": ([Partial()], lambda s: s.__setitem__(0, Replicate())),
+        "mapping of strings": ({"tp": "P(sum)"}, lambda s: s.__setitem__("tp", "R")),
+        "mapping emptied (a missing axis is R)": ({"tp": Partial()}, lambda s: s.clear()),
+    }
+
+
+def _mutable_body(rank: int, world: int, hits: Counter[int]) -> list[tuple[str, int, bool]]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x = _piece(rank, 2)
+    summed = _piece(0, 2) + _piece(1, 2)  # P(sum) -> R: the sum of every rank's value
+    got: list[tuple[str, int, bool]] = []
+
+    def served(call: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+        before = hits[rank]
+        out = call()
+        return hits[rank] - before, out
+
+    for label, (spec, change) in _changed_specs().items():
+        redistribute_local(x, mesh, spec, "R")
+        hit, again = served(lambda: redistribute_local(x, mesh, spec, "R"))  # noqa: B023
+        change(spec)  # the same object, now meaning R -> R: this rank's value back
+        _, after = served(lambda: redistribute_local(x, mesh, spec, "R"))  # noqa: B023
+        got.append((label, hit, torch.equal(again, summed) and torch.equal(after, x)))
+    redistribute_local(x, mesh, [Shard(0)], [Replicate()])
+    hit, out = served(lambda: redistribute_local(x, mesh, [Shard(0)], [Replicate()]))  # new objects each call
+    got.append(("lists written in the call", hit, torch.equal(out, _gathered((2, 2)))))
+    grad = ["P(sum)"]  # the gradient of S(0) -> R: P sums both ranks' ones, R keeps this rank's
+    for call, scale in enumerate((2.0, 2.0, 1.0)):
+        if call == 2:
+            grad[0] = "R"  # changed after two calls, the second from the fast path
+        leaf = _piece(rank, 2).requires_grad_()
+        hit, out = served(lambda: redistribute_local(leaf, mesh, "S(0)", "R", grad=grad))  # noqa: B023
+        out.backward(torch.ones(4, 3))
+        ok = leaf.grad is not None and torch.equal(leaf.grad, torch.full((2, 3), scale))
+        got.append((f"grad list, call {call}", hit, ok))
+    return got
+
+
+def test_lists_and_mappings_come_from_the_fast_path_and_a_change_after_the_call_is_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hits = _counting_hits(monkeypatch)
+    for rank, got in enumerate(run_threaded(2, _mutable_body, hits)):
+        for label, _, ok in got:
+            assert ok, (rank, label)
+        assert [hit for _, hit, _ in got] == [1, 1, 1, 1, 1, 0, 1, 0], (rank, got)
+
+
 # ---- the checked path is still taken when asked for ----------------------------------------------------------
 
 
@@ -291,16 +346,22 @@ def test_call_cache_keys_exactly_counts_hits_and_keeps_its_bound() -> None:
         assert calls.lookup(x, "S(0)", "R", None, (8.0, 3)) is None  # equal in Python, refused by check_shape
         assert calls.lookup(x.double(), "S(0)", "R", None, (8, 3)) == "p"  # a program does not depend on dtype
         assert calls.lookup(torch.zeros(5, 3), "S(0)", "R", None, (8, 3)) is None
-        assert calls.lookup(x, ["S(0)"], "R", None, (8, 3)) is None  # unhashable: a miss, never an error
-        calls.store(x, ["S(0)"], "R", None, None, "list")  # mutable: never stored
-        calls.store(x, _Spec("S(0)"), "R", None, None, "mutable")  # hashable, but it could change: never stored
-        calls.store(x, "S(0)", {"tp": "R"}, None, None, "mapping")
+        assert calls.lookup(x, [["S(0)"]], "R", None, (8, 3)) is None  # unhashable: a miss, never an error
+        calls.store(x, _Spec("S(0)"), "R", None, None, "mutable")  # another Sequence: it could hold anything
         calls.store(x, (_Key(),), "R", None, None, "tuple of another object")  # only strings and placements
+        calls.store(x, [_Key()], "R", None, None, "list of another object")
+        calls.store(x, "S(0)", {0: "R"}, None, None, "mapping with a key not a name")
         calls.store(x, "S(0)", "R", None, [8, 3], "list shape")
         assert len(calls) == 1
         calls.store(x, "S(0)", "R", "P(sum)", None, "q")
         calls.store(x, ("S(0)",), ("R",), None, None, "r")
         assert len(calls) == 2 and calls.lookup(x, "S(0)", "R", None, (8, 3)) is None  # the oldest dropped
         assert calls.lookup(x, ("S(0)",), ("R",), None, None) == "r" and counts.cache_info().hits == 4
+        # a list is keyed on a snapshot of what it holds: the same entries as a tuple, placements as their strings
+        assert calls.lookup(x, ["S(0)"], [Replicate()], None, None) == "r"
+        assert calls.lookup(x, (Shard(0),), "R", None, None) is None  # "R" alone is another key than ("R",)
+        calls.store(x, {"tp": "S(0)"}, ["R"], None, None, "m")
+        assert calls.lookup(x, {"tp": "S(0)"}, ("R",), None, None) == "m"
+        assert calls.lookup(x, [("tp", "S(0)")], ("R",), None, None) is None  # a sequence never meets a mapping
     finally:
         set_cache_size(old)

@@ -378,3 +378,46 @@ def test_transformers_models_threaded_world2(arch: str) -> None:
         ref = transformers.BertModel(config, add_pooling_layer=False)
         plan = str(Path(__file__).parent.parent / "examples" / "plans" / "bert_tp.yaml")
     run_threaded(2, _hf_body, ref.eval(), plan)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts ``clone`` and ``copy_`` (the collectives' own work is hidden from it: see the test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += str(func) in ("aten.clone.default", "aten.copy_.default")
+        return func(*args, **(kwargs or {}))
+
+
+def _in_place_body(rank: int, world: int) -> dict[str, Any]:
+    ref = _make(MLP)
+    model = parallelize(copy.deepcopy(ref), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+                        PLANS["mlp"])
+    x, g = _seeded(1, B, T, D), _seeded(2, B, T, D)
+    model(x.clone().requires_grad_())  # planned and cached: the counted calls are repeats
+    leaf = x.clone().requires_grad_()
+    with _Copies() as fwd:
+        out = model(leaf)
+    out.backward(g)
+    with torch.no_grad(), _Copies() as no_grad:
+        model(x)
+    want, want_dx = _run(ref, x, g)
+    return {"forward": fwd.count, "no grad": no_grad.count,
+            "equal": torch.allclose(out, want, **TOL) and torch.allclose(leaf.grad, want_dx, **TOL)}
+
+
+def test_a_rowwise_linear_reduces_its_own_output_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    # down's P(sum) -> R all_reduce takes the Linear's fresh output itself, with grad and without: no copy. (The
+    # backward still all-reduces up's input gradient into a new tensor: an incoming gradient may be shared.)
+    real = torch.distributed.all_reduce
+
+    def unseen(*args: Any, **kwargs: Any) -> Any:  # the threaded group's reduction copies in Python
+        with torch.utils._python_dispatch._disable_current_modes():
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", unseen)
+    for got in run_threaded(2, _in_place_body):
+        assert got == {"forward": 0, "no grad": 0, "equal": True}, got

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate
 
@@ -148,3 +149,95 @@ def test_double_backward_raises_instead_of_a_silent_wrong_answer():
         # d/dx sum(gather(x)^2) = 2 * x, chunked back to this rank's rows
         assert grad == [[2.0] * 3] * 2
         assert "differentiable once" in message
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that copy tensor data (the collective's own work is hidden from it, see the test)."""
+
+    COPYING = frozenset({"aten.copy_.default", "aten.clone.default", "aten.cat.default", "aten.index_select.default",
+                         "aten._to_copy.default", "aten.constant_pad_nd.default", "aten.new_zeros.default"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func) in self.COPYING
+        return func(*args, **(kwargs or {}))
+
+
+# (local shape, src, dst): copies forward, backward. A side copies only where the pieces it sends or receives
+# are not whole blocks of memory: S(0)->S(1) packs the dim-1 pieces it sends and receives whole row blocks;
+# its backward sends whole row blocks and lays the received column pieces side by side. A leading dim of
+# size 1 leaves whole blocks; a batch of 2 in front makes both sides copy (a rank's block is then 2 pieces).
+_A2A_COPIES = {
+    ((4, 8), "S(0)", "S(1)"): (1, 1),
+    ((1, 4, 6, 2), "S(2)", "S(1)"): (1, 1),
+    ((2, 4, 6, 2), "S(2)", "S(1)"): (2, 2),
+    ((6, 2, 4, 2), "S(0)", "S(2)"): (1, 1),
+}
+
+
+def _a2a_copies_body(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    got = {}
+    for (shape, src, dst), _ in _A2A_COPIES.items():
+        i, j = int(src[2]), int(dst[2])
+        full = torch.arange(world * torch.Size(shape).numel(), dtype=torch.float32)
+        full = full.reshape(*shape[:i], world * shape[i], *shape[i + 1:])
+        x = full.chunk(world, i)[rank].clone().requires_grad_()
+        redistribute_local(x, mesh, src, dst)  # planned and cached: the counted call is a repeat
+        with _Copies() as fwd:
+            out = redistribute_local(x, mesh, src, dst)
+        with _Copies() as bwd:
+            out.backward(out.detach() * 2)
+        want = full.chunk(world, j)[rank]
+        got[(shape, src, dst)] = (fwd.count, bwd.count, torch.equal(out, want), torch.equal(x.grad, 2 * x.detach()))
+    return got
+
+
+def test_all_to_all_copies_once_a_side_at_most_and_only_where_the_pieces_are_not_whole_blocks(monkeypatch):
+    real = dist.all_to_all_single
+
+    def unseen(*args, **kwargs):  # the threaded group's exchange copies in Python: not tplower's copies
+        with torch.utils._python_dispatch._disable_current_modes():
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", unseen)
+    for got in run_threaded(2, _a2a_copies_body):
+        for case, (fwd, bwd, value_ok, grad_ok) in got.items():
+            assert value_ok and grad_ok, case  # the global tensor's piece, and the gradient come back
+            assert (fwd, bwd) == _A2A_COPIES[case], case
+
+
+def _owned_body(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    prog = mesh_lowerer(mesh).program("P(sum)", "R", (2, 3), "cpu")
+    want = sum(torch.full((2, 3), float(r + 1)) for r in range(world))  # every rank's value, summed
+    w = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    fresh = w * 1.0  # a fresh non-leaf: reduced in place, its history now ends in the reduction
+    out = prog.run_owned(fresh)
+    out.backward(torch.ones(2, 3))  # P -> R with gradient R: the identity backward
+    got = {"in place": out is fresh and torch.equal(out, want), "grad": torch.equal(w.grad, torch.ones(2, 3))}
+    leaf = torch.full((2, 3), float(rank + 1), requires_grad=True)  # a leaf that requires grad: copied
+    got["leaf kept"] = torch.equal(prog.run_owned(leaf), want) and torch.equal(leaf, torch.full((2, 3), rank + 1.0))
+    base = torch.full((4, 3), float(rank + 1))
+    view = base[:2]  # a view: copied, its base untouched
+    got["view kept"] = torch.equal(prog.run_owned(view), want) and torch.equal(base, torch.full((4, 3), rank + 1.0))
+    saved = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    y = saved.exp()  # exp saves its output for backward: a write into it must be seen, never read stale
+    prog.run_owned(y)
+    try:
+        y.sum().backward()
+        got["saved output refused"] = False
+    except RuntimeError as exc:
+        got["saved output refused"] = "modified by an inplace operation" in str(exc)
+    plain = mesh_lowerer(mesh).program("S(0)", "R", (2, 3), "cpu")  # not one all_reduce: as __call__
+    x = torch.full((2, 3), float(rank))
+    got["other programs as call"] = plain.forward_owned is None and torch.equal(plain.run_owned(x), plain(x))
+    return got
+
+
+def test_run_owned_reduces_a_fresh_tensor_in_place_and_copies_everything_else():
+    for got in run_threaded(2, _owned_body):
+        assert all(got.values()), got

@@ -13,6 +13,11 @@ Implementations:
 * ``raw``: the collectives of tplower's own plan, called directly through
   ``torch.distributed`` on preallocated flat buffers (the practical limit:
   same bytes, no allocation, no layout work, no autograd).
+* ``raw_packed``: the same with the layout copies the placements need, one
+  per collective that sends or receives pieces of a dim other than 0
+  (``S(0)->S(1)`` packs its dim-1 pieces into the send buffer), also on
+  preallocated buffers: the floor of such a transition, measured rather
+  than assumed; only for transitions that need a copy.
 * ``tplower``: :func:`tplower.redistribute_local`.
 * ``seed_op``: the seed-compatible :class:`tplower.TPExecutionOp`
   (``replicated_grad="replicate"``, the gradient convention of the others).
@@ -122,6 +127,64 @@ def _raw_step(step: Step, mesh: DeviceMesh, device: torch.device) -> Call:
     if kind == "identity":
         return lambda: None
     return lambda: b.copy_(a[:b.numel()])  # chunk / partition / zero_fill: one local copy
+
+
+def _blocks(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``t``'s ``n`` equal pieces of ``dim`` as blocks of a new dim 0 (a view)."""
+    view: torch.Tensor = t.unflatten(dim, (n, t.size(dim) // n)).movedim(dim, 0)
+    return view
+
+
+def _packed_step(step: Step, mesh: DeviceMesh, device: torch.device) -> Call | None:
+    """``step``'s collective on preallocated buffers with the layout copies its placements need, or ``None``.
+
+    A collective moves blocks of dim 0; a step that sends pieces of another dim packs them into a send buffer
+    first (one copy: ``all_to_all`` to a dim > 0, ``reduce_scatter`` of a dim > 0), and one that receives
+    pieces of another dim puts them in place after (one copy: ``all_to_all`` from a dim > 0, ``all_gather``
+    of a dim > 0). Where the pieces are already whole blocks of memory (a view suffices) there is no copy;
+    ``None`` for a step with no layout copy at all (its ``raw`` row is its floor already).
+    """
+    kind, n, group = step.kind, step.group_size, mesh.get_group(step.axis)
+    if kind not in ("all_to_all", "all_gather", "reduce_scatter"):
+        return None
+    d = step.tensor_dim
+    assert d is not None
+    x = torch.zeros(step.in_shape, device=device)
+    out = torch.empty(step.out_shape, device=device)
+    send_dim = step.dst_dim if kind == "all_to_all" else d if kind == "reduce_scatter" else None
+    recv_dim = d if kind in ("all_to_all", "all_gather") else None
+    send_view = x if send_dim is None else _blocks(x, n, send_dim)
+    recv_view = out if recv_dim is None else _blocks(out, n, recv_dim)
+    pack, unpack = not send_view.is_contiguous(), not recv_view.is_contiguous()
+    if not (pack or unpack):
+        return None
+    send = send_view.contiguous() if pack else send_view
+    recv = torch.empty(recv_view.shape, device=device) if unpack else recv_view
+    move: Call = {"all_to_all": lambda: dist.all_to_all_single(recv, send, group=group),
+                  "all_gather": lambda: all_gather_into(recv, send, group=group),
+                  "reduce_scatter": lambda: reduce_scatter_into(recv, send, group=group)}[kind]
+
+    def run() -> None:
+        if pack:
+            send.copy_(send_view)
+        move()
+        if unpack:
+            recv_view.copy_(recv)
+    return run
+
+
+def packed_call(steps: Sequence[Step], mesh: DeviceMesh, device: torch.device) -> Call | None:
+    """Like :func:`raw_call`, each step with the layout copies it needs (:func:`_packed_step`): the floor of a
+    transition that must also lay its pieces out; ``None`` when no step needs a copy."""
+    packed = [_packed_step(st, mesh, device) for st in steps]
+    if all(p is None for p in packed):
+        return None
+    calls = [p if p is not None else _raw_step(st, mesh, device) for p, st in zip(packed, steps, strict=True)]
+
+    def run() -> None:
+        for f in calls:
+            f()
+    return run
 
 
 def raw_call(steps: Sequence[Step], mesh: DeviceMesh, device: torch.device) -> Call:
@@ -273,6 +336,8 @@ def build(impl: str, case: Case, s: _Setup, mode: str) -> Call | None:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(MODES)}")
     if impl == "raw":
         return _raw(s, mode, s.local.device)
+    if impl == "raw_packed":
+        return packed_call(s.fwd + (s.bwd if mode == "fwd_bwd" else ()), s.mesh, s.local.device)
     if impl == "tplower":
         return _tplower(s, mode)
     if impl == "seed_op":

@@ -15,7 +15,7 @@ MODES: tuple[str, ...] = ("fwd", "fwd_grad", "fwd_bwd")
 #: Global tensor sizes in bytes (float32).
 SIZES: tuple[int, ...] = (1 << 10, 64 << 10, 4 << 20, 64 << 20)
 #: Every implementation name, in table order.
-IMPLS: tuple[str, ...] = ("raw", "tplower", "seed_op", "megatron", "funcol", "dtensor")
+IMPLS: tuple[str, ...] = ("raw", "raw_packed", "tplower", "seed_op", "megatron", "funcol", "dtensor")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class BenchConfig:
     worlds: tuple[int, ...] = (2, 4)
     sizes: tuple[int, ...] = SIZES
     cases: tuple[str, ...] = tuple(c.name for c in CASES)
-    impls: tuple[str, ...] = ("raw", "tplower", "seed_op", "dtensor")
+    impls: tuple[str, ...] = ("raw", "raw_packed", "tplower", "seed_op", "dtensor")
     modes: tuple[str, ...] = ("fwd", "fwd_bwd")
     reps: int = 30
     warmup: int = 3

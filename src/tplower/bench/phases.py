@@ -96,14 +96,20 @@ def _reps(cfg: BenchConfig, nbytes: int) -> int:
 
 def interleave(calls: dict[str, Callable[[], object]], rounds: int, warmup: int, inner: int,
                device: torch.device) -> dict[str, list[float]]:
-    """Run ``calls`` in rounds ``A B C A B C ...``; per call name the samples in microseconds per call.
+    """Run ``calls`` in rounds ``A B C``, ``B C A``, ``C A B`` ...; per call name the samples in microseconds per call.
 
     Every rank must pass the same names in the same order (their collectives
-    pair up); each sample times ``inner`` back-to-back calls.
+    pair up; the rotation is the same on every rank); each sample times
+    ``inner`` back-to-back calls. The order turns every round so that no call
+    always follows the same neighbour (and pays for what it left: caches, the
+    allocator's state, a peer still finishing).
     """
     samples: dict[str, list[float]] = {k: [] for k in calls}
+    names = list(calls)
     for r in range(warmup + rounds):
-        for name, fn in calls.items():
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            fn = calls[name]
             _sync(device)
             t0 = time.perf_counter_ns()
             for _ in range(inner):

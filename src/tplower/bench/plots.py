@@ -15,7 +15,8 @@ from .report import _LABEL, _index, _med
 
 __all__ = ["write_plots"]
 
-_COLOR = {"raw": "tab:blue", "tplower": "tab:orange", "seed_op": "tab:green", "megatron": "tab:purple",
+_COLOR = {"raw": "tab:blue", "raw_packed": "tab:cyan",
+          "tplower": "tab:orange", "seed_op": "tab:green", "megatron": "tab:purple",
           "funcol": "tab:brown", "dtensor": "tab:red"}
 
 

@@ -20,7 +20,8 @@ from .phases import BenchResult, summarize
 __all__ = ["context_table", "fake_table", "format_markdown", "loss_table", "memory_table", "micro_table",
            "model_table", "moe_table", "plan_cache_table", "rss_table", "share_line", "target_lines"]
 
-_LABEL = {"raw": "raw", "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
+_LABEL = {"raw": "raw", "raw_packed": "raw packed",
+          "tplower": "tplower", "seed_op": "seed op", "megatron": "hand-written",
           "funcol": "funcol", "dtensor": "DTensor"}
 
 
@@ -73,13 +74,16 @@ def _tally(met: int, total: int, noun: str = "row") -> str:
 def micro_table(res: BenchResult) -> list[str]:
     """Markdown rows of the micro phase, one per (world, transition, size, mode)."""
     impls = [i for i in IMPLS if any(r["impl"] == i for r in res.micro)]
+    packed = "raw_packed" in impls
     head = ["world", "transition", "size", "mode", *(_LABEL[i] + " µs" for i in impls), "tplower/raw",
-            "DTensor/tplower", "tplower/raw at p10"]
+            *(["tplower/raw packed"] if packed else []), "DTensor/tplower", "tplower/raw at p10"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (world, case, size, mode), got in _index(res.micro, "world", "case", "size", "mode").items():
         med = {k: _med(v) for k, v in got.items()}
         cells = [str(world), f"`{case}`", size_label(size), mode, *(_cell(got.get(i)) for i in impls),
-                 _ratio(med.get("tplower"), med.get("raw")), _ratio(med.get("dtensor"), med.get("tplower")),
+                 _ratio(med.get("tplower"), med.get("raw")),
+                 *([_ratio(med.get("tplower"), med.get("raw_packed"))] if packed else []),
+                 _ratio(med.get("dtensor"), med.get("tplower")),
                  _ratio(_p10(got.get("tplower")), _p10(got.get("raw")))]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -226,6 +230,13 @@ def target_lines(res: BenchResult) -> list[str]:
         out.append(f"- the same on 10th percentiles (the least disturbed calls): "
                    f"{_tally(sum(r <= 1.10 for r in p10), len(p10))}; median of ratios "
                    f"{sorted(p10)[len(p10) // 2]:.2f}")
+    packed = [(_med(g["tplower"]) / _med(g["raw_packed"]), k) for k, g in micro.items()
+              if "tplower" in g and "raw_packed" in g]
+    if packed:
+        worst = max(packed)
+        out.append(f"- tplower/raw packed <= 1.10 (transitions that lay pieces out): "
+                   f"{_tally(sum(r <= 1.10 for r, _ in packed), len(packed))}; worst {worst[0]:.2f} at world "
+                   f"{worst[1][0]} `{worst[1][1]}` {size_label(worst[1][2])} {worst[1][3]}")
     s2s = [(_med(g["dtensor"]) / _med(g["tplower"]), k) for k, g in micro.items()
            if k[1] == "S(0)->S(1)" and "dtensor" in g and "tplower" in g]
     if s2s:

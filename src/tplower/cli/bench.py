@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=_csv, default=None,
                         help="transitions separated by ';' (default all: " + "; ".join(c.name for c in CASES) + ")")
     parser.add_argument("--impls", type=_csv, default=None,
-                        help=f"micro implementations (default raw,tplower,seed_op,dtensor; any of {','.join(IMPLS)})")
+                        help=f"micro implementations (default raw,raw_packed,tplower,seed_op,dtensor; any of "
+                             f"{','.join(IMPLS)})")
     parser.add_argument("--reps", type=positive_int, default=None, help="timed rounds per size (default 30; quick 13)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="tensor device (cuda: run under torchrun, NCCL)")

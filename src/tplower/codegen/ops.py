@@ -43,8 +43,9 @@ from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
 from ..core.ops.dispatch import DispatchPlan, combine_tokens, dispatch_tokens, plan_dispatch
 from ..core.support.errors import TPLowerError
 from ..core.support.words import count
-from ..runtime.boundary import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
+from ..runtime.boundary import _Boundary, shared_move, tie_outputs
 from ..runtime.experts import ExpertDispatch
+from ..runtime.movers import _dtensor, _lowered, _Move
 from ..runtime.params import ParamLayout, local_parameter
 from ..runtime.uneven import agreed_global_shape, exchanged_global_shape
 

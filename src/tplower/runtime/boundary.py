@@ -18,8 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.language.placements import parse_placements
-from ..core.language.transitions import global_shape_from_local
 from ..core.lower.redistribute import MeshLowerer
 from ..core.support.errors import TPLowerError
 from ..core.support.words import count
@@ -28,6 +26,7 @@ from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, Placements
 from .dropout import DropoutStreams
 from .interned import intern, traced
+from .movers import _dtensor, _lowered, _Move, _Mover
 from .overlap import can_overlap, overlapped_call
 from .params import ParamLayout, local_parameter
 from .tie import tie_outputs
@@ -39,44 +38,6 @@ __all__ = ["FANOUT", "REPLACED", "InstalledBoundary", "installed_boundary", "sha
 #: (:func:`tplower.runtime.fanout.open_fanout`): the input moves already made from that
 #: tensor in this call, as ``((key, version, moved, moved_version), ...)``.
 FANOUT = "_tplower_fanout"
-
-
-@dataclass(frozen=True)
-class _Move:
-    slot: int  # input: position (-1: keyword only); output: index
-    keyword: str | None
-    name: str
-    src: Placements
-    dst: Placements
-    grad: Placements
-    where: str  # for messages: module 'up', input '0'
-    uneven: bool  # named in the entry's ``uneven``: exchange local sizes each call
-    #: not declared ``uneven``, mesh axes along which the source shards a dim the move changes and whose global size
-    #: install cannot know: sizes exchanged (eager) or checked equal (compiled) each call (:func:`agreed_global_shape`)
-    sized: tuple[int, ...] = ()
-    #: an output whose global size along the one dim its source shards is known without exchanging sizes
-    #: (:func:`known_global_shape`): the index in the boundary's input moves of the input it was cut from (an
-    #: expert-parallel block's tokens; ``-1``: none), or the ``(global size, this rank's piece)`` of that dim
-    #: that the module's sharded parameters give it (a vocabulary that does not divide: the lm_head's logits)
-    like_input: int = -1
-    param_size: tuple[int, int] | None = None
-
-
-_Mover = Callable[[torch.Tensor, MeshLowerer, _Move, tuple[int, ...] | None], torch.Tensor]
-
-
-def _lowered(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
-    if lowerer.debug:
-        return lowerer.checked(t, mv.src, mv.dst, grad=mv.grad, global_shape=gshape, where=mv.where,
-                               hint=f"uneven shards: name {mv.name!r} in the entry's 'uneven' field")
-    return lowerer.program(mv.src, mv.dst, t.shape, t.device.type, grad=mv.grad, global_shape=gshape)(t)
-
-
-def _dtensor(t: torch.Tensor, lowerer: MeshLowerer, mv: _Move, gshape: tuple[int, ...] | None) -> torch.Tensor:
-    src, dst, grad = (parse_placements(p, tensor_ndim=t.ndim) for p in (mv.src, mv.dst, mv.grad))
-    if gshape is None:
-        gshape = global_shape_from_local(t.shape, src, lowerer.shape)
-    return lowerer.dtensor_redistribute(t, src=src, dst=dst, grad=grad, gshape=gshape)
 
 
 def shared_move(value: Any, mv: _Move, fan: str | None, lowerer: MeshLowerer, run: Callable[[Any], Any]) -> Any:
@@ -309,14 +270,18 @@ class _Boundary:
                 owner.__dict__["padding_idx"] = pad
         if mine is not None:  # rows of ids another rank holds: zero here, their owner's row after the reduction
             out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        return self._finish(st, out, bias, cut)
+        # A plain Linear, Embedding or LayerNorm's own forward returns one fresh tensor its backward does not
+        # save: its one output move may reduce it in place (no copy); any other compute keeps its output as is.
+        return self._finish(st, out, bias, cut, owned=not st.tie and st.func is not None and len(st.outs) == 1)
 
-    def _finish(self, st: _Static, out: Any, bias: torch.Tensor | None, cut: dict[int, Any] | None = None) -> Any:
+    def _finish(self, st: _Static, out: Any, bias: torch.Tensor | None, cut: dict[int, Any] | None = None,
+                owned: bool = False) -> Any:
         """Move the outputs, add the deferred bias, switch dropout streams where a sharded region opens or closes.
 
         ``cut``: the inputs' values before their moves, by input move (outputs sized like an input read them).
+        ``owned``: ``out`` is the module's own fresh tensor, which the output move may reuse.
         """
-        result = _outputs(self, st, out, bias, cut)
+        result = _outputs(self, st, out, bias, cut, owned)
         if st.region is not None and not torch.compiler.is_compiling():
             streams = self.streams
             if streams is not None and self.owner.training:
@@ -343,10 +308,12 @@ def _mask_ids(b: _Boundary, lk: _Lookup, args: list[Any], kwargs: dict[str, Any]
     return mine
 
 
-def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool, cut: dict[int, Any] | None = None) -> Any:
+def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool, cut: dict[int, Any] | None = None,
+           owned: bool = False) -> Any:
     """Move ``value`` by input (``out`` false) or output move ``i``; ``None`` passes through.
 
     ``cut``: the inputs' values before their moves, by input move (outputs sized by an input read them).
+    ``owned``: ``value`` is the module's own fresh output, which the move may reuse.
     """
     mv = st.outs[i] if out else st.ins[i]
     if value is None:
@@ -363,7 +330,7 @@ def _apply(b: _Boundary, st: _Static, value: Any, i: int, out: bool, cut: dict[i
         gshape = exchanged_global_shape(value, mv.src, st.lowerer, mv.where)
     elif mv.sized:
         gshape = agreed_global_shape(value, mv.src, mv.sized, st.lowerer, mv.where)
-    return st.move(value, st.lowerer, mv, gshape)
+    return st.move(value, st.lowerer, mv, gshape, owned)
 
 
 def _move_in(b: _Boundary, st: _Static, value: Any, i: int, fan: str | None) -> Any:
@@ -378,14 +345,14 @@ def _reduce_tail_grad(st: _Static, out: torch.Tensor) -> torch.Tensor:
 
 
 def _outputs(b: _Boundary, st: _Static, out: Any, bias: torch.Tensor | None = None,
-             cut: dict[int, Any] | None = None) -> Any:
+             cut: dict[int, Any] | None = None, owned: bool = False) -> Any:
     is_seq = isinstance(out, tuple | list)
     items = list(out) if is_seq else [out]
     for i, mv in enumerate(st.outs):
         if mv.slot >= len(items):
             raise TPLowerError(f"module {b.info.module!r}: output {mv.name!r} is index {mv.slot} but forward "
                                f"returned {count(len(items), 'value')}")
-        items[mv.slot] = _apply(b, st, items[mv.slot], i, True, cut)
+        items[mv.slot] = _apply(b, st, items[mv.slot], i, True, cut, owned and not is_seq)
     if bias is not None:  # in the output's dtype, as F.linear adds it (bf16 under autocast)
         items[0] = items[0] + bias.to(items[0].dtype)
     if st.tail:

@@ -40,6 +40,7 @@ from .backends import (  # re-exported: the names collectives always had
 __all__ = [
     "BackendCaps",
     "LoweredTransition",
+    "OwnedTransition",
     "StepProgram",
     "all_gather",
     "all_reduce",
@@ -74,10 +75,7 @@ _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # ``dist.*`` calls would trace to the same node plus a buffer and a copy into it (dynamo's remap), around every
 # collective. Eager keeps the in-place calls: about 10 us cheaper a call on CPU than the functional ops.
 _FC = torch.ops._c10d_functional
-
-
-def _tracing() -> bool:
-    return torch.compiler.is_compiling()
+_tracing = torch.compiler.is_compiling  # bound once: read on every call
 
 
 def _fc_all_reduce(x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
@@ -163,17 +161,19 @@ def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: 
     return out
 
 
-def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True,
+               inplace: bool = False) -> torch.Tensor:
     """``P(op) -> R``: reduce every rank's value; shape unchanged.
 
-    With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``.
-    Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
+    With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``. ``inplace``: reduce a contiguous ``x`` itself
+    and return it (its caller owns it: :meth:`tplower.core.lower.program.Program.run_owned`); by default ``x``
+    is never modified. Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
     """
     if _tracing() and x.numel():
         if op == "avg" and not native:
             return _fc_all_reduce(x, "sum", group) / n
         return _fc_all_reduce(x, op, group)
-    out = x.clone(memory_format=torch.contiguous_format)
+    out = x if inplace and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     if not out.numel():
         return out
     if op == "avg" and not native:
@@ -359,6 +359,20 @@ class LoweredTransition(torch.autograd.Function):
             raise RuntimeError("tplower transitions are differentiable once; double backward "
                                "(create_graph=True) through them is not supported")
         return run_steps(grad.contiguous(), ctx.program.backward), None
+
+
+class OwnedTransition(LoweredTransition):
+    """:class:`LoweredTransition` running ``program.forward_owned``, steps that may write into ``x`` (an input no
+    one else reads). ``x`` is marked dirty: a saved reference to it raises at backward, never reads a changed
+    value. Backward as :class:`LoweredTransition`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, program: StepProgram) -> torch.Tensor:  # type: ignore[override]
+        ctx.program = program
+        out = run_steps(x, program.forward_owned)  # type: ignore[attr-defined]
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
 
 class _KeepBackward(torch.autograd.Function):

@@ -24,6 +24,10 @@ from .overlap import PendingReduce, all_reduce_start
 
 __all__ = ["Program"]
 
+_apply = C.LoweredTransition.apply  # bound once: read on every call
+_owned = C.OwnedTransition.apply
+_grad_enabled = torch.is_grad_enabled
+
 
 def _released_step(x: torch.Tensor) -> torch.Tensor:
     raise TPLowerError("this tplower program's process groups were destroyed (dist.destroy_process_group() or "
@@ -51,6 +55,9 @@ class Program:
             (:func:`tplower.core.lower.overlap.all_reduce_start`, same group and
             op), so a caller can compute while it runs
             (:class:`tplower.core.lower.overlap.OverlappedLinear`); else ``None``.
+        forward_owned: for a transition whose forward is one ``all_reduce``
+            (``P -> R``), that step reducing its input in place
+            (:meth:`run_owned`); else ``None``.
     """
 
     plan: TransitionPlan | None
@@ -59,6 +66,7 @@ class Program:
     fallback_reason: str | None = None
     global_shape: tuple[int, ...] | None = None
     backward_start: Callable[[torch.Tensor], PendingReduce] | None = field(default=None, init=False)
+    forward_owned: tuple[C.BoundStep, ...] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.forward or self.backward:  # bound steps may hold process groups
@@ -67,6 +75,9 @@ class Program:
         if self.fallback_reason is None and isinstance(step, functools.partial) and step.func is C.all_reduce:
             # the bound step's own arguments (group, op, n, native): started instead of run, nothing bound twice
             self.backward_start = functools.partial(all_reduce_start, **step.keywords)
+        first = self.forward[0] if len(self.forward) == 1 else None
+        if self.fallback_reason is None and isinstance(first, functools.partial) and first.func is C.all_reduce:
+            self.forward_owned = (functools.partial(C.all_reduce, **first.keywords, inplace=True),)
 
     def release(self) -> None:
         """Drop the bound steps (and the process groups they hold); running the program afterwards raises.
@@ -78,12 +89,34 @@ class Program:
         self.forward = (_released_step,)
         self.backward = (_released_step,)
         self.backward_start = None
+        self.forward_owned = None
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Run forward; differentiable through :class:`~tplower.core.lower.collectives.LoweredTransition`."""
         if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
             return self.forward[0](local)
-        if local.requires_grad and torch.is_grad_enabled():
-            out: torch.Tensor = C.LoweredTransition.apply(local, self)
+        if local.requires_grad and _grad_enabled():
+            out: torch.Tensor = _apply(local, self)
             return out
         return C.run_steps(local, self.forward)
+
+    def run_owned(self, local: torch.Tensor) -> torch.Tensor:
+        """Run forward on a tensor no one else reads (a layer's own fresh output): a reduction may reuse it.
+
+        A ``P -> R`` (one ``all_reduce``) then reduces ``local`` in place and
+        returns it (autograd sees the write: :class:`~tplower.core.lower.collectives.OwnedTransition`),
+        saving the copy :meth:`__call__` makes to leave its input unchanged.
+        Anything else, and a ``local`` that is a view, a leaf that requires
+        grad or not contiguous, runs as :meth:`__call__`. The caller must know
+        that nothing else holds ``local`` (a module's output that its own
+        backward does not save: ``nn.Linear``'s, say).
+        """
+        owned = self.forward_owned
+        if owned is None or local._base is not None or not local.is_contiguous():
+            return self(local)
+        if local.requires_grad and _grad_enabled():
+            if local.grad_fn is None:  # a leaf: autograd refuses an in-place write to it
+                return self(local)
+            out: torch.Tensor = _owned(local, self)
+            return out
+        return C.run_steps(local, owned)

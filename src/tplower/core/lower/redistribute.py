@@ -54,6 +54,7 @@ __all__ = ["MeshLowerer", "bind_step", "mesh_lowerer", "redistribute_local"]
 log = logging.getLogger("tplower")
 
 _is_compiling = torch.compiler.is_compiling  # bound once: read on every call
+_Tensor = torch.Tensor
 
 
 def _key(spec: Any) -> Hashable:
@@ -372,17 +373,16 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
     group orders its ranks differently (DTensor gets uneven shards wrong there).
 
     A call whose arguments were seen before (the same mesh object, placements
-    given as the same strings or tuples, global shape, local shape and
-    device) goes straight to its program (:mod:`tplower.core.lower.callcache`);
+    holding the same strings or placements, as a string, tuple, list or
+    mapping, global shape, local shape and device) goes straight to its program (:mod:`tplower.core.lower.callcache`);
     every other call is checked in full first.
     """
     if not _is_compiling():
         lowerer = _LOWERERS.get(mesh)
-        if lowerer is not None and type(local) is torch.Tensor:
-            if check is False or (check is None and not lowerer.debug):
-                prog = lowerer.calls.lookup(local, src, dst, grad, global_shape)
-                if prog is not None:
-                    return prog(local)
+        if lowerer is not None and type(local) is _Tensor and ((check is None and not lowerer.debug) or check is False):
+            prog = lowerer.calls.lookup(local, src, dst, grad, global_shape)
+            if prog is not None:
+                return prog(local)
     try:
         # Traced, the lookup would guard on the map of lowerers (and a first use would make the lowerer inside
         # the graph): it runs untraced at trace time, as the program lookup does.
