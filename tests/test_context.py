@@ -41,6 +41,12 @@ CASES = [
     Case("llama", "ulysses", "sdpa", 2, True, "plain"),  # a token a rank
     Case("nemotron", "allgather", "sdpa", 37, False, "packed"),  # the split reaches attention without kwargs
 ]
+#: a sequence long enough that a whole-sequence mask or score table stands out: with ``sdpa``, no tensor of a
+#: causal step has two trailing dims of half the sequence or more, in either mode and for every batch kind (one
+#: process's step holds a [B, 1, S, S] mask, and its math path [B, H, S, S] scores, for a padded or packed batch)
+LONG = 509
+SQUARES = [Case("llama", mode, "sdpa", LONG, True, kind) for mode in ("ulysses", "allgather")
+           for kind in ("plain", "padded", "ragged", "packed")]
 #: forward and backward collectives of a 2-layer model: Ulysses moves q, k, v and the output each way
 #: (4 all_to_all a layer forward, 4 backward); all-gather gathers k and v (2 all_gather a layer forward,
 #: their gradients 2 reduce_scatter backward). One all_reduce makes the loss whole, and one sums each parameter's
@@ -154,6 +160,7 @@ def _body(rank: int, world: int, cases: list[Case], folder: str) -> dict[str, An
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in cases}
+    results.update({c.name: named(run_case, c, mesh, squares=True) for c in SQUARES})
     return {"cases": results, "refusals": _refusals(mesh, world), "stack": _stack(mesh, world, folder)}
 
 
@@ -178,6 +185,14 @@ def test_matches_one_process(ranks: list[dict[str, Any]], case: Case) -> None:
         assert got["loss"] <= TOL, (rank, got)  # the whole loss, on every rank
         assert got["logits"] <= TOL, (rank, got)
         assert got["grad"] <= TOL * max(1.0, got["scale"]), (rank, got)
+
+
+@pytest.mark.parametrize("case", SQUARES, ids=lambda c: c.name)
+def test_no_whole_sequence_mask_for_padded_or_packed_batches(ranks: list[dict[str, Any]], case: Case) -> None:
+    for rank, got in enumerate(r["cases"][case.name] for r in ranks):
+        assert got["loss"] <= TOL and got["logits"] <= TOL, (rank, got)
+        assert got["grad"] <= TOL * max(1.0, got["scale"]), (rank, got)
+        assert got["square"] < LONG // 2, (rank, got["square"])  # tokens x features at most, no [q, k] table
 
 
 @pytest.mark.parametrize("name", sorted(COUNTED))

@@ -15,7 +15,8 @@ TOL = 1e-5
 MODELS = ("llama", "qwen2", "mistral", "gemma2", "qwen3_moe", "llama_mqa", "gpt_oss")
 CASES = [Case(model, mode, impl, seq, balance, kind)
          for model, mode, impl, seq, balance, kind in itertools.product(
-             MODELS, ("ulysses", "allgather"), ("eager", "sdpa"), (64, 37), (True, False), ("padded", "packed"))
+             MODELS, ("ulysses", "allgather"), ("eager", "sdpa"), (64, 37), (True, False),
+             ("padded", "ragged", "packed"))
          if not (impl == "sdpa" and model in EAGER_ONLY) and not (model == "gpt_oss" and kind == "packed")]
 # gpt-oss's forward builds its masks without the position ids, so one process attends across packed documents;
 # context parallelism gives every packed document its own attention (as transformers does for Llama and most).

@@ -44,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import TPLowerError
 from ..core.redistribute import redistribute_local
+from .kernels import Kernel, attend_runs
+from .runs import batch_runs, clip
 from .sequence import SPLIT_KEY, ContextSplit
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]
@@ -111,9 +113,13 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
     ``sdpa`` skips a plain causal mask (``None``, the kernel's ``is_causal``)
     exactly where one process skips it. All-gather: the rows of this rank's
     queries of the whole mask (never skipped: the queries are a slice); the
-    whole mask is dropped once its rows are taken, and a boolean one becomes
-    the additive mask ``sdpa`` would convert it to in every layer (``0``, and
-    ``-inf`` where masked: the same values, made once a batch).
+    whole mask is dropped once its rows are taken. A boolean mask becomes the
+    additive mask ``sdpa`` would convert it to in every layer (``0``, and
+    ``-inf`` where masked: the same values, made once a batch), which CPU
+    ``sdpa`` runs on its flash path (a boolean one sends it to its math path,
+    which holds every score). Only the masks that have no runs
+    (:mod:`tplower.context.runs`) are built: sliding windows, encoders,
+    ``eager``, padding with holes.
     """
     from transformers.masking_utils import (
         create_bidirectional_mask,
@@ -144,9 +150,11 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
         if ca.mode == "allgather":
             assert isinstance(whole, torch.Tensor), "a mask built without the causal skip is a tensor"
             whole = whole.index_select(2, split.local_index.to(like.device))
-            if whole.dtype == torch.bool:  # what sdpa would make of it in every layer, once (-inf where masked)
-                whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
-                    whole.logical_not(), float("-inf"))
+        if isinstance(whole, torch.Tensor) and whole.dtype == torch.bool:  # additive, once (-inf where masked):
+            # what sdpa makes of it in every layer; a boolean mask sends CPU sdpa to its math path ([S, S] scores)
+            whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                whole.logical_not(), float("-inf"))
+        if ca.mode == "allgather":
             if not whole.shape[2]:  # a rank with no token: its placeholder query may see every key (a finite row)
                 whole = whole.new_zeros((*whole.shape[:2], 1, whole.shape[3]))
         split.cache[key] = whole
@@ -190,6 +198,30 @@ def _heads_view(ca: ContextAttention, module: Any, rank: int, n: int, h_q: int, 
     return _KernelView(module, overrides), kw
 
 
+def _kernel(ca: ContextAttention, module: Any, kwargs: dict[str, Any]) -> Kernel:
+    """The model's kernel with no mask: ``is_causal`` as the module has it, or ``False`` for a full run."""
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        kw = kwargs if causal else {**kwargs, "is_causal": False}
+        out: torch.Tensor = ca.kernel(module, q, k, v, None, **kw)[0]
+        return out
+    return call
+
+
+def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The batch's runs (:func:`~tplower.context.runs.batch_runs`, cached per batch) where this layer takes them:
+    ``sdpa`` (no mask means ``is_causal`` to it), causal, no sliding window, no position bias, and for the
+    all-gather mode's offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask)."""
+    if ca.inner != "sdpa" or not ca.causal or kwargs.get("sliding_window") is not None \
+            or kwargs.get("position_bias") is not None:
+        return None
+    if ca.mode == "allgather" and (like.device.type != "cpu" or kwargs.get("dropout")):
+        return None
+    if "runs" not in split.cache:
+        split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
+    return split.cache["runs"]
+
+
 def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
     layout, n, axis = split.layout, split.layout.size, ca.axis
@@ -212,7 +244,11 @@ def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Te
         whole = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
         return whole.index_select(2, order)
 
-    out, _ = ca.kernel(view, to_heads(q), to_heads(k), to_heads(v), mask, **kw)  # [B, S, H/n, D]
+    if isinstance(mask, tuple):  # the runs: the kernel once per run, no mask
+        out = attend_runs(_kernel(ca, view, kw), to_heads(q), to_heads(k), to_heads(v), clip(mask, 0, layout.length),
+                          0, layout.length, 0, kw.get("scaling"))
+    else:
+        out, _ = ca.kernel(view, to_heads(q), to_heads(k), to_heads(v), mask, **kw)  # [B, S, H/n, D]
     padded = out.new_zeros((out.shape[0], width * n, *out.shape[2:])).index_copy(1, order, out)
     shape = (padded.shape[0], width * n, padded.shape[2] * n, padded.shape[3])
     back = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
@@ -231,7 +267,22 @@ def _allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.
         return redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"},
                                   global_shape=shape).index_select(2, order)
 
-    out, _ = ca.kernel(module, q, whole(k), whole(v), mask, **kwargs)  # mask: the rows of the local queries
+    if not isinstance(mask, tuple):  # the rows of the local queries' mask
+        out, _ = ca.kernel(module, q, whole(k), whole(v), mask, **kwargs)
+        return out, None
+    k, v = whole(k), whole(v)
+    kernel = _kernel(ca, module, kwargs)
+    if not layout.local_length(split.rank):  # a placeholder query: it sees every key (a finite row, then dropped)
+        return kernel(q, k, v, False), None
+    parts, at, used = [], 0, False
+    for start, length in layout.pieces(split.rank):
+        runs = clip(mask, start, start + length)
+        used = used or bool(runs)
+        parts.append(attend_runs(kernel, q, k, v, runs, start, start + length, at, kwargs.get("scaling")))
+        at += length
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if not used:  # every local query fully masked: keep k and v in the graph, so their gradients' exchange runs
+        out = out + 0 * (k.narrow(2, 0, 1).sum() + v.narrow(2, 0, 1).sum())
     return out, None
 
 
@@ -271,7 +322,8 @@ def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                            f"{type(attention_mask).__name__} built from this rank's tokens, not by transformers' "
                            "mask functions for the model); context parallelism builds each layer's mask for the "
                            "whole sequence and cannot keep this one: train this model without context=")
-    mask = _mask(ca, split, query, kwargs.get("sliding_window"))
+    runs = _runs(ca, split, query, kwargs)
+    mask = runs if runs is not None else _mask(ca, split, query, kwargs.get("sliding_window"))
     run = _ulysses if ca.mode == "ulysses" else _allgather
     return run(ca, split, module, query, key, value, mask, kwargs)
 
