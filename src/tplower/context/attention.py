@@ -249,7 +249,9 @@ def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Te
                           0, layout.length, 0, kw.get("scaling"))
     else:
         out, _ = ca.kernel(view, to_heads(q), to_heads(k), to_heads(v), mask, **kw)  # [B, S, H/n, D]
-    padded = out.new_zeros((out.shape[0], width * n, *out.shape[2:])).index_copy(1, order, out)
+    if width * n > layout.length:  # a zero row for the padding slots (index_select saves no input; index_copy did)
+        out = torch.cat([out, out.new_zeros((out.shape[0], 1, *out.shape[2:]))], dim=1)
+    padded = out.index_select(1, layout.padded_source.to(out.device))
     shape = (padded.shape[0], width * n, padded.shape[2] * n, padded.shape[3])
     back = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
     return back.narrow(1, 0, local), None
