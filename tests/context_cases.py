@@ -65,10 +65,13 @@ class Case:
     seq: int
     balance: bool
     batch: str
+    loss_chunk: int | None = None  # the loss in chunks of this many positions (``context_loss_chunk``)
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.mode}-{self.impl}-{self.seq}-{'bal' if self.balance else 'even'}-{self.batch}"
+        tiled = f"-tiled{self.loss_chunk}" if self.loss_chunk else ""
+        return f"{self.model}-{self.mode}-{self.impl}-{self.seq}-{'bal' if self.balance else 'even'}-{self.batch}" \
+            + tiled
 
 
 def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
@@ -113,6 +116,17 @@ def batch(kind: str, seq: int, vocab: int = 128) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": positions, "labels": labels}
 
 
+def matches(case: Case, got: dict[str, Any], tol: float = 1e-5) -> None:
+    """``run_case``'s differences within ``tol`` (gradients relative to the largest one); a tiled loss returns no
+    logits, and its output head never took more than a chunk of positions."""
+    assert got["loss"] <= tol, got  # the whole loss, on every rank
+    if case.loss_chunk:
+        assert got["logits"] is None and 1 <= got["head"] <= case.loss_chunk, got
+    else:
+        assert got["logits"] is not None and got["logits"] <= tol, got
+    assert got["grad"] <= tol * max(1.0, got["scale"]), got
+
+
 def named(fn: Callable[..., Any], case: Case, *args: Any, **kwargs: Any) -> Any:
     """``fn(case, ...)``, an error re-raised with the case's name (one failing case ends the whole spawn)."""
     try:
@@ -155,14 +169,18 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: 
 
     With ``count``, also the collectives of the context-parallel forward and backward (``counts``); ``plan``: the
     tensor-parallel plan beside ``context="cp"`` (a mesh with a ``tp`` axis); with ``squares``, the largest
-    ``[.., q, k]`` extent any tensor of the context-parallel step has (:class:`_Squares`, ``square``).
+    ``[.., q, k]`` extent any tensor of the context-parallel step has (:class:`_Squares`, ``square``). With the
+    case's ``loss_chunk``, ``logits`` is ``None`` when the model returned none, and ``head`` the most positions
+    its output head took in one call.
     """
     import tplower
     from tplower.context import gather_sequence, shard_sequence
 
     ref = tiny(case.model, case.impl, layers)
     model = tplower.parallelize(copy.deepcopy(ref), mesh, plan, context="cp", context_mode=case.mode,
-                                experts=experts)
+                                experts=experts, context_loss_chunk=case.loss_chunk)
+    widths = [0]
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: widths.append(int(out.shape[1])))
     whole = batch(case.batch, case.seq)
     want = ref(**whole, use_cache=False)
     want.loss.backward()
@@ -171,10 +189,10 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: 
     with traffic if count else contextlib.nullcontext(), tables if squares else contextlib.nullcontext():
         out = model(**part)
         out.loss.backward()
-    logits = gather_sequence(out.logits.detach(), mesh, "cp", balance=case.balance)
+    logits = None if out.logits is None else float(
+        (gather_sequence(out.logits.detach(), mesh, "cp", balance=case.balance) - want.logits.detach()).abs().max())
     grads = _grads(model)
-    return {"loss": float((out.loss.detach() - want.loss.detach()).abs()),
-            "logits": float((logits - want.logits.detach()).abs().max()),
+    return {"loss": float((out.loss.detach() - want.loss.detach()).abs()), "logits": logits, "head": max(widths),
             "grad": float((grads - _grads(ref)).abs().max()),
             "scale": float(_grads(ref).abs().max()),
             "counts": dict(traffic.counts), "sent": traffic.sent, "square": tables.largest}

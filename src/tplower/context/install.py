@@ -47,6 +47,7 @@ from ..core.errors import TPLowerError
 from ..core.redistribute import redistribute_local
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
+from .loss import TiledLoss
 from .sequence import SPLIT_KEY, ContextSplit, _axis
 
 __all__ = ["INNER", "INSTALL_ATTR", "ContextInstall", "install_context", "installed_context"]
@@ -69,7 +70,8 @@ class ContextInstall:
         modules: paths of the attention modules that run under context parallelism.
         inner: the attention implementation the model had (``eager`` or ``sdpa``; both, joined by ``/``, when
             its modules differ).
-        handles: the model's forward pre-hook and forward hook.
+        handles: the model's forward pre-hook and forward hook (and the output head's pre-hook with a
+            tiled loss).
     """
 
     mesh: DeviceMesh
@@ -203,9 +205,9 @@ class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
     def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any],
-                 grad_scale: int) -> None:
+                 grad_scale: int, tiled: TiledLoss | None) -> None:
         self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
-        self.grad_scale = grad_scale
+        self.grad_scale, self.tiled = grad_scale, tiled
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -221,6 +223,8 @@ class _Hooks:
                                f"call shard_sequence(batch, mesh, {self.axis!r})")
         if not split.layout.local_length(split.rank):
             kwargs = _placeholder(kwargs)
+        if self.tiled is not None:
+            kwargs = self.tiled.begin(type(module).__name__, kwargs)
         self.live[SPLIT_KEY] = split
         if self.no_cache and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
@@ -228,6 +232,8 @@ class _Hooks:
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         self.live.clear()
+        if self.tiled is not None:
+            self.tiled.finish(type(module).__name__, output)
         split = kwargs.get(SPLIT_KEY)
         if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
             output = _drop_placeholder(output)
@@ -255,7 +261,7 @@ class _Hooks:
 
 
 def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: str = "ulysses", *,
-                    tp_size: int = 1, grad_scale: int = 1) -> None:
+                    tp_size: int = 1, grad_scale: int = 1, loss_chunk: int | None = None) -> None:
     """Run ``model``'s attention over a sequence split on ``mesh[axis]``; the model then takes ``shard_sequence`` parts.
 
     Modifies ``model`` in place (its text config's attention implementation,
@@ -279,6 +285,11 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             1 when the parameters' gradients are summed over the axis, the
             axis size when they are averaged over it (FSDP2 over a mesh that
             flattens the axis with data parallelism).
+        loss_chunk: ``None`` (default): the model computes its logits and
+            loss as it does; ``c``: with ``labels``, the output head and the
+            model's loss run in chunks of ``c`` positions with recompute
+            (:mod:`tplower.context.loss`): no ``[B, s, V]`` logits on any
+            rank, and the output holds the loss and no logits.
 
     Raises:
         TPLowerError: a mesh without ``axis``; a ``mode`` not in
@@ -288,7 +299,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             :data:`INNER` (``flex_attention``: no backward on CPU); a model with
             no attention module, or with a token mixer that is not softmax
             attention (naming the layer and its type); a model whose config
-            asks for the router's auxiliary loss; a model already installed.
+            asks for the router's auxiliary loss; a model already installed;
+            ``loss_chunk`` below 1 or on a model without an output head.
         TypeError: ``model`` is not an ``nn.Module``, ``axis`` not a string.
     """
     if not isinstance(model, nn.Module):
@@ -315,6 +327,7 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         raise TPLowerError("context parallelism: config.output_router_logits=True asks for the router's auxiliary "
                            "loss, a statistic of the whole batch's tokens that each rank would compute from its own; "
                            "set config.output_router_logits=False")
+    tiled = TiledLoss(model, config, loss_chunk) if loss_chunk is not None else None
     inners = {path: _inner(path, m) for path, m in found}
     if mode == "ulysses":
         for path, m in found:
@@ -334,8 +347,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale)
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, tiled)
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
-               model.register_forward_hook(hooks.after, with_kwargs=True))
+               model.register_forward_hook(hooks.after, with_kwargs=True), *([tiled.attach()] if tiled else []))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),
                                                   "/".join(sorted(set(inners.values()))), handles)

@@ -72,7 +72,8 @@ def attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
-                context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce",
+                context_grads: str = "sum", context_loss_chunk: int | None = None, replicate_rest: bool = True,
+                cover: str = "reduce",
                 strict: bool = True, overlap: bool = False) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
@@ -123,6 +124,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             without ``context`` and the loss's gradient is the axis size, so
             that average is one process's gradient; reduce them yourself
             otherwise, or they are this rank's tokens' part).
+        context_loss_chunk: with ``context``, ``None`` (default: the model
+            computes its logits and loss whole) or the positions per chunk in
+            which the output head and the loss run, with recompute, when the
+            model is called with ``labels`` (:mod:`tplower.context.loss`: no
+            rank holds ``[B, s, V]`` logits; the output holds the loss and no
+            logits).
         overlap: ``True``: a column-parallel ``nn.Linear`` whose input moves
             ``R -> R`` with a ``P(sum)`` gradient runs as one autograd node
             that starts the input gradient's ``all_reduce`` before it
@@ -234,7 +241,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context, strict=strict)
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
-        install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale)
+        install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale,
+                        loss_chunk=context_loss_chunk)
         if context_grads == "mean":
             resolved = dataclasses.replace(resolved, context=None)
     for mp in resolved:
