@@ -32,7 +32,7 @@ import torch.utils._pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tplower.core.traffic import CollectiveTraffic
+from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.run.hf_configs import tiny_config
 
 #: model kinds: (model_type, config overrides). Sliding windows (8) are shorter than every sequence.

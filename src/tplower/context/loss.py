@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["TiledLoss"]
 
