@@ -14,7 +14,10 @@ implementation the model had (``eager``, ``sdpa``, ...) unchanged:
   sequence in its own order, then the output ``S(heads) -> S(seq)`` back;
 * ``allgather``: key and value ``S(seq) -> R`` (an ``all_gather``; their
   gradient, partial over the ranks' queries, is reduce-scattered back), the
-  local queries attend to the whole sequence.
+  local queries attend to the whole sequence;
+* ``hybrid``: Ulysses inside groups of the axis, all-gather across them
+  (:mod:`tplower.context.exchange`); a layer with a dense mask runs the
+  all-gather mode over the whole axis.
 
 Pieces of uneven length are padded to the longest before the exchange and
 the padding dropped after it. The mask is transformers' own for the whole
@@ -34,7 +37,7 @@ model's forward builds its masks without the position ids (gpt-oss, afmoe).
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,10 +45,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
-from .kernels import Kernel, attend_runs
-from .runs import batch_runs, clip
+from .exchange import allgather, hybrid, ulysses
+from .runs import batch_runs
 from .sequence import SPLIT_KEY, ContextSplit
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]
@@ -54,7 +56,7 @@ __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_atten
 IMPLEMENTATION = "tplower_context"
 #: the attribute of an attention module that holds its :class:`ContextAttention`
 ATTR = "_tplower_context"
-MODES = ("ulysses", "allgather")
+MODES = ("ulysses", "allgather", "hybrid")
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +75,8 @@ class ContextAttention:
             gpt-oss's ``sinks``): under Ulysses the kernel sees rank ``r``'s slice of those whose leading
             dim is the local head count.
         causal: the module's ``is_causal`` (an encoder's bidirectional attention: ``False``).
+        sub_mesh: the hybrid mode's mesh: ``axis`` split into the two axes
+            :func:`~tplower.context.exchange.hybrid_axes` names (``None`` in the other modes).
         live: the batch the model is running now (``{"context_split": split}``, set by the model's forward
             pre-hook and emptied after its forward; one dict shared by the model's modules): read when a model's
             layer does not pass its keyword arguments down to attention.
@@ -87,6 +91,7 @@ class ContextAttention:
     per_head: tuple[str, ...] = ()
     live: dict[str, Any] = field(default_factory=dict)
     causal: bool = True
+    sub_mesh: DeviceMesh | None = None
 
 
 def inner_config(config: Any, inner: str) -> Any:
@@ -94,15 +99,6 @@ def inner_config(config: Any, inner: str) -> Any:
     mine = copy.copy(config)
     mine.__dict__["_attn_implementation_internal"] = inner
     return mine
-
-
-def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    extra = width - t.shape[dim]
-    if not extra:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window: Any) -> Any:
@@ -161,131 +157,18 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
     return split.cache[key]
 
 
-class _KernelView:
-    """The attention module as the kernel reads it under Ulysses: the module itself, but for ``overrides``.
-
-    The kernel reads a few attributes of the module (``num_key_value_groups``,
-    ``training``, ``is_causal``, per-head parameters such as ``sinks``); after
-    the exchange it holds ``1/n`` of the heads, so the per-head ones must be
-    this rank's slice and the group size that of the heads it holds.
-    """
-
-    def __init__(self, module: Any, overrides: dict[str, Any]) -> None:
-        self._module = module
-        self._overrides = overrides
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._overrides:
-            return self._overrides[name]
-        return getattr(self._module, name)
-
-
-def _heads_view(ca: ContextAttention, module: Any, rank: int, n: int, h_q: int, groups: int | None,
-                kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The module and keyword arguments the kernel gets for heads ``[rank*h_q/n, (rank+1)*h_q/n)``."""
-    overrides: dict[str, Any] = {}
-    if groups is not None and hasattr(module, "num_key_value_groups"):
-        overrides["num_key_value_groups"] = groups
-    per = h_q // n
-    swap: dict[int, torch.Tensor] = {}
-    for name in ca.per_head:
-        t = getattr(module, name, None)
-        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == h_q:
-            overrides[name] = swap[id(t)] = t.narrow(0, rank * per, per)
-    if not overrides:
-        return module, kwargs
-    kw = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    return _KernelView(module, overrides), kw
-
-
-def _kernel(ca: ContextAttention, module: Any, kwargs: dict[str, Any]) -> Kernel:
-    """The model's kernel with no mask: ``is_causal`` as the module has it, or ``False`` for a full run."""
-
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        kw = kwargs if causal else {**kwargs, "is_causal": False}
-        out: torch.Tensor = ca.kernel(module, q, k, v, None, **kw)[0]
-        return out
-    return call
-
-
 def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     """The batch's runs (:func:`~tplower.context.runs.batch_runs`, cached per batch) where this layer takes them:
     ``sdpa`` (no mask means ``is_causal`` to it), causal, no sliding window, no position bias, and for the
-    all-gather mode's offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask)."""
+    all-gather and hybrid modes' offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask)."""
     if ca.inner != "sdpa" or not ca.causal or kwargs.get("sliding_window") is not None \
             or kwargs.get("position_bias") is not None:
         return None
-    if ca.mode == "allgather" and (like.device.type != "cpu" or kwargs.get("dropout")):
+    if ca.mode != "ulysses" and (like.device.type != "cpu" or kwargs.get("dropout")):
         return None
     if "runs" not in split.cache:
         split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
     return split.cache["runs"]
-
-
-def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-    layout, n, axis = split.layout, split.layout.size, ca.axis
-    width, local = max(layout.lengths), q.shape[2]
-    order = layout.padded_order.to(q.device)
-    h_q, h_kv = q.shape[1], k.shape[1]
-    if h_q % n or h_q % h_kv:
-        raise TPLowerError(f"{type(module).__name__}: context_mode='ulysses' splits the heads over the {n} ranks "
-                           f"of axis {axis!r}, but this rank holds {h_q} query heads and {h_kv} key/value heads "
-                           f"({h_q} does not divide by {n}); use context_mode='allgather' (it splits no heads)")
-    # key/value heads fewer than (or not divisible by) n: repeat each r times, so every rank gets whole groups
-    rep = 1 if h_kv % n == 0 else n // math.gcd(h_kv, n)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    view, kw = _heads_view(ca, module, split.rank, n, h_q, h_q // (h_kv * rep) if rep > 1 else None, kwargs)
-
-    def to_heads(t: torch.Tensor) -> torch.Tensor:  # [B, h, s, D] S(2) -> [B, h/n, S, D] S(1), in global order
-        padded = _pad_seq(t, 2, width)
-        shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
-        whole = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
-        return whole.index_select(2, order)
-
-    if isinstance(mask, tuple):  # the runs: the kernel once per run, no mask
-        out = attend_runs(_kernel(ca, view, kw), to_heads(q), to_heads(k), to_heads(v), clip(mask, 0, layout.length),
-                          0, layout.length, 0, kw.get("scaling"))
-    else:
-        out, _ = ca.kernel(view, to_heads(q), to_heads(k), to_heads(v), mask, **kw)  # [B, S, H/n, D]
-    if width * n > layout.length:  # a zero row for the padding slots (index_select saves no input; index_copy did)
-        out = torch.cat([out, out.new_zeros((out.shape[0], 1, *out.shape[2:]))], dim=1)
-    padded = out.index_select(1, layout.padded_source.to(out.device))
-    shape = (padded.shape[0], width * n, padded.shape[2] * n, padded.shape[3])
-    back = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
-    return back.narrow(1, 0, local), None
-
-
-def _allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-    layout, n, axis = split.layout, split.layout.size, ca.axis
-    width = max(layout.lengths)
-    order = layout.padded_order.to(q.device)
-
-    def whole(t: torch.Tensor) -> torch.Tensor:  # [B, h, s, D] S(2) -> R, in global order
-        padded = _pad_seq(t, 2, width)
-        shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
-        return redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"},
-                                  global_shape=shape).index_select(2, order)
-
-    if not isinstance(mask, tuple):  # the rows of the local queries' mask
-        out, _ = ca.kernel(module, q, whole(k), whole(v), mask, **kwargs)
-        return out, None
-    k, v = whole(k), whole(v)
-    kernel = _kernel(ca, module, kwargs)
-    if not layout.local_length(split.rank):  # a placeholder query: it sees every key (a finite row, then dropped)
-        return kernel(q, k, v, False), None
-    parts, at, used = [], 0, False
-    for start, length in layout.pieces(split.rank):
-        runs = clip(mask, start, start + length)
-        used = used or bool(runs)
-        parts.append(attend_runs(kernel, q, k, v, runs, start, start + length, at, kwargs.get("scaling")))
-        at += length
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    if not used:  # every local query fully masked: keep k and v in the graph, so their gradients' exchange runs
-        out = out + 0 * (k.narrow(2, 0, 1).sum() + v.narrow(2, 0, 1).sum())
-    return out, None
 
 
 def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -325,9 +208,13 @@ def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                            "mask functions for the model); context parallelism builds each layer's mask for the "
                            "whole sequence and cannot keep this one: train this model without context=")
     runs = _runs(ca, split, query, kwargs)
+    if runs is None and ca.mode == "hybrid":  # a dense mask: the all-gather mode's rows over the whole axis
+        ca = dataclasses.replace(ca, mode="allgather")
     mask = runs if runs is not None else _mask(ca, split, query, kwargs.get("sliding_window"))
-    run = _ulysses if ca.mode == "ulysses" else _allgather
-    return run(ca, split, module, query, key, value, mask, kwargs)
+    return _MODES[ca.mode](ca, split, module, query, key, value, mask, kwargs), None
+
+
+_MODES = {"ulysses": ulysses, "allgather": allgather, "hybrid": hybrid}
 
 
 def register() -> None:

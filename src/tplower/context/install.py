@@ -47,6 +47,7 @@ from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
+from .exchange import hybrid_axes
 from .loss import TiledLoss
 from .sequence import SPLIT_KEY, ContextSplit, _axis
 
@@ -132,18 +133,34 @@ def _head_counts(module: nn.Module) -> tuple[int | None, int | None]:
     return heads, first(("num_key_value_heads", "num_kv_heads", "n_kv_heads")) or heads
 
 
-def _check_ulysses(path: str, module: nn.Module, n: int, axis: str, tp_size: int) -> None:
+def _check_ulysses(path: str, module: nn.Module, n: int, axis: str, tp_size: int, mode: str = "ulysses") -> None:
     heads, kv = _head_counts(module)
     if heads is None or heads % tp_size:
         return  # unknown here: the attention call checks the heads it receives
     local = heads // tp_size
     if local % n:
         kv_local = f"{kv // tp_size if kv and kv % tp_size == 0 else kv}"
-        raise TPLowerError(f"context parallelism: context_mode='ulysses' splits the heads over the {n} ranks of "
+        raise TPLowerError(f"context parallelism: context_mode={mode!r} splits the heads over the {n} ranks of "
                            f"axis {axis!r}, but {path} ({type(module).__name__}) has {local} query heads per rank "
                            f"({heads} heads / tp {tp_size}; {kv_local} key/value heads), which {n} does not divide; "
                            "use context_mode='allgather' (it splits no heads), or a cp size that divides "
                            f"{local}")
+
+
+def _hybrid_degree(found: list[tuple[str, nn.Module]], n: int, axis: str, tp_size: int, given: int | None) -> int:
+    """The hybrid mode's Ulysses degree ``U`` (a divisor of ``n``): ``given``, or the largest that divides every
+    attention module's query and key/value heads per rank (no repeated key/value head), else its query heads."""
+    if given is not None:
+        if not isinstance(given, int) or isinstance(given, bool) or given < 1 or n % given:
+            raise TPLowerError(f"install_context: ulysses={given!r} must be a divisor of the {n} ranks of axis "
+                               f"{axis!r} (the hybrid mode's Ulysses degree: one of "
+                               f"{[d for d in range(1, n + 1) if n % d == 0]})")
+        return given
+    counts = [_head_counts(m) for _, m in found]
+    local = [(h // tp_size, kv // tp_size if kv % tp_size == 0 else 1) for h, kv in counts
+             if h is not None and kv is not None and h % tp_size == 0]
+    fits = [d for d in range(n, 0, -1) if n % d == 0 and all(h % d == 0 for h, _ in local)]
+    return next((d for d in fits if all(kv % d == 0 for _, kv in local)), fits[0])
 
 
 def _per_head(module: nn.Module) -> tuple[str, ...]:
@@ -261,7 +278,8 @@ class _Hooks:
 
 
 def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: str = "ulysses", *,
-                    tp_size: int = 1, grad_scale: int = 1, loss_chunk: int | None = None) -> None:
+                    tp_size: int = 1, grad_scale: int = 1, loss_chunk: int | None = None,
+                    ulysses: int | None = None) -> None:
     """Run ``model``'s attention over a sequence split on ``mesh[axis]``; the model then takes ``shard_sequence`` parts.
 
     Modifies ``model`` in place (its text config's attention implementation,
@@ -277,14 +295,21 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         axis: the context-parallel axis.
         mode: ``"ulysses"`` (``all_to_all`` from sequence to heads and back;
             each rank's query heads must divide by the axis size, key/value
-            heads fewer than it are repeated) or ``"allgather"`` (key and value
-            gathered whole; no head condition).
+            heads fewer than it are repeated), ``"allgather"`` (key and value
+            gathered whole; no head condition) or ``"hybrid"`` (Ulysses over
+            ``ulysses`` ranks inside, all-gather across).
         tp_size: how many ways tensor parallelism splits each module's heads
             (the Ulysses check divides the model's head count by it).
         grad_scale: the loss's gradient on each rank (its value is unchanged):
             1 when the parameters' gradients are summed over the axis, the
             axis size when they are averaged over it (FSDP2 over a mesh that
             flattens the axis with data parallelism).
+        ulysses: the ``"hybrid"`` mode's Ulysses degree ``U``, a divisor of
+            the axis size ``n``: the axis is split into ``n/U`` groups of ``U``
+            ranks (mesh axes :func:`~tplower.context.exchange.hybrid_axes`),
+            Ulysses inside a group, all-gather across them; default: the
+            largest that divides the query and key/value heads each rank
+            holds (else the query heads).
         loss_chunk: ``None`` (default): the model computes its logits and
             loss as it does; ``c``: with ``labels``, the output head and the
             model's loss run in chunks of ``c`` positions with recompute
@@ -300,7 +325,9 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             no attention module, or with a token mixer that is not softmax
             attention (naming the layer and its type); a model whose config
             asks for the router's auxiliary loss; a model already installed;
-            ``loss_chunk`` below 1 or on a model without an output head.
+            ``loss_chunk`` below 1 or on a model without an output head;
+            ``ulysses`` that does not divide the axis size, or its query heads
+            per rank, or given to another mode.
         TypeError: ``model`` is not an ``nn.Module``, ``axis`` not a string.
     """
     if not isinstance(model, nn.Module):
@@ -332,6 +359,15 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     if mode == "ulysses":
         for path, m in found:
             _check_ulysses(path, m, n, axis, tp_size)
+    sub_mesh = None
+    if mode == "hybrid":
+        degree = _hybrid_degree(found, n, axis, tp_size, ulysses)
+        for path, m in found:
+            _check_ulysses(path, m, degree, axis, tp_size, mode)
+        sub_mesh = mesh._unflatten(axis, (n // degree, degree), hybrid_axes(axis))  # collective: every rank
+    elif ulysses is not None:
+        raise TPLowerError(f"install_context: ulysses={ulysses!r} is the hybrid mode's Ulysses degree; mode={mode!r} "
+                           "takes none (drop it, or use mode='hybrid')")
     register()
     configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its copy for the inner implementation)
     live: dict[str, Any] = {}
@@ -342,7 +378,7 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             configs[id(own)] = (own, inner_config(own, inners[path]))
         attached.append((m, ContextAttention(mesh, axis, mode, inners[path], _kernel(path, m, inners[path]),
                                              configs[id(own)][1], _per_head(m), live,
-                                             causal=bool(getattr(m, "is_causal", True)))))
+                                             causal=bool(getattr(m, "is_causal", True)), sub_mesh=sub_mesh)))
     for m, ca in attached:
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():

@@ -72,8 +72,8 @@ def attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
-                context_grads: str = "sum", context_loss_chunk: int | None = None, replicate_rest: bool = True,
-                cover: str = "reduce",
+                context_grads: str = "sum", context_loss_chunk: int | None = None,
+                context_ulysses: int | None = None, replicate_rest: bool = True, cover: str = "reduce",
                 strict: bool = True, overlap: bool = False) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
@@ -113,8 +113,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             to heads before the model's own attention and back after it;
             measured 0.52x one process's step time and 0.55x its peak memory
             at 8192 tokens, cp=2, where ``"allgather"`` took 1.23x and 1.38x)
-            or ``"allgather"`` (keys and values gathered whole, the local
-            queries attend to them; no condition on head counts).
+            ``"allgather"`` (keys and values gathered whole, the local
+            queries attend to them; no condition on head counts) or
+            ``"hybrid"`` (Ulysses inside groups of ``context_ulysses`` ranks,
+            all-gather across the groups: for a cp size beyond the heads a
+            rank holds, or grouped key/value heads fewer than it).
         context_grads: who reduces the parameters' gradients over
             ``context``: ``"sum"`` (default: ``parallelize``; parameters are
             DTensors replicated over it, FSDP2 may shard them over another
@@ -124,6 +127,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             without ``context`` and the loss's gradient is the axis size, so
             that average is one process's gradient; reduce them yourself
             otherwise, or they are this rank's tokens' part).
+        context_ulysses: ``"hybrid"``'s Ulysses degree (a divisor of the
+            ``context`` axis size; default: the largest that divides the
+            query and key/value heads a rank holds).
         context_loss_chunk: with ``context``, ``None`` (default: the model
             computes its logits and loss whole) or the positions per chunk in
             which the output head and the loss run, with recompute, when the
@@ -181,8 +187,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             ``DeviceMesh``, ``axis`` not a string or ``overlap`` not a bool
             (before any collective).
         ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, ``cover``
-            neither ``"reduce"`` nor ``"refuse"``, ``context_mode`` neither
-            ``"ulysses"`` nor ``"allgather"``, or ``context_grads`` neither
+            neither ``"reduce"`` nor ``"refuse"``, ``context_mode`` not one of
+            ``"ulysses"``, ``"allgather"``, ``"hybrid"``, or ``context_grads`` neither
             ``"sum"`` nor ``"mean"``.
         TPLowerError: a plan error (naming the module, field and value), a
             plan key that names nothing (with ``strict``), an attention's
@@ -229,7 +235,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if context is not None:
         if context_mode not in MODES:
             raise ValueError(f"parallelize: context_mode={context_mode!r}; allowed: 'ulysses' (all_to_all of "
-                             "sequence and heads) or 'allgather' (keys and values gathered)")
+                             "sequence and heads), 'allgather' (keys and values gathered) or 'hybrid' (Ulysses "
+                             "inside groups of the axis, all-gather across)")
         if context_grads not in ("sum", "mean"):
             raise ValueError(f"parallelize: context_grads={context_grads!r}; allowed: 'sum' (parallelize sums the "
                              "gradients over the context axis) or 'mean' (the caller averages them over it, e.g. "
@@ -242,7 +249,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
         install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale,
-                        loss_chunk=context_loss_chunk)
+                        loss_chunk=context_loss_chunk, ulysses=context_ulysses)
         if context_grads == "mean":
             resolved = dataclasses.replace(resolved, context=None)
     for mp in resolved:
