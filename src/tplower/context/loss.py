@@ -146,14 +146,25 @@ class TiledLoss:
             raise TPLowerError(f"{name}: its forward changes the logits after the output head in a way loss_chunk= "
                                "does not repeat (the first position's logits differ); drop loss_chunk for this "
                                "model")
-        labels, shift = state["labels"], state["shift_labels"]
-        total = None
-        for at in range(0, hidden.shape[1], self.chunk):
-            n = min(self.chunk, hidden.shape[1] - at)
-            part = checkpoint(self._chunk_loss, hidden.narrow(1, at, n), labels.narrow(1, at, n).contiguous(),
-                              shift.narrow(1, at, n).contiguous() if isinstance(shift, torch.Tensor) else None,
-                              state["num_items_in_batch"], use_reentrant=False)
-            total = part if total is None else total + part
+        total = self.chunked(hidden, state["labels"], state["shift_labels"], state["num_items_in_batch"])
         state.clear()
         output["logits"] = None
         output["loss"] = total
+
+    def chunked(self, hidden: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None,
+                count: Any) -> torch.Tensor:
+        """The loss of ``hidden`` ``[B, s, H]`` (the final hidden states) in chunks of :attr:`chunk` positions.
+
+        ``labels``/``shift_labels`` ``[B, s]`` and ``count`` (``num_items_in_batch``) as the model's
+        ``loss_function`` takes them; each chunk runs under non-reentrant checkpointing. Returns the sum of the
+        chunks' values (a scalar): the model's loss on these positions.
+        """
+        total: torch.Tensor | None = None
+        for at in range(0, hidden.shape[1], self.chunk):
+            n = min(self.chunk, hidden.shape[1] - at)
+            part = checkpoint(self._chunk_loss, hidden.narrow(1, at, n), labels.narrow(1, at, n).contiguous(),
+                              shift_labels.narrow(1, at, n).contiguous() if shift_labels is not None else None,
+                              count, use_reentrant=False)
+            total = part if total is None else total + part  # type: ignore[operator]
+        assert total is not None, "a sequence of at least one position"
+        return total
