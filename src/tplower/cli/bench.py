@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-budget", type=parse_size, default=None, metavar="SIZE",
                         help="context phase: bytes per rank for the longest sequence that trains within them, at "
                              "cp=1 and each cp size (default 64MiB; 0: no search)")
+    parser.add_argument("--timeout", type=positive_int, default=None, metavar="SECONDS",
+                        help="seconds each spawned group of ranks may run (default 900; the context phase's full "
+                             "sweep at 32768 tokens and cp=4 needs hours on 2 busy cores)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="spawned ranks run with glibc keeping freed memory (no fresh mmap, so no page faults, "
                              "for each large buffer): what a caching allocator gives; see benchmarks/README.md")
@@ -122,7 +125,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     changes = {k: v for k, v in (("phases", args.phases), ("worlds", args.worlds), ("sizes", args.sizes),
                                  ("cases", args.cases), ("impls", args.impls), ("reps", args.reps),
                                  ("context_seqs", args.context_seqs), ("context_cps", args.context_cps),
-                                 ("context_budget", args.context_budget)) if v is not None}
+                                 ("context_budget", args.context_budget), ("timeout", args.timeout))
+               if v is not None}
     if args.worlds is not None:
         changes["multi_axis_only_at"] = ()
     return replace(cfg, device=args.device, compile_backend=args.compile, **changes)
