@@ -20,8 +20,11 @@ implementation the model had (``eager``, ``sdpa``, ...) unchanged:
   all-gather mode over the whole axis.
 
 Pieces of uneven length are padded to the longest before the exchange and
-the padding dropped after it. The mask is transformers' own for the whole
-sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
+the padding dropped after it. A causal ``sdpa`` layer without a sliding
+window takes no mask: the batch's runs (:mod:`tplower.context.runs`: packed
+documents, padding on either side) run the kernel once each, with no mask
+(:mod:`tplower.context.kernels`). Every other layer's mask is transformers' own
+for the whole sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
 with the batch's global ``attention_mask`` and ``position_ids``, so padding,
 sliding windows and packed documents are as one process builds them; an
 encoder's bidirectional attention, ``is_causal`` false, takes
@@ -66,7 +69,7 @@ class ContextAttention:
     Attributes:
         mesh: the device mesh; ``axis`` its context-parallel axis.
         axis: the axis name.
-        mode: ``ulysses`` or ``allgather``.
+        mode: ``ulysses``, ``allgather`` or ``hybrid``.
         inner: the implementation the model had (``eager``, ``sdpa``, ...).
         kernel: its function (the model's own ``eager_attention_forward`` for ``eager``).
         config: the model's config as the inner implementation sees it (masks are built from it; one
@@ -161,9 +164,9 @@ def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs:
     """The batch's runs (:func:`~tplower.context.runs.batch_runs`, cached per batch) where this layer takes them:
     ``sdpa`` (no mask means ``is_causal`` to it), causal, no sliding window, no position bias, and for the
     all-gather and hybrid modes' offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask)."""
-    if ca.inner != "sdpa" or not ca.causal or kwargs.get("sliding_window") is not None \
-            or kwargs.get("position_bias") is not None:
-        return None
+    if ca.inner != "sdpa" or not ca.causal or not getattr(ca.config, "is_causal", True) \
+            or kwargs.get("sliding_window") is not None or kwargs.get("position_bias") is not None:
+        return None  # (a config whose is_causal is off makes transformers' causal mask bidirectional)
     if ca.mode != "ulysses" and (like.device.type != "cpu" or kwargs.get("dropout")):
         return None
     if "runs" not in split.cache:
