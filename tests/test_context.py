@@ -238,7 +238,7 @@ def test_bytes_counted_at_the_dispatcher_are_what_explain_predicts(ranks: list[d
 
 REFUSED = {
     "loss_chunk": ("loss_chunk=0", ">= 1"),
-    "loss_chunk_head": ("LlamaModel", "get_output_embeddings()", "drop loss_chunk"),
+    "loss_chunk_head": ("LlamaModel", "causal LM", "head is none", "drop loss_chunk"),
     "loss_chunk_tuple": ("return_dict=False",),
     "loss_chunk_count": ("num_items_in_batch", "shard_sequence"),
     "loss_chunk_logits": ("BiasedLlama", "after the output head", "drop loss_chunk"),
