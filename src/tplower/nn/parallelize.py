@@ -145,9 +145,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             over it, the way the ``axis`` reductions are. ``None``: none.
         context_mode: ``"ulysses"`` (default: an ``all_to_all`` from sequence
             to heads before the model's own attention and back after it;
-            measured 0.58x one process's train step time and 0.55x its peak
-            memory at 8192 tokens, cp=2, where ``"allgather"`` took 1.40x and
-            1.40x: ``tplower bench --phases context``, docs/context.md),
+            measured 0.95x one process's train step time (two processes
+            share the 2 cores measured on) and 0.53x its peak memory at 8192
+            tokens, cp=2, where ``"allgather"`` took 0.91x and 0.55x: ``tplower
+            bench --phases context``, docs/context.md; padded and packed
+            batches alike),
             ``"allgather"`` (keys and values gathered whole,
             the local queries attend to them; no condition on head counts) or
             ``"hybrid"`` (Ulysses inside groups of ``context_ulysses`` ranks,
