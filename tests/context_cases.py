@@ -20,6 +20,7 @@ has no cache and always gives each packed document its own attention.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.run.hf_configs import tiny_config
@@ -52,8 +55,9 @@ EAGER_ONLY = ("gemma2", "gpt_oss")
 
 @dataclass(frozen=True)
 class Case:
-    """One comparison: ``batch`` is ``"padded"`` (left padding, ``attention_mask``), ``"packed"`` (position ids
-    restarting per document, no mask: transformers finds the documents from the positions) or ``"plain"``."""
+    """One comparison: ``batch`` is ``"padded"`` (left padding, ``attention_mask``), ``"ragged"`` (padding on the
+    right of one row, the left of the other), ``"packed"`` (position ids restarting per document, no mask:
+    transformers finds the documents from the positions) or ``"plain"``."""
 
     model: str
     mode: str
@@ -61,10 +65,13 @@ class Case:
     seq: int
     balance: bool
     batch: str
+    loss_chunk: int | None = None  # the loss in chunks of this many positions (``context_loss_chunk``)
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.mode}-{self.impl}-{self.seq}-{'bal' if self.balance else 'even'}-{self.batch}"
+        tiled = f"-tiled{self.loss_chunk}" if self.loss_chunk else ""
+        return f"{self.model}-{self.mode}-{self.impl}-{self.seq}-{'bal' if self.balance else 'even'}-{self.batch}" \
+            + tiled
 
 
 def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
@@ -85,16 +92,19 @@ def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
 
 
 def batch(kind: str, seq: int, vocab: int = 128) -> dict[str, torch.Tensor]:
-    """A whole batch of 2 rows: ``padded`` (row 1 left-padded by 3), ``packed`` (documents of 3 lengths) or
-    ``plain`` (ids and labels alone)."""
+    """A whole batch of 2 rows: ``padded`` (row 1 left-padded by 3), ``ragged`` (row 0 right-padded by
+    ``seq // 8``, row 1 left-padded by 3), ``packed`` (documents of 3 lengths) or ``plain`` (ids and labels
+    alone)."""
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(seq))
     labels = ids.clone()
     if kind == "plain":
         return {"input_ids": ids, "labels": labels}
-    if kind == "padded":
+    if kind in ("padded", "ragged"):
         mask = torch.ones(2, seq, dtype=torch.long)
         mask[1, :3] = 0
-        labels[1, :3] = -100
+        if kind == "ragged":
+            mask[0, seq - seq // 8:] = 0
+        labels[mask == 0] = -100
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     cuts = (seq // 3, seq // 3 + seq // 4)
     positions = torch.arange(seq).expand(2, seq).clone()
@@ -104,6 +114,17 @@ def batch(kind: str, seq: int, vocab: int = 128) -> dict[str, torch.Tensor]:
             positions[row, c:] = torch.arange(seq - c)
             labels[row, c] = -100  # a document's first token is predicted by no token of its own document
     return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def matches(case: Case, got: dict[str, Any], tol: float = 1e-5) -> None:
+    """``run_case``'s differences within ``tol`` (gradients relative to the largest one); a tiled loss returns no
+    logits, and its output head never took more than a chunk of positions."""
+    assert got["loss"] <= tol, got  # the whole loss, on every rank
+    if case.loss_chunk:
+        assert got["logits"] is None and 1 <= got["head"] <= case.loss_chunk, got
+    else:
+        assert got["logits"] is not None and got["logits"] <= tol, got
+    assert got["grad"] <= tol * max(1.0, got["scale"]), got
 
 
 def named(fn: Callable[..., Any], case: Case, *args: Any, **kwargs: Any) -> Any:
@@ -124,35 +145,54 @@ def _grads(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
+class _Squares(TorchDispatchMode):
+    """The largest ``min(shape[-2], shape[-1])`` of any tensor an op returns while active: a ``[.., q, k]`` mask
+    or score table of ``q`` queries and ``k`` keys reads ``min(q, k)``; activations ``[.., tokens, features]``
+    read their feature size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                self.largest = max(self.largest, min(int(t.shape[-2]), int(t.shape[-1])))
+        return out
+
+
 def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: Any = None,
-             experts: str = "tp") -> dict[str, Any]:
+             experts: str = "tp", squares: bool = False) -> dict[str, Any]:
     """Largest differences from one process: ``loss`` (this rank's), ``logits``, ``grad`` (every parameter's).
 
     With ``count``, also the collectives of the context-parallel forward and backward (``counts``); ``plan``: the
-    tensor-parallel plan beside ``context="cp"`` (a mesh with a ``tp`` axis).
+    tensor-parallel plan beside ``context="cp"`` (a mesh with a ``tp`` axis); with ``squares``, the largest
+    ``[.., q, k]`` extent any tensor of the context-parallel step has (:class:`_Squares`, ``square``). With the
+    case's ``loss_chunk``, ``logits`` is ``None`` when the model returned none, and ``head`` the most positions
+    its output head took in one call.
     """
     import tplower
     from tplower.context import gather_sequence, shard_sequence
 
     ref = tiny(case.model, case.impl, layers)
     model = tplower.parallelize(copy.deepcopy(ref), mesh, plan, context="cp", context_mode=case.mode,
-                                experts=experts)
+                                experts=experts, context_loss_chunk=case.loss_chunk)
+    widths = [0]
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: widths.append(int(out.shape[1])))
     whole = batch(case.batch, case.seq)
     want = ref(**whole, use_cache=False)
     want.loss.backward()
     part = shard_sequence(whole, mesh, "cp", balance=case.balance)
-    traffic = CollectiveTraffic()
-    if count:
-        with traffic:
-            out = model(**part)
-            out.loss.backward()
-    else:
+    traffic, tables = CollectiveTraffic(), _Squares()
+    with traffic if count else contextlib.nullcontext(), tables if squares else contextlib.nullcontext():
         out = model(**part)
         out.loss.backward()
-    logits = gather_sequence(out.logits.detach(), mesh, "cp", balance=case.balance)
+    logits = None if out.logits is None else float(
+        (gather_sequence(out.logits.detach(), mesh, "cp", balance=case.balance) - want.logits.detach()).abs().max())
     grads = _grads(model)
-    return {"loss": float((out.loss.detach() - want.loss.detach()).abs()),
-            "logits": float((logits - want.logits.detach()).abs().max()),
+    return {"loss": float((out.loss.detach() - want.loss.detach()).abs()), "logits": logits, "head": max(widths),
             "grad": float((grads - _grads(ref)).abs().max()),
             "scale": float(_grads(ref).abs().max()),
-            "counts": dict(traffic.counts), "sent": traffic.sent}
+            "counts": dict(traffic.counts), "sent": traffic.sent, "square": tables.largest}

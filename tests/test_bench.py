@@ -174,28 +174,66 @@ def test_loss_phase_compares_vocabulary_parallel_loss_with_gathered_logits(tmp_p
 @pytest.mark.slow  # tests/test_context.py checks the bytes against explain and every mode against one process
 def test_context_phase_counts_what_explain_predicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
-    assert main(["bench", "--quick", "--phases", "context", "--out", str(out), "--no-plots"]) == 0
-    rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["context"]}
-    assert set(rows) == {"one process", "cp ulysses", "cp allgather", "tp"}
-    for mode in ("cp ulysses", "cp allgather"):
-        assert rows[mode]["sent_bytes"] == rows[mode]["predicted_bytes"], rows[mode]
-    assert rows["one process"]["sent_bytes"] == 0
-    assert "## Context parallelism: tiny Llama, 4 layers, 8192 tokens, cp=2" in capsys.readouterr().out
+    assert main(["bench", "--quick", "--phases", "context", "--context-seqs", "2048", "--context-budget", "16MiB",
+                 "--out", str(out), "--no-plots"]) == 0
+    rows = json.loads((out / "bench.json").read_text())["context"]
+    steps = {(r["variant"], r["batch"]): r for r in rows if r["table"] == "steps"}
+    assert set(steps) == {("one process", b) for b in ("plain", "padded", "packed")} | {
+        (m, b) for m in ("ulysses", "allgather") for b in ("plain", "padded", "packed")} | {("tp", "plain")}
+    for mode in ("ulysses", "allgather"):
+        assert steps[mode, "plain"]["sent_bytes"] == steps[mode, "plain"]["predicted_bytes"], steps[mode, "plain"]
+    assert steps["one process", "plain"]["sent_bytes"] == 0
+    budget = {r["cp"]: r for r in rows if r["table"] == "budget"}
+    for r in budget.values():  # the longest length fits, the next one does not
+        assert r["peak_bytes"] <= 16 << 20 < r["next_peak_bytes"], r
+    loss = [r for r in rows if r["table"] == "loss"]
+    assert [r["variant"] for r in loss] == ["whole logits", "chunks of 512"]
+    assert loss[1]["loss_diff"] <= 1e-5 and loss[1]["grad_diff"] <= 1e-5, loss
+    assert "## Context parallelism: tiny Llama, 4 layers, sdpa, float32, one row" in capsys.readouterr().out
 
 
-def test_context_table_reads_each_variant_against_one_process() -> None:
-    from tplower.bench.phases import BenchResult
-    from tplower.bench.report import context_table
+def _step(variant: str, batch: str, ms: float, peak_mib: int, cp: int = 2, **more: object) -> dict[str, object]:
+    return {"table": "steps", "seq": 8192, "cp": cp, "tp": 1, "variant": variant, "batch": batch,
+            "train_step_ms": ms, "peak_bytes": peak_mib << 20, "counts": {}, "sent_bytes": 0, "vs_same": None,
+            "vs_plain": None, "predicted_bytes": None, **more}
 
-    def row(name: str, ms: float, peak: int, sent: int, predicted: int | None) -> dict[str, object]:
-        return {"variant": name, "train_step_ms": ms, "peak_bytes": peak, "counts": {"all_to_all": 32} if sent else {},
-                "sent_bytes": sent, "predicted_bytes": predicted}
 
-    res = BenchResult(config={}, meta={}, context=[row("one process", 4000.0, 160 << 20, 0, None),
-                                                   row("cp ulysses", 2000.0, 88 << 20, 12 << 20, 12 << 20)])
-    lines = context_table(res)
-    assert lines[2] == "| one process | 4000 | 1.00 | 160.00 | 1.00 | - | 0.00 | - |"
-    assert lines[3] == "| cp ulysses | 2000 | 0.50 | 88.00 | 0.55 | all_to_all 32 | 12.00 | 12.00 |"
+def test_context_tables_read_memory_against_one_process_plain_and_time_round_by_round() -> None:
+    from tplower.bench.context_report import context_table, context_targets
+
+    half = {"median": 0.5, "low": 0.45, "high": 0.55}
+    rows = [_step("one process", "plain", 4000.0, 160, cp=1), _step("one process", "packed", 9000.0, 1240, cp=1),
+            _step("ulysses", "plain", 2000.0, 80, counts={"all_to_all": 32}, sent_bytes=12 << 20, vs_same=half,
+                  vs_plain=half, predicted_bytes=12 << 20),
+            _step("ulysses", "packed", 3000.0, 100, vs_same={"median": 0.33, "low": 0.3, "high": 0.4},
+                  vs_plain={"median": 0.75, "low": 0.7, "high": 0.8}),
+            {"table": "budget", "cp": 1, "budget_bytes": 64 << 20, "longest_seq": 3072, "peak_bytes": 60 << 20,
+             "next_seq": 3584, "next_peak_bytes": 70 << 20},
+            {"table": "budget", "cp": 2, "budget_bytes": 64 << 20, "longest_seq": 5120, "peak_bytes": 63 << 20,
+             "next_seq": 5632, "next_peak_bytes": 69 << 20},
+            {"table": "loss", "variant": "whole logits", "seq": 8192, "cp": 2, "vocab": 32000, "chunk": 512,
+             "train_step_ms": 100.0, "peak_bytes": 2048 << 20, "loss_peak_bytes": 1600 << 20, "loss_diff": 0.0,
+             "grad_diff": 0.0},
+            {"table": "loss", "variant": "chunks of 512", "seq": 8192, "cp": 2, "vocab": 32000, "chunk": 512,
+             "train_step_ms": 120.0, "peak_bytes": 512 << 20, "loss_peak_bytes": 200 << 20, "loss_diff": 2e-7,
+             "grad_diff": 3e-8}]
+    lines = context_table(rows)
+    assert "| 8192 | 2 | ulysses | plain | 2000 | 0.50 (0.45-0.55) | 0.50 (0.45-0.55) | 80.0 | 0.50 | " \
+           "all_to_all 32 | 12.0 | 12.0 |" in lines
+    # memory against one process's plain step (160 MiB), time against one process's packed step
+    assert "| 8192 | 2 | ulysses | packed | 3000 | 0.33 (0.30-0.40) | 0.75 (0.70-0.80) | 100.0 | 0.62 | - | 0.0 | - |" \
+        in lines
+    assert "| 2 | 5120 | 63.0 | 69.0 | 1.67 |" in lines  # 5120 / 3072 tokens
+    assert "| chunks of 512 | 120 | 1.20 | 512.0 | 0.25 | 200.0 | 0.12 | 2.0e-07 | 3.0e-08 |" in lines
+    targets = context_targets(rows)
+    assert "- context ulysses cp=2, peak per rank / one process's plain step, worst of 2 rows (packed at 8192 " \
+           "tokens): 0.62 (target <= 0.6: missed)" in targets
+    assert "- context ulysses cp=2 step time / one process (packed at 8192 tokens, same batch; rounds 0.30-0.40): " \
+           "0.33 (target <= 1: met)" in targets
+    assert "- longest sequence within 64.0 MiB per rank, cp=2 / cp=1 (5120 / 3072 tokens): 1.67 (target >= 1.8: " \
+           "missed)" in targets
+    assert any(t.startswith("- loss in chunks of 512 at vocabulary 32000, 8192 tokens: peak of the loss / whole "
+                            "logits 0.12 (target <= 0.25: met)") for t in targets)
 
 
 def test_moe_table_sets_compiled_expert_parallelism_beside_its_peers() -> None:

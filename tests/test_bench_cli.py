@@ -53,7 +53,13 @@ def test_filter_drops_only_kineto_status_lines(capfd: pytest.CaptureFixture[str]
     (["--sizes", "100"], "--sizes: 100 B does not split into a float32 [a, b] tensor with a and b divisible by world "
                          "2 (--worlds 2); give multiples of 16 B (e.g. 112)"),  # 16 = 4 bytes x 2 x 2; 112 = 7 x 16
     (["--sizes", "0"], "--sizes: 0 B does not split"),
-], ids=["worlds", "size", "zero-size"])
+    (["--context-seqs", "8192,x"], "argument --context-seqs: '8192,x': 'x' is not a whole number of at least 1"),
+    (["--context-seqs", "8"], "--context-seqs: 8 tokens is below 16; give lengths of at least 16 (e.g. 8192)"),
+    (["--context-cps", "1"], "--context-cps: 1 is below 2; a cp size is at least 2 ranks (e.g. 2,4)"),
+    (["--context-cps", "2,100000"], "--context-cps 2,100000 would spawn 100000 local processes"),
+    (["--context-budget", "lots"], "argument --context-budget: size 'lots' is not valid"),
+], ids=["worlds", "size", "zero-size", "context-seqs-word", "context-seqs-short", "context-cps-one",
+        "context-cps-many", "context-budget"])
 def test_malformed_values_exit_2_naming_the_option(argv: list[str], message: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     try:

@@ -246,9 +246,10 @@ def test_parallelize_docstring_puts_plan_none_under_plan_and_quotes_the_measured
     assert doc is not None
     doc = "\n    " + doc.replace("\n", "\n    ")  # the indentation the section pattern reads
     assert "``None``" in _section(doc, "plan") and "``None``" not in _section(doc, "axis")
-    # the context_mode figures are the table's in docs/context.md (step and peak memory per one process)
-    rows = {m: re.search(rf"\| cp=2, {m} \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \|", DOCS.read_text())
-            for m in ("ulysses", "allgather")}
+    # the context_mode figures are the table's in docs/context.md (8192 tokens, cp=2, plain: step and peak memory
+    # per one process)
+    rows = {m: re.search(rf"\| 8192 \| 2 \| {m} \| plain \| \d+ \| ([\d.]+) \([\d.-]+\) \| [^|]+ \| [\d.]+ \| "
+                         r"([\d.]+) \|", DOCS.read_text()) for m in ("ulysses", "allgather")}
     table = {m: (row.group(1), row.group(2)) for m, row in rows.items() if row}
     assert len(table) == 2
     figures = re.findall(r"(\d\.\d\d)x", _section(doc, "context_mode"))

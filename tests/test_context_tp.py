@@ -7,7 +7,7 @@ every rank, the logits through ``gather_sequence`` and every parameter's gradien
 training steps (``clip_grad_norm_``, AdamW with ``foreach``) whose parameters stay one process's, the replicated ones
 bit-identical on all four ranks; and the loss from vocabulary-sharded logits (``vocab_parallel_cross_entropy`` with
 ``context="cp"``) is one process's loss, with its gradients. On a flat cp=4 mesh, a sequence of 3 tokens leaves
-rank 3 without a token, and the model still gives one process's answer.
+rank 3 without a token, and the model still gives one process's answer; the hybrid mode runs cp=4 as 2 x 2.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from context_cases import Case, batch, named, run_case, tiny
+from context_cases import Case, batch, matches, named, run_case, tiny
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -28,10 +28,23 @@ from tplower.testing import run_threaded
 
 TOL = 1e-5
 CASES = [(Case("llama", "allgather", "eager", 37, False, "packed"), "tp"),
-         (Case("qwen3_moe", "ulysses", "sdpa", 37, True, "padded"), "ep")]
+         (Case("qwen3_moe", "ulysses", "sdpa", 37, True, "padded"), "ep"),
+         # the loss in chunks beside tp: each chunk's logits gathered over tp by the plan's output head
+         (Case("llama", "ulysses", "sdpa", 37, True, "ragged", loss_chunk=4), "tp")]
 #: cp=4 over 3 tokens: rank 3 holds none (balanced: pieces 3 and 4 of 8 are empty; even: the 4th of 4)
 EMPTY_RANK = [Case("llama", "ulysses", "sdpa", 3, True, "plain"),
-              Case("llama", "allgather", "eager", 3, False, "padded")]
+              Case("llama", "allgather", "eager", 3, False, "padded"),
+              Case("llama", "allgather", "sdpa", 3, True, "plain", loss_chunk=2)]
+
+#: cp=4 as 2 x 2: Ulysses inside pairs of ranks, all-gather across the pairs (Llama's 4 query and 2 key/value heads:
+#: Ulysses degree 2 repeats none); one key/value head (degree 1: all-gather across 4 single ranks); layers with a
+#: dense mask (eager, a sliding window) run the all-gather mode over the whole axis
+HYBRID = [Case("llama", "hybrid", "sdpa", 64, True, "plain"), Case("llama", "hybrid", "sdpa", 37, True, "padded"),
+          Case("llama", "hybrid", "sdpa", 37, False, "packed"),
+          Case("llama", "hybrid", "sdpa", 61, True, "ragged", loss_chunk=8),
+          Case("llama", "hybrid", "sdpa", 3, True, "plain"),  # rank 3 holds no token
+          Case("llama_mqa", "hybrid", "sdpa", 37, True, "packed"),
+          Case("llama", "hybrid", "eager", 37, True, "padded"), Case("mistral", "hybrid", "sdpa", 37, True, "packed")]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -99,11 +112,33 @@ def _verify(mesh: Any) -> dict[str, Any]:
             "first": (first.module, first.phase) if first else None}
 
 
+def _hybrid_layout(flat: Any) -> dict[str, Any]:
+    """The axes the hybrid mode split cp=4 into for each model (its Ulysses degree chosen from the heads), and the
+    refusals of a degree that does not fit."""
+    from tplower.context.attention import ATTR
+    from tplower.core.support.errors import TPLowerError
+
+    out: dict[str, Any] = {}
+    for kind in ("llama", "llama_mqa"):
+        model = tplower.parallelize(tiny(kind, "sdpa"), flat, None, context="cp", context_mode="hybrid")
+        sub = model.model.layers[0].self_attn.__dict__[ATTR].sub_mesh
+        out[kind] = (tuple(sub.mesh_dim_names), tuple(sub.shape))
+    for name, kind, kw in (("three", "llama", {"context_ulysses": 3}), ("heads", "llama_h3", {"context_ulysses": 2}),
+                           ("mode", "llama", {"context_mode": "ulysses", "context_ulysses": 2})):
+        try:
+            tplower.parallelize(tiny(kind, "sdpa"), flat, None, context="cp", **{"context_mode": "hybrid", **kw})
+            out[name] = "no error"
+        except TPLowerError as e:
+            out[name] = str(e)
+    return out
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     out = {c.name: named(run_case, c, mesh, plan="auto", experts=e) for c, e in CASES}
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
-    out.update({c.name: named(run_case, c, flat) for c in EMPTY_RANK})
+    out.update({c.name: named(run_case, c, flat) for c in EMPTY_RANK + HYBRID})
+    out["hybrid_layout"] = _hybrid_layout(flat)
     out["train"] = _train(mesh)
     out["vocab"] = _vocab_loss(mesh)
     out["verify"] = _verify(mesh)
@@ -117,10 +152,9 @@ def ranks() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("case", [c.name for c, _ in CASES])
 def test_cp_and_tp_match_one_process(ranks: list[dict[str, Any]], case: str) -> None:
+    c = next(c for c, _ in CASES if c.name == case)
     for r in ranks:
-        got = r[case]
-        assert got["loss"] <= TOL and got["logits"] <= TOL, got
-        assert got["grad"] <= TOL * max(1.0, got["scale"]), got
+        matches(c, r[case], TOL)
 
 
 @pytest.mark.parametrize("case", [c.name for c in EMPTY_RANK])
@@ -130,9 +164,24 @@ def test_a_rank_with_no_token_runs_and_matches_one_process(ranks: list[dict[str,
     c = next(c for c in EMPTY_RANK if c.name == case)
     assert SequenceLayout(c.seq, 4, c.balance).lengths[3] == 0  # the case is what it claims
     for r in ranks:
-        got = r[case]
-        assert got["loss"] <= TOL and got["logits"] <= TOL, got
-        assert got["grad"] <= TOL * max(1.0, got["scale"]), got
+        matches(c, r[case], TOL)
+
+
+@pytest.mark.parametrize("case", HYBRID, ids=lambda c: c.name)
+def test_hybrid_at_cp_4_as_2_by_2_matches_one_process(ranks: list[dict[str, Any]], case: Case) -> None:
+    for r in ranks:
+        matches(case, r[case.name], TOL)
+
+
+def test_hybrid_splits_cp_by_the_heads_and_refuses_a_degree_that_does_not_fit(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        got = r["hybrid_layout"]
+        assert got["llama"] == (("cp_allgather", "cp_ulysses"), (2, 2))  # 4 query, 2 key/value heads
+        assert got["llama_mqa"] == (("cp_allgather", "cp_ulysses"), (4, 1))  # one key/value head: none repeated
+        assert "ulysses=3 must be a divisor of the 4 ranks of axis 'cp'" in got["three"], got["three"]
+        assert "context_mode='hybrid' splits the heads over the 2 ranks" in got["heads"], got["heads"]
+        assert "3 query heads" in got["heads"], got["heads"]
+        assert "ulysses=2 is the hybrid mode's Ulysses degree; mode='ulysses' takes none" in got["mode"], got["mode"]
 
 
 def test_three_training_steps_match_one_process_and_replicas_stay_identical(ranks: list[dict[str, Any]]) -> None:

@@ -47,6 +47,9 @@ class BenchConfig:
         multi_axis_only_at: worlds whose micro phase runs only the
             multi-axis cases (the quick preset covers the 1-D ones at world 2).
         timeout: seconds for each spawned group of ranks.
+        context_seqs: sequence lengths of the ``context`` phase (:class:`tplower.bench.context.ContextSweep`).
+        context_cps: its cp sizes (a spawn of that many ranks each).
+        context_budget: bytes per rank of its longest-sequence search (0: none).
     """
 
     worlds: tuple[int, ...] = (2, 4)
@@ -67,6 +70,9 @@ class BenchConfig:
     compile_backend: str | None = None
     multi_axis_only_at: tuple[int, ...] = ()
     timeout: float = 900.0
+    context_seqs: tuple[int, ...] = (8192,)
+    context_cps: tuple[int, ...] = (2,)
+    context_budget: int = 64 << 20
 
     @staticmethod
     def quick() -> BenchConfig:

@@ -1,22 +1,35 @@
-"""The bench's ``context`` phase: a long sequence's train step under context parallelism, both modes, measured.
+"""The bench's ``context`` phase: long sequences' train steps under context parallelism, measured per rank.
 
-Two gloo ranks each build a tiny Llama (hidden 64, 4 query heads, 2
-key/value heads of 16, vocabulary 128, ``sdpa``, float32, at least 4 layers)
-and run one batch of ``seq`` tokens (8192 by default) four ways:
+Each cp size of the sweep (:class:`ContextSweep`) is one spawn of ``cp`` gloo
+ranks building a tiny Llama (hidden 64, 4 query heads, 2 key/value heads of
+16, vocabulary 128, ``sdpa``, float32, at least 4 layers;
+:func:`~tplower.bench.context_budget.context_model`). Per sequence length and
+kind of batch (:func:`~tplower.bench.context_budget.context_batch`:
+``plain``, ``padded`` with its last eighth padding, ``packed`` with 4
+documents; one row of ``seq`` tokens):
 
-* ``one process``: the whole batch on rank 0 (rank 1 waits);
-* ``cp ulysses`` and ``cp allgather``: ``parallelize(model, mesh, None,
-  context="cp", context_mode=...)`` on ``tplower.shard_sequence``'s part;
-* ``tp``: ``parallelize(model, mesh, "auto")`` at tp=2, the whole sequence
-  on each rank (its attention over the whole sequence on every rank).
+* ``one process``: the whole batch on rank 0 (the others wait); padded and
+  packed only up to :data:`ONE_PROCESS_MASKED` tokens (one process builds a
+  whole ``[S, S]`` mask for them and CPU ``sdpa`` holds every score: 1.2 GiB at
+  8k, 20 GiB at 32k);
+* ``ulysses`` and ``allgather`` (and ``hybrid`` from cp=4 on: 2 x 2 at
+  cp=4, by the model's 4 query and 2 key/value heads): ``parallelize(model,
+  mesh, None, context="cp", context_mode=...)`` on ``tplower.shard_sequence``'s
+  part;
+* ``tp`` (cp=2's spawn, plain batches): ``parallelize(model, mesh, "auto")``
+  at tp=2 on the whole sequence.
 
-A train step is forward, backward and an SGD step. Per variant: the step's
-median time over interleaved rounds (the slower rank's, behind barriers;
-:func:`tplower.bench.timing.barrier_rounds`), each rank's peak tensor memory
-over a step (:func:`tplower.bench.memory.peak_tensor_bytes`, the ``loss``
-phase's measure), the collectives and bytes a rank sends, counted at the
-dispatcher (:class:`tplower.core.lower.traffic.CollectiveTraffic`), and for the two
-context-parallel modes the bytes ``tplower explain --context`` predicts.
+A train step is forward, backward and an SGD step. Per row: the step's median
+time over interleaved rounds (the slower rank's, behind barriers;
+:func:`tplower.bench.timing.barrier_rounds`) and the ratio to one process's
+step on the same batch and on the plain batch, round by round; each rank's
+peak tensor memory over a step (:func:`tplower.bench.memory.peak_tensor_bytes`);
+the collectives and bytes a rank sends (:class:`tplower.core.lower.traffic.CollectiveTraffic`)
+and, for plain batches, the bytes ``tplower explain --context`` predicts.
+Then the longest plain sequence whose train step peaks within
+``sweep.budget`` bytes per rank (:mod:`tplower.bench.context_budget`), and
+the loss rows: a vocabulary of 32000, the whole logits against the loss in
+chunks (``context_loss_chunk``).
 """
 
 from __future__ import annotations
@@ -25,98 +38,169 @@ import copy
 import dataclasses
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..testing import run_processes
+from .context_budget import BATCHES, budget_rows, context_batch, context_model, loss_rows
 from .memory import peak_tensor_bytes
 from .timing import barrier_rounds
 
-__all__ = ["CONTEXT_LAYERS", "CONTEXT_SEQ", "context_phase", "context_rank"]
+__all__ = ["CONTEXT_LAYERS", "CONTEXT_SEQ", "ONE_PROCESS_MASKED", "ContextSweep", "context_phase", "context_rank"]
 
 #: the default sequence and depth of the phase
 CONTEXT_SEQ, CONTEXT_LAYERS = 8192, 4
+#: the longest padded or packed sequence one process runs (its [S, S] mask and math-path scores beyond)
+ONE_PROCESS_MASKED = 8192
 _HIDDEN, _HEADS, _KV, _HEAD_DIM = 64, 4, 2, 16
 
 
-def _model(layers: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass(frozen=True)
+class ContextSweep:
+    """What the context phase measures.
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=layers,
-                             num_attention_heads=_HEADS, num_key_value_heads=_KV, head_dim=_HEAD_DIM,
-                             vocab_size=128, max_position_embeddings=1 << 17)
-        config._attn_implementation = "sdpa"
-        model: torch.nn.Module = LlamaForCausalLM(config).float()
-    return model
+    Attributes:
+        seqs: sequence lengths (tokens of the one row).
+        cps: cp sizes (one spawn of that many gloo ranks each).
+        batches: kinds of batch (:data:`BATCHES`).
+        budget: bytes per rank for the longest-sequence search (0: none); searched at cp=1 (one process) and
+            every size of ``cps``.
+        loss_vocab, loss_seq, loss_chunk: the loss rows (in the spawn of the first cp size): a vocabulary of
+            ``loss_vocab``, ``loss_seq`` tokens, chunks of ``loss_chunk`` positions (0: no loss rows).
+    """
+
+    seqs: tuple[int, ...] = (CONTEXT_SEQ,)
+    cps: tuple[int, ...] = (2,)
+    batches: tuple[str, ...] = BATCHES
+    budget: int = 64 << 20
+    loss_vocab: int = 32000
+    loss_seq: int = CONTEXT_SEQ
+    loss_chunk: int = 512
+
+    def check(self) -> None:
+        """Raises ValueError for sizes below what the phase runs: a sequence below 16 tokens, a cp size below 2,
+        an unknown batch kind, a negative budget or chunk."""
+        if not self.seqs or min(self.seqs) < 16:
+            raise ValueError(f"context phase: seqs={self.seqs}; each at least 16 tokens")
+        if not self.cps or min(self.cps) < 2:
+            raise ValueError(f"context phase: cps={self.cps}; each at least 2 ranks")
+        if not self.batches or set(self.batches) - set(BATCHES):
+            raise ValueError(f"context phase: batches={self.batches}; allowed: {', '.join(BATCHES)}")
+        if self.budget < 0 or self.loss_chunk < 0:
+            raise ValueError(f"context phase: budget={self.budget} and loss_chunk={self.loss_chunk} are >= 0")
 
 
-def context_rank(rank: int, world: int, seq: int, layers: int, rounds: int) -> list[dict[str, Any]]:
-    """Time and measure every variant on this rank; rank 0 returns the rows (see the module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
+class _Variants:
+    """The models and batches of one sequence length on this spawn, and a train step of each ``variant|batch``."""
 
-    from ..context import SPLIT_KEY, shard_sequence
+    def __init__(self, rank: int, world: int, seq: int, layers: int, batches: tuple[str, ...]) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..context import SPLIT_KEY, shard_sequence
+        from ..nn.parallelize import parallelize
+
+        self.rank, self.split_key = rank, SPLIT_KEY
+        self.cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        ref = context_model(layers)
+        self.modes = ("ulysses", "allgather", "hybrid") if world >= 4 else ("ulysses", "allgather")
+        self.models: dict[str, torch.nn.Module] = {"one process": ref, **{
+            m: parallelize(copy.deepcopy(ref), self.cp_mesh, None, context="cp", context_mode=m) for m in self.modes}}
+        if world == 2:
+            self.models["tp"] = parallelize(copy.deepcopy(ref), init_device_mesh("cpu", (2,), mesh_dim_names=(
+                "tp",)), "auto")
+        self.opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in self.models.items()}
+        self.whole = {k: {**context_batch(k, seq), "use_cache": False} for k in batches}
+        self.parts = {k: shard_sequence(context_batch(k, seq), self.cp_mesh, "cp") for k in batches}
+        self.keys = [f"one process|{k}" for k in batches if k == "plain" or seq <= ONE_PROCESS_MASKED]
+        self.keys += [f"{m}|{k}" for m in self.modes for k in batches]
+        self.keys += ["tp|plain"] if world == 2 and "plain" in batches else []
+
+    def step(self, key: str) -> None:
+        variant, kind = key.split("|")
+        if variant == "one process" and self.rank != 0:
+            return
+        batch: dict[str, Any] = self.whole[kind]
+        if variant in self.modes:  # a new batch's runs and masks are made afresh, as in training
+            part = self.parts[kind]
+            batch = {**part, self.split_key: dataclasses.replace(part[self.split_key], cache={})}
+        self.opts[variant].zero_grad(set_to_none=True)
+        self.models[variant](**batch).loss.backward()
+        self.opts[variant].step()
+
+
+def _ratios(mine: list[float], theirs: list[float] | None) -> dict[str, float] | None:
+    """Round-by-round ratios: their median, lowest and highest (interleaved rounds share the machine's load)."""
+    if not theirs:
+        return None
+    r = [a / b for a, b in zip(mine, theirs, strict=True)]
+    return {"median": statistics.median(r), "low": min(r), "high": max(r)}
+
+
+def _step_rows(rank: int, world: int, seq: int, layers: int, rounds: int,
+               batches: tuple[str, ...]) -> list[dict[str, Any]]:
     from ..context.explain import explain_context
     from ..core.lower.traffic import CollectiveTraffic
-    from ..nn.parallelize import parallelize
 
-    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    ref = _model(layers)
-    models = {"one process": ref,
-              **{f"cp {m}": parallelize(copy.deepcopy(ref), cp_mesh, None, context="cp", context_mode=m)
-                 for m in ("ulysses", "allgather")},
-              "tp": parallelize(copy.deepcopy(ref), tp_mesh, "auto")}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
-    ids = torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(seq))
-    whole = {"input_ids": ids, "labels": ids, "use_cache": False}
-    part = shard_sequence({"input_ids": ids, "labels": ids}, cp_mesh, "cp")
-
-    def step(key: str) -> None:
-        if key == "one process" and rank != 0:
-            return
-        batch: dict[str, Any] = whole
-        if key.startswith("cp"):  # a new batch's masks are built afresh, as in a training loop
-            batch = {**part, SPLIT_KEY: dataclasses.replace(part[SPLIT_KEY], cache={})}
-        opts[key].zero_grad(set_to_none=True)
-        models[key](**batch).loss.backward()
-        opts[key].step()
-
-    samples = barrier_rounds(list(models), step, rounds)
-    peaks, traffic = {}, {}
-    for key in models:
+    v = _Variants(rank, world, seq, layers, batches)
+    samples = barrier_rounds(v.keys, v.step, rounds)
+    measured: dict[str, tuple[int, dict[str, int], int]] = {}
+    for key in v.keys:
         dist.barrier()
-        peaks[key] = peak_tensor_bytes(lambda k=key: step(k))[0]  # type: ignore[misc]
         with CollectiveTraffic() as t:
-            step(key)
-        traffic[key] = (dict(t.counts), t.sent)
-    params = sum(p.numel() for p in ref.parameters())
-    predicted = explain_context(1, seq, _HIDDEN, _HEADS, _KV, world, layers=layers, head_dim=_HEAD_DIM,
-                                params=params)
-    peaks_all: list[dict[str, int]] = [{}] * world
-    dist.all_gather_object(peaks_all, peaks)
+            peak = peak_tensor_bytes(lambda k=key: v.step(k))[0]  # type: ignore[misc]
+        measured[key] = (peak, dict(t.counts), t.sent)
+    every: list[dict[str, tuple[int, dict[str, int], int]]] = [{}] * world
+    dist.all_gather_object(every, measured)
     if rank != 0:
         return []
-    return [{"variant": k, "seq": seq, "layers": layers, "world": world, "train_step_ms": statistics.median(v),
-             "step_samples_ms": v, "peak_bytes": max(p[k] for p in peaks_all), "counts": traffic[k][0],
-             "sent_bytes": traffic[k][1],
-             "predicted_bytes": predicted[k[3:]]["step_bytes_per_rank"] if k.startswith("cp") else None}
-            for k, v in samples.items()]
+    params = sum(p.numel() for p in v.models["one process"].parameters())
+    predicted = explain_context(1, seq, _HIDDEN, _HEADS, _KV, world, layers=layers, head_dim=_HEAD_DIM, params=params)
+    rows = []
+    for key, times in samples.items():
+        variant, kind = key.split("|")
+        cp = world if variant in v.modes else 1
+        rows.append({"table": "steps", "seq": seq, "cp": cp, "tp": world if variant == "tp" else 1,
+                     "variant": variant, "batch": kind, "layers": layers, "train_step_ms": statistics.median(times),
+                     "step_samples_ms": times, "peak_bytes": max(m[key][0] for m in every),
+                     "counts": measured[key][1], "sent_bytes": measured[key][2],
+                     "vs_same": _ratios(times, samples.get(f"one process|{kind}")),
+                     "vs_plain": _ratios(times, samples.get("one process|plain")),
+                     "predicted_bytes": predicted[variant]["step_bytes_per_rank"]
+                     if variant in predicted and kind == "plain" else None})
+    return rows
 
 
-def context_phase(rounds: int, *, seq: int = CONTEXT_SEQ, layers: int = CONTEXT_LAYERS, timeout: float = 900.0,
-                  progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
-    """The context phase's rows (:func:`context_rank` on 2 spawned gloo ranks).
+def context_rank(rank: int, world: int, sweep: ContextSweep, layers: int, rounds: int,
+                 loss: bool) -> list[dict[str, Any]]:
+    """Every measurement of this spawn (module docstring); rank 0 returns the rows, the others ``[]``."""
+    rows = []
+    for seq in sweep.seqs:
+        rows += _step_rows(rank, world, seq, layers, rounds, sweep.batches)
+    if sweep.budget:
+        rows += budget_rows(rank, world, sweep.budget, layers, one_process=world == min(sweep.cps))
+    if loss and sweep.loss_chunk:
+        rows += loss_rows(rank, world, sweep.loss_seq, sweep.loss_vocab, sweep.loss_chunk, layers, rounds)
+    return rows if rank == 0 else []
+
+
+def context_phase(rounds: int, *, sweep: ContextSweep | None = None, layers: int = CONTEXT_LAYERS,
+                  timeout: float = 900.0, progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """The context phase's rows: :func:`context_rank` on a spawn of ``cp`` gloo ranks per size of the sweep.
 
     Raises:
-        ValueError: ``layers`` below 4 or ``seq`` below 2.
+        ValueError: ``layers`` below 4, or a sweep :meth:`ContextSweep.check` refuses.
         tplower.testing.RankFailure: a rank failed (transformers missing included).
     """
-    if layers < 4 or seq < 2:
-        raise ValueError(f"context phase: layers={layers} (at least 4) and seq={seq} (at least 2)")
-    progress(f"context: tiny Llama ({layers} layers) at {seq} tokens, cp=2 both modes, tp=2 and one process")
-    rows: list[dict[str, Any]] = run_processes(2, context_rank, seq, layers, rounds, timeout=timeout)[0]
+    sweep = sweep or ContextSweep()
+    sweep.check()
+    if layers < 4:
+        raise ValueError(f"context phase: layers={layers} (at least 4)")
+    rows: list[dict[str, Any]] = []
+    for i, cp in enumerate(sweep.cps):
+        progress(f"context: tiny Llama ({layers} layers), cp={cp}, {', '.join(map(str, sweep.seqs))} tokens, "
+                 f"{'/'.join(sweep.batches)} batches, both modes and one process")
+        rows += run_processes(cp, context_rank, sweep, layers, rounds, i == 0, timeout=timeout)[0]
     return rows

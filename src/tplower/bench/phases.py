@@ -21,10 +21,13 @@ Phases (each optional, all written to one JSON file with every sample):
 * ``moe``: :mod:`tplower.bench.moe` (one mixture-of-experts layer's train
   step: tplower's tensor parallelism inside the experts and its expert
   parallelism against transformers' own, with the bytes each rank sends).
-* ``context`` (only when asked for): :mod:`tplower.bench.context` (a train
-  step at 8192 tokens under context parallelism, both modes, against one
-  process and tp=2: time, peak memory, collectives and bytes beside what
-  ``tplower explain --context`` predicts).
+* ``context`` (only when asked for): :mod:`tplower.bench.context` (train
+  steps of plain, padded and packed batches under context parallelism, both
+  modes, against one process (and tp=2 at cp=2): time, peak memory per rank,
+  collectives and bytes beside what ``tplower explain --context`` predicts;
+  the longest sequence a per-rank budget trains; the loss of a 32000-token
+  vocabulary in chunks against the whole logits). ``context_seqs``,
+  ``context_cps`` and ``context_budget`` of the config set its sweep.
 
 Timings are never asserted anywhere; they depend on the machine.
 """
@@ -334,9 +337,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
 
         res.loss = loss_phase(cfg.model_steps, timeout=cfg.timeout, progress=progress)
     if "context" in cfg.phases:
-        from .context import context_phase
+        from .context import ContextSweep, context_phase
 
-        res.context = context_phase(max(3, cfg.model_steps // 2), timeout=cfg.timeout, progress=progress)
+        sweep = ContextSweep(seqs=cfg.context_seqs, cps=cfg.context_cps, budget=cfg.context_budget)
+        res.context = context_phase(max(2, cfg.model_steps // 3), sweep=sweep, timeout=cfg.timeout,
+                                    progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

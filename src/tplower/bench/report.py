@@ -15,6 +15,7 @@ from typing import Any
 from ..core.language.explain import format_bytes
 from ..core.support.words import count
 from .cases import IMPLS, size_label
+from .context_report import context_table, context_targets
 from .phases import BenchResult, summarize
 
 __all__ = ["context_table", "fake_table", "format_markdown", "loss_table", "memory_table", "micro_table",
@@ -185,23 +186,6 @@ def moe_table(res: BenchResult) -> list[str]:
     return lines
 
 
-def context_table(res: BenchResult) -> list[str]:
-    """Markdown rows of the context phase: step time and peak memory against one process, collectives, bytes."""
-    rows = {r["variant"]: r for r in res.context}
-    one = rows.get("one process")
-    head = ["variant", "train step ms", "/ one process", "peak MiB per rank", "/ one process",
-            "collectives per step per rank", "sent MiB per rank", "explain --context predicts"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in rows.items():
-        t = f"{r['train_step_ms'] / one['train_step_ms']:.2f}" if one else "-"
-        m = f"{r['peak_bytes'] / one['peak_bytes']:.2f}" if one and one["peak_bytes"] else "-"
-        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items())) or "-"
-        pred = _mb(r["predicted_bytes"]) if r["predicted_bytes"] is not None else "-"
-        lines.append(f"| {name} | {r['train_step_ms']:.0f} | {t} | {_mb(r['peak_bytes'])} | {m} | {calls} | "
-                     f"{_mb(r['sent_bytes'])} | {pred} |")
-    return lines
-
-
 def loss_table(res: BenchResult) -> list[str]:
     """Markdown rows of the loss phase: step time, rank 0's bytes saved for backward, difference from one process."""
     head = ["variant", "train step ms", "peak MiB (rank 0)", "saved for backward MiB (rank 0)", "loss diff"]
@@ -318,6 +302,7 @@ def target_lines(res: BenchResult) -> list[str]:
                    f"{_mb(lg['peak_bytes'])} MiB with gathered logits, kept for backward {_mb(lv['saved_bytes'])} vs "
                    f"{_mb(lg['saved_bytes'])} MiB (the logits beyond this rank's 1/tp: {_mb(share)} MiB); train step "
                    f"{lv['train_step_ms'] / lg['train_step_ms']:.2f}x the gathered one")
+    out += context_targets(res.context)
     if res.rss:
         r = res.rss
         out.append(f"- tensors alive per rank after sharding (tp={r['tp']}): {r['tp_live_tensor_mib']:.0f} MiB vs "
@@ -369,11 +354,13 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
         parts += ["## Resident memory per rank (MiB)", "", *rss_table(res), ""]
     if res.context:
         r0 = res.context[0]
-        parts += [f"## Context parallelism: tiny Llama, {r0['layers']} layers, {r0['seq']} tokens, cp={r0['world']}",
-                  "", "One train step (forward, backward, SGD), median of interleaved rounds (the slower rank); "
-                  "peak tensor memory over a step, per rank; collectives and bytes counted at the dispatcher "
-                  "beside `tplower explain --context`'s prediction. `tp`: tp=2 on the whole sequence.", "",
-                  *context_table(res), ""]
+        parts += [f"## Context parallelism: tiny Llama, {r0['layers']} layers, sdpa, float32, one row", "",
+                  "One train step (forward, backward, SGD), median of interleaved rounds (the slower rank), and "
+                  "the median of round-by-round ratios to one process with their range; peak tensor memory over a "
+                  "step, per rank, against one process's plain causal step at the same length; collectives and "
+                  "bytes counted at the dispatcher beside `tplower explain --context`'s prediction. Padded: the "
+                  "last eighth padding; packed: 4 documents. `tp=2`: tensor parallelism on the whole sequence.", "",
+                  *context_table(res.context), ""]
     if res.loss:
         parts += ["## Loss on vocabulary shards (Llama, 2 layers, vocabulary 32000, 4x63 tokens, interleaved)", "",
                   "Peak: the tensor storages a train step creates, alive at once on rank 0 (parameters not "

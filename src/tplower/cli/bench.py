@@ -60,6 +60,20 @@ def parse_worlds(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """Whole numbers of at least 1, comma separated: ``"8192,32768"`` -> ``(8192, 32768)``.
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not a whole number of at least 1.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if not p.isdigit() or int(p) < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]!r} is not a whole number of at least 1; give them comma "
+                                         "separated, e.g. 8192,32768")
+    return tuple(int(p) for p in parts)
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(";" if "->" in text else ",") if p.strip())
 
@@ -89,6 +103,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="model phase: also time torch.compile of tplower's and parallelize_module's model "
                              "(backend, default inductor; compiling takes minutes on a few CPU cores)")
+    parser.add_argument("--context-seqs", type=_lengths, default=None, metavar="N,N",
+                        help="context phase: sequence lengths in tokens (default 8192; the full sweep 8192,32768)")
+    parser.add_argument("--context-cps", type=_lengths, default=None, metavar="N,N",
+                        help="context phase: cp sizes, one spawn of that many gloo ranks each (default 2; the full "
+                             "sweep 2,4)")
+    parser.add_argument("--context-budget", type=parse_size, default=None, metavar="SIZE",
+                        help="context phase: bytes per rank for the longest sequence that trains within them, at "
+                             "cp=1 and each cp size (default 64MiB; 0: no search)")
+    parser.add_argument("--timeout", type=positive_int, default=None, metavar="SECONDS",
+                        help="seconds each spawned group of ranks may run (default 900; the context phase's full "
+                             "sweep at 32768 tokens and cp=4 needs hours on 2 busy cores)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="spawned ranks run with glibc keeping freed memory (no fresh mmap, so no page faults, "
                              "for each large buffer): what a caching allocator gives; see benchmarks/README.md")
@@ -99,7 +124,10 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     changes = {k: v for k, v in (("phases", args.phases), ("worlds", args.worlds), ("sizes", args.sizes),
-                                 ("cases", args.cases), ("impls", args.impls), ("reps", args.reps)) if v is not None}
+                                 ("cases", args.cases), ("impls", args.impls), ("reps", args.reps),
+                                 ("context_seqs", args.context_seqs), ("context_cps", args.context_cps),
+                                 ("context_budget", args.context_budget), ("timeout", args.timeout))
+               if v is not None}
     if args.worlds is not None:
         changes["multi_axis_only_at"] = ()
     return replace(cfg, device=args.device, compile_backend=args.compile, **changes)
@@ -138,6 +166,12 @@ def _check_options(args: argparse.Namespace, cfg: BenchConfig) -> None:
     if torchrun_env() is None:  # each world size is spawned here (under torchrun the launcher's ranks run)
         for w in cfg.worlds:
             check_local_world("--worlds", w, f"--worlds {','.join(map(str, cfg.worlds))}", low=2)
+        for cp in cfg.context_cps:
+            check_local_world("--context-cps", cp, f"--context-cps {','.join(map(str, cfg.context_cps))}", low=2)
+    if short := [n for n in cfg.context_seqs if n < 16]:
+        raise TPLowerError(f"--context-seqs: {short[0]} tokens is below 16; give lengths of at least 16 (e.g. 8192)")
+    if low := [cp for cp in cfg.context_cps if cp < 2]:
+        raise TPLowerError(f"--context-cps: {low[0]} is below 2; a cp size is at least 2 ranks (e.g. 2,4)")
     for nbytes in cfg.sizes:
         for w in cfg.worlds:
             unit = 4 * w * w  # float32 bytes of the smallest [w, w] tensor

@@ -14,11 +14,17 @@ implementation the model had (``eager``, ``sdpa``, ...) unchanged:
   sequence in its own order, then the output ``S(heads) -> S(seq)`` back;
 * ``allgather``: key and value ``S(seq) -> R`` (an ``all_gather``; their
   gradient, partial over the ranks' queries, is reduce-scattered back), the
-  local queries attend to the whole sequence.
+  local queries attend to the whole sequence;
+* ``hybrid``: Ulysses inside groups of the axis, all-gather across them
+  (:mod:`tplower.context.exchange`); a layer with a dense mask runs the
+  all-gather mode over the whole axis.
 
 Pieces of uneven length are padded to the longest before the exchange and
-the padding dropped after it. The mask is transformers' own for the whole
-sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
+the padding dropped after it. A causal ``sdpa`` layer without a sliding
+window takes no mask: the batch's runs (:mod:`tplower.context.runs`: packed
+documents, padding on either side) run the kernel once each, with no mask
+(:mod:`tplower.context.kernels`). Every other layer's mask is transformers' own
+for the whole sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
 with the batch's global ``attention_mask`` and ``position_ids``, so padding,
 sliding windows and packed documents are as one process builds them; an
 encoder's bidirectional attention, ``is_causal`` false, takes
@@ -34,7 +40,7 @@ model's forward builds its masks without the position ids (gpt-oss, afmoe).
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +48,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
+from .exchange import allgather, hybrid, ulysses
+from .runs import batch_runs
 from .sequence import SPLIT_KEY, ContextSplit
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]
@@ -52,7 +59,7 @@ __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_atten
 IMPLEMENTATION = "tplower_context"
 #: the attribute of an attention module that holds its :class:`ContextAttention`
 ATTR = "_tplower_context"
-MODES = ("ulysses", "allgather")
+MODES = ("ulysses", "allgather", "hybrid")
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +69,7 @@ class ContextAttention:
     Attributes:
         mesh: the device mesh; ``axis`` its context-parallel axis.
         axis: the axis name.
-        mode: ``ulysses`` or ``allgather``.
+        mode: ``ulysses``, ``allgather`` or ``hybrid``.
         inner: the implementation the model had (``eager``, ``sdpa``, ...).
         kernel: its function (the model's own ``eager_attention_forward`` for ``eager``).
         config: the model's config as the inner implementation sees it (masks are built from it; one
@@ -71,6 +78,8 @@ class ContextAttention:
             gpt-oss's ``sinks``): under Ulysses the kernel sees rank ``r``'s slice of those whose leading
             dim is the local head count.
         causal: the module's ``is_causal`` (an encoder's bidirectional attention: ``False``).
+        sub_mesh: the hybrid mode's mesh: ``axis`` split into the two axes
+            :func:`~tplower.context.exchange.hybrid_axes` names (``None`` in the other modes).
         live: the batch the model is running now (``{"context_split": split}``, set by the model's forward
             pre-hook and emptied after its forward; one dict shared by the model's modules): read when a model's
             layer does not pass its keyword arguments down to attention.
@@ -85,6 +94,7 @@ class ContextAttention:
     per_head: tuple[str, ...] = ()
     live: dict[str, Any] = field(default_factory=dict)
     causal: bool = True
+    sub_mesh: DeviceMesh | None = None
 
 
 def inner_config(config: Any, inner: str) -> Any:
@@ -92,15 +102,6 @@ def inner_config(config: Any, inner: str) -> Any:
     mine = copy.copy(config)
     mine.__dict__["_attn_implementation_internal"] = inner
     return mine
-
-
-def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    extra = width - t.shape[dim]
-    if not extra:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window: Any) -> Any:
@@ -111,9 +112,13 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
     ``sdpa`` skips a plain causal mask (``None``, the kernel's ``is_causal``)
     exactly where one process skips it. All-gather: the rows of this rank's
     queries of the whole mask (never skipped: the queries are a slice); the
-    whole mask is dropped once its rows are taken, and a boolean one becomes
-    the additive mask ``sdpa`` would convert it to in every layer (``0``, and
-    ``-inf`` where masked: the same values, made once a batch).
+    whole mask is dropped once its rows are taken. A boolean mask becomes the
+    additive mask ``sdpa`` would convert it to in every layer (``0``, and
+    ``-inf`` where masked: the same values, made once a batch), which CPU
+    ``sdpa`` runs on its flash path (a boolean one sends it to its math path,
+    which holds every score). Only the masks that have no runs
+    (:mod:`tplower.context.runs`) are built: sliding windows, encoders,
+    ``eager``, padding with holes.
     """
     from transformers.masking_utils import (
         create_bidirectional_mask,
@@ -142,9 +147,11 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
         if ca.mode == "allgather":
             assert isinstance(whole, torch.Tensor), "a mask built without the causal skip is a tensor"
             whole = whole.index_select(2, split.local_index.to(like.device))
-            if whole.dtype == torch.bool:  # what sdpa would make of it in every layer, once (-inf where masked)
-                whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
-                    whole.logical_not(), float("-inf"))
+        if isinstance(whole, torch.Tensor) and whole.dtype == torch.bool:  # additive, once (-inf where masked):
+            # what sdpa makes of it in every layer; a boolean mask sends CPU sdpa to its math path ([S, S] scores)
+            whole = torch.zeros(whole.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                whole.logical_not(), float("-inf"))
+        if ca.mode == "allgather":
             if not whole.shape[2]:  # a rank with no token: its placeholder query may see every key (a finite row)
                 whole = whole.new_zeros((*whole.shape[:2], 1, whole.shape[3]))
         split.cache[key] = whole
@@ -173,86 +180,18 @@ class _Windowed:
         return getattr(self._config, name)
 
 
-class _KernelView:
-    """The attention module as the kernel reads it under Ulysses: the module itself, but for ``overrides``.
-
-    The kernel reads a few attributes of the module (``num_key_value_groups``,
-    ``training``, ``is_causal``, per-head parameters such as ``sinks``); after
-    the exchange it holds ``1/n`` of the heads, so the per-head ones must be
-    this rank's slice and the group size that of the heads it holds.
-    """
-
-    def __init__(self, module: Any, overrides: dict[str, Any]) -> None:
-        self._module = module
-        self._overrides = overrides
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._overrides:
-            return self._overrides[name]
-        return getattr(self._module, name)
-
-
-def _heads_view(ca: ContextAttention, module: Any, rank: int, n: int, h_q: int, groups: int | None,
-                kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The module and keyword arguments the kernel gets for heads ``[rank*h_q/n, (rank+1)*h_q/n)``."""
-    overrides: dict[str, Any] = {}
-    if groups is not None and hasattr(module, "num_key_value_groups"):
-        overrides["num_key_value_groups"] = groups
-    per = h_q // n
-    swap: dict[int, torch.Tensor] = {}
-    for name in ca.per_head:
-        t = getattr(module, name, None)
-        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == h_q:
-            overrides[name] = swap[id(t)] = t.narrow(0, rank * per, per)
-    if not overrides:
-        return module, kwargs
-    kw = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    return _KernelView(module, overrides), kw
-
-
-def _ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-    layout, n, axis = split.layout, split.layout.size, ca.axis
-    width, local = max(layout.lengths), q.shape[2]
-    order = layout.padded_order.to(q.device)
-    h_q, h_kv = q.shape[1], k.shape[1]
-    if h_q % n or h_q % h_kv:
-        raise TPLowerError(f"{type(module).__name__}: context_mode='ulysses' splits the heads over the {n} ranks "
-                           f"of axis {axis!r}, but this rank holds {h_q} query heads and {h_kv} key/value heads "
-                           f"({h_q} does not divide by {n}); use context_mode='allgather' (it splits no heads)")
-    # key/value heads fewer than (or not divisible by) n: repeat each r times, so every rank gets whole groups
-    rep = 1 if h_kv % n == 0 else n // math.gcd(h_kv, n)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    view, kw = _heads_view(ca, module, split.rank, n, h_q, h_q // (h_kv * rep) if rep > 1 else None, kwargs)
-
-    def to_heads(t: torch.Tensor) -> torch.Tensor:  # [B, h, s, D] S(2) -> [B, h/n, S, D] S(1), in global order
-        padded = _pad_seq(t, 2, width)
-        shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
-        whole = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
-        return whole.index_select(2, order)
-
-    out, _ = ca.kernel(view, to_heads(q), to_heads(k), to_heads(v), mask, **kw)  # [B, S, H/n, D]
-    padded = out.new_zeros((out.shape[0], width * n, *out.shape[2:])).index_copy(1, order, out)
-    shape = (padded.shape[0], width * n, padded.shape[2] * n, padded.shape[3])
-    back = redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
-    return back.narrow(1, 0, local), None
-
-
-def _allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-    layout, n, axis = split.layout, split.layout.size, ca.axis
-    width = max(layout.lengths)
-    order = layout.padded_order.to(q.device)
-
-    def whole(t: torch.Tensor) -> torch.Tensor:  # [B, h, s, D] S(2) -> R, in global order
-        padded = _pad_seq(t, 2, width)
-        shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
-        return redistribute_local(padded, ca.mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"},
-                                  global_shape=shape).index_select(2, order)
-
-    out, _ = ca.kernel(module, q, whole(k), whole(v), mask, **kwargs)  # mask: the rows of the local queries
-    return out, None
+def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The batch's runs (:func:`~tplower.context.runs.batch_runs`, cached per batch) where this layer takes them:
+    ``sdpa`` (no mask means ``is_causal`` to it), causal, no sliding window, no position bias, and for the
+    all-gather and hybrid modes' offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask)."""
+    if ca.inner != "sdpa" or not ca.causal or not getattr(ca.config, "is_causal", True) \
+            or kwargs.get("sliding_window") is not None or kwargs.get("position_bias") is not None:
+        return None  # (a config whose is_causal is off makes transformers' causal mask bidirectional)
+    if ca.mode != "ulysses" and (like.device.type != "cpu" or kwargs.get("dropout")):
+        return None
+    if "runs" not in split.cache:
+        split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
+    return split.cache["runs"]
 
 
 def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -291,9 +230,14 @@ def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                            f"{type(attention_mask).__name__} built from this rank's tokens, not by transformers' "
                            "mask functions for the model); context parallelism builds each layer's mask for the "
                            "whole sequence and cannot keep this one: train this model without context=")
-    mask = _mask(ca, split, query, kwargs.get("sliding_window"))
-    run = _ulysses if ca.mode == "ulysses" else _allgather
-    return run(ca, split, module, query, key, value, mask, kwargs)
+    runs = _runs(ca, split, query, kwargs)
+    if runs is None and ca.mode == "hybrid":  # a dense mask: the all-gather mode's rows over the whole axis
+        ca = dataclasses.replace(ca, mode="allgather")
+    mask = runs if runs is not None else _mask(ca, split, query, kwargs.get("sliding_window"))
+    return _MODES[ca.mode](ca, split, module, query, key, value, mask, kwargs), None
+
+
+_MODES = {"ulysses": ulysses, "allgather": allgather, "hybrid": hybrid}
 
 
 def register() -> None:

@@ -52,7 +52,9 @@ from ..core.support.errors import TPLowerError
 from ..core.support.words import closest
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
-from .rules import ModelRules
+from .exchange import hybrid_axes
+from .loss import TiledLoss
+from .rules import CAUSAL, ModelRules
 from .sequence import SPLIT_KEY, ContextSplit, _axis
 
 __all__ = ["INNER", "INSTALL_ATTR", "ContextInstall", "install_context", "installed_context"]
@@ -75,7 +77,8 @@ class ContextInstall:
         modules: paths of the attention modules that run under context parallelism.
         inner: the attention implementation the model had (``eager`` or ``sdpa``; both, joined by ``/``, when
             its modules differ).
-        handles: the model's forward pre-hook and forward hook.
+        handles: the model's forward pre-hook and forward hook (and the output head's pre-hook with a
+            tiled loss).
     """
 
     mesh: DeviceMesh
@@ -136,18 +139,34 @@ def _head_counts(module: nn.Module) -> tuple[int | None, int | None]:
     return heads, first(("num_key_value_heads", "num_kv_heads", "n_kv_heads")) or heads
 
 
-def _check_ulysses(path: str, module: nn.Module, n: int, axis: str, tp_size: int) -> None:
+def _check_ulysses(path: str, module: nn.Module, n: int, axis: str, tp_size: int, mode: str = "ulysses") -> None:
     heads, kv = _head_counts(module)
     if heads is None or heads % tp_size:
         return  # unknown here: the attention call checks the heads it receives
     local = heads // tp_size
     if local % n:
         kv_local = f"{kv // tp_size if kv and kv % tp_size == 0 else kv}"
-        raise TPLowerError(f"context parallelism: context_mode='ulysses' splits the heads over the {n} ranks of "
+        raise TPLowerError(f"context parallelism: context_mode={mode!r} splits the heads over the {n} ranks of "
                            f"axis {axis!r}, but {path} ({type(module).__name__}) has {local} query heads per rank "
                            f"({heads} heads / tp {tp_size}; {kv_local} key/value heads), which {n} does not divide; "
                            "use context_mode='allgather' (it splits no heads), or a cp size that divides "
                            f"{local}")
+
+
+def _hybrid_degree(found: list[tuple[str, nn.Module]], n: int, axis: str, tp_size: int, given: int | None) -> int:
+    """The hybrid mode's Ulysses degree ``U`` (a divisor of ``n``): ``given``, or the largest that divides every
+    attention module's query and key/value heads per rank (no repeated key/value head), else its query heads."""
+    if given is not None:
+        if not isinstance(given, int) or isinstance(given, bool) or given < 1 or n % given:
+            raise TPLowerError(f"install_context: ulysses={given!r} must be a divisor of the {n} ranks of axis "
+                               f"{axis!r} (the hybrid mode's Ulysses degree: one of "
+                               f"{[d for d in range(1, n + 1) if n % d == 0]})")
+        return given
+    counts = [_head_counts(m) for _, m in found]
+    local = [(h // tp_size, kv // tp_size if kv % tp_size == 0 else 1) for h, kv in counts
+             if h is not None and kv is not None and h % tp_size == 0]
+    fits = [d for d in range(n, 0, -1) if n % d == 0 and all(h % d == 0 for h, _ in local)]
+    return next((d for d in fits if all(kv % d == 0 for _, kv in local)), fits[0])
 
 
 def _per_head(module: nn.Module) -> tuple[str, ...]:
@@ -209,9 +228,9 @@ class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
     def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any],
-                 grad_scale: int, rules: ModelRules | None = None) -> None:
+                 grad_scale: int, rules: ModelRules | None = None, tiled: TiledLoss | None = None) -> None:
         self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
-        self.grad_scale, self.rules = grad_scale, rules
+        self.grad_scale, self.rules, self.tiled = grad_scale, rules, tiled
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -229,6 +248,8 @@ class _Hooks:
             kwargs = self.rules.before(module, kwargs, split)
         if not split.layout.local_length(split.rank):
             kwargs = _placeholder(kwargs)
+        if self.tiled is not None:
+            kwargs = self.tiled.begin(type(module).__name__, kwargs)
         self.live[SPLIT_KEY] = split
         if self.no_cache and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
@@ -238,6 +259,8 @@ class _Hooks:
         # before the live batch is cleared: the rules read what the call left there
         output, weigh = self.rules.after(output, kwargs.get("labels")) if self.rules else (output, None)
         self.live.clear()
+        if self.tiled is not None:
+            self.tiled.finish(type(module).__name__, output)
         split = kwargs.get(SPLIT_KEY)
         if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
             output = _drop_placeholder(output)
@@ -265,7 +288,8 @@ class _Hooks:
 
 
 def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: str = "ulysses", *,
-                    tp_size: int = 1, grad_scale: int = 1) -> None:
+                    tp_size: int = 1, grad_scale: int = 1, loss_chunk: int | None = None,
+                    ulysses: int | None = None) -> None:
     """Run ``model``'s attention over a sequence split on ``mesh[axis]``; the model then takes ``shard_sequence`` parts.
 
     Modifies ``model`` in place (its text config's attention implementation,
@@ -281,14 +305,26 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         axis: the context-parallel axis.
         mode: ``"ulysses"`` (``all_to_all`` from sequence to heads and back;
             each rank's query heads must divide by the axis size, key/value
-            heads fewer than it are repeated) or ``"allgather"`` (key and value
-            gathered whole; no head condition).
+            heads fewer than it are repeated), ``"allgather"`` (key and value
+            gathered whole; no head condition) or ``"hybrid"`` (Ulysses over
+            ``ulysses`` ranks inside, all-gather across).
         tp_size: how many ways tensor parallelism splits each module's heads
             (the Ulysses check divides the model's head count by it).
         grad_scale: the loss's gradient on each rank (its value is unchanged):
             1 when the parameters' gradients are summed over the axis, the
             axis size when they are averaged over it (FSDP2 over a mesh that
             flattens the axis with data parallelism).
+        ulysses: the ``"hybrid"`` mode's Ulysses degree ``U``, a divisor of
+            the axis size ``n``: the axis is split into ``n/U`` groups of ``U``
+            ranks (mesh axes :func:`~tplower.context.exchange.hybrid_axes`),
+            Ulysses inside a group, all-gather across them; default: the
+            largest that divides the query and key/value heads each rank
+            holds (else the query heads).
+        loss_chunk: ``None`` (default): the model computes its logits and
+            loss as it does; ``c``: with ``labels``, the output head and the
+            model's loss run in chunks of ``c`` positions with recompute
+            (:mod:`tplower.context.loss`): no ``[B, s, V]`` logits on any
+            rank, and the output holds the loss and no logits.
 
     Raises:
         TPLowerError: a mesh without ``axis``; a ``mode`` not in
@@ -300,7 +336,9 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             attention (naming the layer and its type); a model whose config
             asks for the router's auxiliary loss; an encoder-decoder model or
             a sequence-level head (:func:`~tplower.context.rules.head_kind`);
-            a model already installed.
+            a model already installed; ``loss_chunk`` below 1 or on a model
+            without an output head; ``ulysses`` that does not divide the axis
+            size, or its query heads per rank, or given to another mode.
         TypeError: ``model`` is not an ``nn.Module``, ``axis`` not a string.
     """
     if not isinstance(model, nn.Module):
@@ -330,10 +368,23 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         raise TPLowerError("context parallelism: config.output_router_logits=True asks for the router's auxiliary "
                            "loss, a statistic of the whole batch's tokens that each rank would compute from its own; "
                            "set config.output_router_logits=False")
+    if loss_chunk is not None and rules.kind != CAUSAL:
+        raise TPLowerError(f"install_context: loss_chunk= computes a causal LM's next-token loss in chunks; "
+                           f"{type(model).__name__}'s head is {rules.kind or 'none'}; drop loss_chunk")
+    tiled = TiledLoss(model, config, loss_chunk) if loss_chunk is not None else None
     inners = {path: _inner(path, m) for path, m in found}
     if mode == "ulysses":
         for path, m in found:
             _check_ulysses(path, m, n, axis, tp_size)
+    sub_mesh = None
+    if mode == "hybrid":
+        degree = _hybrid_degree(found, n, axis, tp_size, ulysses)
+        for path, m in found:
+            _check_ulysses(path, m, degree, axis, tp_size, mode)
+        sub_mesh = mesh._unflatten(axis, (n // degree, degree), hybrid_axes(axis))  # collective: every rank
+    elif ulysses is not None:
+        raise TPLowerError(f"install_context: ulysses={ulysses!r} is the hybrid mode's Ulysses degree; mode={mode!r} "
+                           "takes none (drop it, or use mode='hybrid')")
     register()
     configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its copy for the inner implementation)
     attached = []
@@ -343,13 +394,14 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             configs[id(own)] = (own, inner_config(own, inners[path]))
         attached.append((m, ContextAttention(mesh, axis, mode, inners[path], _kernel(path, m, inners[path]),
                                              configs[id(own)][1], _per_head(m), live,
-                                             causal=bool(getattr(m, "is_causal", True)))))
+                                             causal=bool(getattr(m, "is_causal", True)), sub_mesh=sub_mesh)))
     for m, ca in attached:
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, rules)
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, rules, tiled)
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
-               model.register_forward_hook(hooks.after, with_kwargs=True), *rules.hooks(model))
+               model.register_forward_hook(hooks.after, with_kwargs=True), *rules.hooks(model),
+               *([tiled.attach()] if tiled else []))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),
                                                   "/".join(sorted(set(inners.values()))), handles)

@@ -97,3 +97,16 @@ class SequenceLayout:
             idx = self.global_index(r)
             where[idx] = r * width + torch.arange(idx.numel())
         return where
+
+    @cached_property
+    def padded_source(self) -> torch.Tensor:
+        """``[n * max(lengths)]`` int64: the global token each slot of the padded pieces laid end to end holds, or
+        ``S`` for a padding slot; the inverse of :attr:`padded_order`.
+
+        ``index_select`` with this on a sequence in its own order with one zero row appended (when some piece is
+        padded) lays it out as the padded pieces, rank by rank.
+        """
+        width = max(self.lengths) if self.lengths else 0
+        source = torch.full((width * self.size,), self.length, dtype=torch.int64)
+        source[self.padded_order] = torch.arange(self.length)
+        return source

@@ -96,8 +96,8 @@ def _check_context_words(context_mode: str, context_grads: str) -> None:
     """Refuse a ``context_mode`` or ``context_grads`` that names no choice (with the closest one)."""
     if context_mode not in MODES:
         raise TPLowerError(f"parallelize: context_mode={context_mode!r}{closest(str(context_mode), MODES)}; "
-                           "allowed: 'ulysses' (all_to_all of sequence and heads) or 'allgather' (keys and values "
-                           "gathered)")
+                           "allowed: 'ulysses' (all_to_all of sequence and heads), 'allgather' (keys and values "
+                           "gathered) or 'hybrid' (Ulysses inside groups of the axis, all-gather across)")
     if context_grads not in ("sum", "mean"):
         raise TPLowerError(f"parallelize: context_grads={context_grads!r}{closest(str(context_grads), ('sum', 'mean'))}"
                            "; allowed: 'sum' (parallelize sums the gradients over the context axis) or 'mean' (the "
@@ -106,7 +106,8 @@ def _check_context_words(context_mode: str, context_grads: str) -> None:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
                 axis: str = "tp", experts: str = "tp", context: str | None = None, context_mode: str = "ulysses",
-                context_grads: str = "sum", replicate_rest: bool = True, cover: str = "reduce",
+                context_grads: str = "sum", context_loss_chunk: int | None = None,
+                context_ulysses: int | None = None, replicate_rest: bool = True, cover: str = "reduce",
                 strict: bool = True, overlap: bool = False) -> nn.Module:
     """Shard ``model`` in place by ``plan`` on ``mesh`` and install each module's lowered boundary.
 
@@ -144,11 +145,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             over it, the way the ``axis`` reductions are. ``None``: none.
         context_mode: ``"ulysses"`` (default: an ``all_to_all`` from sequence
             to heads before the model's own attention and back after it;
-            measured 0.58x one process's train step time and 0.55x its peak
-            memory at 8192 tokens, cp=2, where ``"allgather"`` took 1.40x and
-            1.40x: ``tplower bench --phases context``, docs/context.md)
-            or ``"allgather"`` (keys and values gathered whole, the local
-            queries attend to them; no condition on head counts).
+            measured 0.95x one process's train step time (two processes
+            share the 2 cores measured on) and 0.53x its peak memory at 8192
+            tokens, cp=2, where ``"allgather"`` took 0.91x and 0.55x: ``tplower
+            bench --phases context``, docs/context.md; padded and packed
+            batches alike),
+            ``"allgather"`` (keys and values gathered whole,
+            the local queries attend to them; no condition on head counts) or
+            ``"hybrid"`` (Ulysses inside groups of ``context_ulysses`` ranks,
+            all-gather across the groups: for a cp size beyond the heads a
+            rank holds, or grouped key/value heads fewer than it).
         context_grads: who reduces the parameters' gradients over
             ``context``: ``"sum"`` (default: ``parallelize``; parameters are
             DTensors replicated over it, FSDP2 may shard them over another
@@ -158,6 +164,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             without ``context`` and the loss's gradient is the axis size, so
             that average is one process's gradient; reduce them yourself
             otherwise, or they are this rank's tokens' part).
+        context_ulysses: ``"hybrid"``'s Ulysses degree (a divisor of the
+            ``context`` axis size; default: the largest that divides the
+            query and key/value heads a rank holds).
+        context_loss_chunk: with ``context``, ``None`` (default: the model
+            computes its logits and loss whole) or the positions per chunk in
+            which the output head and the loss run, with recompute, when the
+            model is called with ``labels`` (:mod:`tplower.context.loss`: no
+            rank holds ``[B, s, V]`` logits; the output holds the loss and no
+            logits).
         overlap: ``True``: a column-parallel ``nn.Linear`` whose input moves
             ``R -> R`` with a ``P(sum)`` gradient runs as one autograd node
             that starts the input gradient's ``all_reduce`` before it
@@ -213,7 +228,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         TPLowerError: ``plan=None`` without ``context`` (nothing to do);
             ``"auto"``/``"derive"`` on a mesh without ``axis`` (naming
             ``plan=None`` for context parallelism alone); ``context_mode``
-            neither ``"ulysses"`` nor ``"allgather"``, or ``context_grads``
+            not one of ``"ulysses"``, ``"allgather"``, ``"hybrid"``, or ``context_grads``
             neither ``"sum"`` nor ``"mean"`` (naming the closest); a plan
             error (naming the module, field and value), a
             plan key that names nothing (with ``strict``), an attention's
@@ -275,7 +290,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     resolved = resolve_plan(model, mesh, plan, axis=axis, experts=experts, context=context, strict=strict)
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
-        install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale)
+        install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale,
+                        loss_chunk=context_loss_chunk, ulysses=context_ulysses)
         if context_grads == "mean":
             resolved = dataclasses.replace(resolved, context=None)
     for mp in resolved:

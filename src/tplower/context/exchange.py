@@ -1,0 +1,226 @@
+"""The exchanges of each context-parallel mode around the model's kernel: Ulysses, all-gather and their hybrid.
+
+Each function takes one attention call of this rank's tokens (``q``
+``[B, H, s, D]``, ``k``/``v`` ``[B, H_kv, s, D]``) and returns its output
+``[B, s, H, D]``; ``mask`` is either the layer's dense mask
+(:func:`~tplower.context.attention._mask`) or the batch's runs
+(:mod:`tplower.context.runs`, a tuple), with which the kernel runs once per
+run with no mask (:func:`~tplower.context.kernels.attend_runs`).
+
+* :func:`ulysses`: ``S(seq) -> S(heads)`` over the axis (an ``all_to_all``),
+  the kernel on ``H/n`` heads of the whole sequence, the output back;
+* :func:`allgather`: keys and values ``S(seq) -> R`` (an ``all_gather``, a
+  ``reduce_scatter`` in backward), the local queries attend to them;
+* :func:`hybrid`: over two axes that split the cp axis (``G x U``: rank
+  ``g * U + u``), Ulysses inside a group of ``U`` ranks (each holds ``H/U``
+  heads of the group's tokens), then the keys and values gathered across the
+  ``G`` groups: the group's queries attend to the whole sequence with ``H/U``
+  heads. It splits the heads only ``U`` ways, so it runs where the heads do not
+  divide over the whole axis, and with grouped key/value heads it repeats them
+  for ``U`` ranks rather than ``n``.
+
+Pieces of uneven length are padded to the longest before an exchange and the
+padding dropped after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.errors import TPLowerError
+from .kernels import Kernel, attend_runs
+from .runs import clip
+from .sequence import ContextSplit
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class ContextAttention(Protocol):
+    """What an exchange reads of a module's :class:`tplower.context.attention.ContextAttention`."""
+
+    @property
+    def mesh(self) -> DeviceMesh: ...
+    @property
+    def axis(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def kernel(self) -> Callable[..., Any]: ...
+    @property
+    def per_head(self) -> tuple[str, ...]: ...
+    @property
+    def sub_mesh(self) -> DeviceMesh | None: ...
+
+__all__ = ["allgather", "hybrid", "hybrid_axes", "ulysses"]
+
+
+def hybrid_axes(axis: str) -> tuple[str, str]:
+    """The names of the two axes the hybrid mode splits ``axis`` into: across the groups, inside a group."""
+    return f"{axis}_allgather", f"{axis}_ulysses"
+
+
+def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    extra = width - t.shape[dim]
+    if not extra:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+class _KernelView:
+    """The attention module as the kernel reads it after a heads exchange: the module itself, but for ``overrides``.
+
+    The kernel reads a few attributes of the module (``num_key_value_groups``,
+    ``training``, ``is_causal``, per-head parameters such as ``sinks``); after
+    the exchange it holds ``1/n`` of the heads, so the per-head ones must be
+    this rank's slice and the group size that of the heads it holds.
+    """
+
+    def __init__(self, module: Any, overrides: dict[str, Any]) -> None:
+        self._module = module
+        self._overrides = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._module, name)
+
+
+def _heads(ca: ContextAttention, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, n: int,
+           axis: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], torch.Tensor, torch.Tensor]:
+    """Before a heads exchange over ``n`` ranks: the module and keywords the kernel gets for this rank's heads
+    ``[rank*H/n, (rank+1)*H/n)``, and ``k``/``v`` with each key/value head repeated ``n/gcd(H_kv, n)`` times
+    where ``H_kv`` does not divide over ``n`` (every rank then gets whole groups)."""
+    h_q, h_kv = q.shape[1], k.shape[1]
+    if h_q % n or h_q % h_kv:
+        raise TPLowerError(f"{type(module).__name__}: context_mode={ca.mode!r} splits the heads over the {n} ranks "
+                           f"of axis {axis!r}, but this rank holds {h_q} query heads and {h_kv} key/value heads "
+                           f"({h_q} does not divide by {n}); use context_mode='allgather' (it splits no heads)")
+    rep = 1 if h_kv % n == 0 else n // math.gcd(h_kv, n)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    overrides: dict[str, Any] = {}
+    if rep > 1 and hasattr(module, "num_key_value_groups"):
+        overrides["num_key_value_groups"] = h_q // (h_kv * rep)
+    per = h_q // n
+    swap: dict[int, torch.Tensor] = {}
+    for name in ca.per_head:
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == h_q:
+            overrides[name] = swap[id(t)] = t.narrow(0, rank * per, per)
+    if not overrides:
+        return module, kwargs, k, v
+    kw = {key: swap.get(id(val), val) if isinstance(val, torch.Tensor) else val for key, val in kwargs.items()}
+    return _KernelView(module, overrides), kw, k, v
+
+
+def kernel_call(ca: ContextAttention, module: Any, kwargs: dict[str, Any]) -> Kernel:
+    """The model's kernel with no mask: ``is_causal`` as the module has it, or ``False`` for a full run."""
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        kw = kwargs if causal else {**kwargs, "is_causal": False}
+        out: torch.Tensor = ca.kernel(module, q, k, v, None, **kw)[0]
+        return out
+    return call
+
+
+def _to_heads(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, width: int) -> torch.Tensor:
+    """``[B, h, s, D]`` ``S(2) -> S(1)`` over ``axis``: ``[B, h/n, n * width, D]``, the ranks' padded pieces in rank
+    order."""
+    padded = _pad_seq(t, 2, width)
+    shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
+    return redistribute_local(padded, mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
+
+
+def _to_seq(out: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, width: int) -> torch.Tensor:
+    """The inverse: ``[B, n * width, h/n, D]`` ``S(2) -> S(1)`` over ``axis``: ``[B, width, h, D]``."""
+    shape = (out.shape[0], width * n, out.shape[2] * n, out.shape[3])
+    return redistribute_local(out, mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
+
+
+def _gather(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, order: torch.Tensor) -> torch.Tensor:
+    """``[B, h, m, D]`` ``S(2) -> R`` over ``axis`` (gradient reduce-scattered back), then ``index_select(2, order)``:
+    every token in its own order."""
+    shape = (t.shape[0], t.shape[1], t.shape[2] * n, t.shape[3])
+    whole = redistribute_local(t, mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"}, global_shape=shape)
+    return whole.index_select(2, order.to(t.device))
+
+
+def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: tuple[Any, ...],
+                   split: ContextSplit, ranks: range, width: int | None, scale: Any) -> torch.Tensor:
+    """The output ``[B, len(ranks) * width, H, D]`` of queries holding ranks ``ranks``' tokens, each rank's padded to
+    ``width`` (``None``: one rank's ``[B, s, H, D]``, unpadded): the runs of each piece, zeros in the padding; ``k``
+    and ``v`` (every token, in its own order) stay in the graph even where no query sees a key."""
+    layout, parts, used = split.layout, [], False
+    for i, r in enumerate(ranks):
+        at = i * (width or 0)
+        for start, length in layout.pieces(r):
+            mine = clip(runs, start, start + length)
+            used = used or bool(mine)
+            parts.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale))
+            at += length
+        if width is not None and at < (i + 1) * width:
+            parts.append(q.new_zeros((q.shape[0], (i + 1) * width - at, q.shape[1], v.shape[3])))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if not used:  # every query here fully masked: keep k and v in the graph, so their gradients' exchange runs
+        out = out + 0 * (k.narrow(2, 0, 1).sum() + v.narrow(2, 0, 1).sum())
+    return out
+
+
+def ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Ulysses over the whole axis (module docstring)."""
+    layout, n, axis = split.layout, split.layout.size, ca.axis
+    width, local = max(layout.lengths), q.shape[2]
+    view, kw, k, v = _heads(ca, module, q, k, v, split.rank, n, axis, kwargs)
+    order = layout.padded_order.to(q.device)
+    qh, kh, vh = (_to_heads(t, ca.mesh, axis, n, width).index_select(2, order) for t in (q, k, v))
+    if isinstance(mask, tuple):  # the runs: the kernel once per run, no mask
+        out = attend_runs(kernel_call(ca, view, kw), qh, kh, vh, clip(mask, 0, layout.length), 0, layout.length, 0,
+                          kw.get("scaling"))
+    else:
+        out = ca.kernel(view, qh, kh, vh, mask, **kw)[0]  # [B, S, H/n, D]
+    if width * n > layout.length:  # a zero row for the padding slots (index_select saves no input; index_copy did)
+        out = torch.cat([out, out.new_zeros((out.shape[0], 1, *out.shape[2:]))], dim=1)
+    padded = out.index_select(1, layout.padded_source.to(out.device))
+    return _to_seq(padded, ca.mesh, axis, n, width).narrow(1, 0, local)
+
+
+def allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """All-gather over the whole axis (module docstring)."""
+    layout, n, axis = split.layout, split.layout.size, ca.axis
+    width = max(layout.lengths)
+    k, v = (_gather(_pad_seq(t, 2, width), ca.mesh, axis, n, layout.padded_order) for t in (k, v))
+    if not isinstance(mask, tuple):  # the rows of the local queries' mask
+        out: torch.Tensor = ca.kernel(module, q, k, v, mask, **kwargs)[0]
+        return out
+    kernel = kernel_call(ca, module, kwargs)
+    if not layout.local_length(split.rank):  # a placeholder query: it sees every key (a finite row, then dropped)
+        return kernel(q, k, v, False)
+    return _attend_pieces(kernel, q, k, v, mask, split, range(split.rank, split.rank + 1), None,
+                          kwargs.get("scaling"))
+
+
+def hybrid(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Ulysses inside a group, all-gather across the groups (module docstring); ``mask``: the batch's runs."""
+    assert ca.sub_mesh is not None and isinstance(mask, tuple), "the hybrid mode runs on runs, with its two axes"
+    across, inside = hybrid_axes(ca.axis)
+    names = tuple(ca.sub_mesh.mesh_dim_names or ())
+    layout, g, u = split.layout, ca.sub_mesh.size(names.index(across)), ca.sub_mesh.size(names.index(inside))
+    width, local = max(layout.lengths), q.shape[2]
+    group = split.rank // u
+    view, kw, k, v = _heads(ca, module, q, k, v, split.rank % u, u, inside, kwargs)
+    qh, kh, vh = (_to_heads(t, ca.sub_mesh, inside, u, width) for t in (q, k, v))  # the group's padded pieces
+    kh, vh = (_gather(t, ca.sub_mesh, across, g, layout.padded_order) for t in (kh, vh))
+    out = _attend_pieces(kernel_call(ca, view, kw), qh, kh, vh, mask, split, range(group * u, group * u + u), width,
+                         kw.get("scaling"))
+    return _to_seq(out, ca.sub_mesh, inside, u, width).narrow(1, 0, local)

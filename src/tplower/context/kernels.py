@@ -1,0 +1,144 @@
+"""The model's attention kernel run per :class:`~tplower.context.runs.Run`: no mask, ``O(S)`` memory with ``sdpa``.
+
+:func:`attend_runs` computes the attention output of a range of queries
+from the runs that cover it, one kernel call per run (rows with the same run
+together), and lays the pieces end to end; a query no run covers sees no key
+and gets zeros (``sdpa``'s answer for a fully masked row, as one process's).
+
+Three kinds of call:
+
+* a causal run whose queries start where its keys start: the model's own
+  kernel with no mask (``sdpa`` then runs ``is_causal``, its flash path);
+* a full run: the model's own kernel with no mask and ``is_causal=False``;
+* a causal run whose queries start after its first key (the all-gather
+  mode's query pieces, ``[start, stop)`` of a document that began at
+  ``key_start``): each query sees the whole prefix ``[key_start, start)`` and
+  the diagonal block ``[start, stop)`` causally, which no single ``is_causal``
+  call aligns (``sdpa``'s causal mask is aligned to the top left). Two calls
+  of ``sdpa``'s CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``,
+  the op ``F.scaled_dot_product_attention`` runs on CPU without a mask), the
+  prefix without a mask and the diagonal block causal, are combined by their
+  log-sum-exp (``F.scaled_dot_product_attention`` does not return it); their
+  backward runs the kernel's own backward per block with the combined output
+  and log-sum-exp, as ring attention does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .runs import Run
+
+__all__ = ["OffsetCausal", "attend_runs", "offset_causal"]
+
+#: ``(q, k, v, causal) -> [B', L, H, D]``: the model's kernel with no mask
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class OffsetCausal(torch.autograd.Function):
+    """Queries ``[B, H, L, D]`` after a prefix of ``P`` keys: the prefix whole, then ``L`` keys causally.
+
+    Forward: ``sdpa``'s CPU flash kernel on the prefix (no mask) and on the
+    diagonal block (``is_causal``), each with its log-sum-exp ``l1``, ``l2``;
+    the output is ``o1 * exp(l1 - l) + o2 * exp(l2 - l)`` with
+    ``l = logaddexp(l1, l2)``. Backward: the kernel's backward on each block
+    with the combined output and ``l`` (the rows' softmax over both blocks),
+    the query gradients summed. Key/value heads may be fewer than query heads
+    (the kernel groups them).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_diag: torch.Tensor,
+                v_diag: torch.Tensor, scale: float | None) -> torch.Tensor:
+        o1, l1 = _FLASH(q, k_prefix, v_prefix, 0.0, False, scale=scale)
+        o2, l2 = _FLASH(q, k_diag, v_diag, 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out: torch.Tensor = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
+        g = grads[0].contiguous()
+        dq1, dk1, dv1 = _FLASH_BACKWARD(g, q, k_prefix, v_prefix, out, lse, 0.0, False, scale=ctx.scale)
+        dq2, dk2, dv2 = _FLASH_BACKWARD(g, q, k_diag, v_diag, out, lse, 0.0, True, scale=ctx.scale)
+        return dq1 + dq2, dk1, dv1, dk2, dv2, None
+
+
+def offset_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                  scale: float | None) -> torch.Tensor:
+    """Attention of ``q`` ``[B, H, L, D]`` over ``k``/``v`` ``[B, H_kv, prefix + L, D]`` aligned to the bottom right.
+
+    The query ``i`` sees the keys ``0 .. prefix + i``. Returns ``[B, L, H, D]`` (the layout transformers' kernels
+    return). CPU tensors (the kernel is ``sdpa``'s CPU flash kernel).
+    """
+    diag = k.shape[2] - prefix
+    out: torch.Tensor = OffsetCausal.apply(q, k.narrow(2, 0, prefix), v.narrow(2, 0, prefix),
+                                           k.narrow(2, prefix, diag), v.narrow(2, prefix, diag), scale)
+    return out.transpose(1, 2)
+
+
+def _rows(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    if rows == tuple(range(t.shape[0])):
+        return t
+    if rows == tuple(range(rows[0], rows[-1] + 1)):
+        return t.narrow(0, rows[0], len(rows))
+    return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
+def _assemble(batch: int, lo: int, hi: int, pieces: list[tuple[Run, torch.Tensor]], like: torch.Tensor,
+              heads: int, dim: int) -> torch.Tensor:
+    """``[batch, hi - lo, heads, dim]``: each run's output at its queries, zeros where no run is."""
+
+    def row(parts: list[tuple[int, int, torch.Tensor]], width: int) -> torch.Tensor:
+        seq, at = [], lo
+        for start, stop, t in sorted(parts, key=lambda p: p[0]):
+            if start > at:
+                seq.append(like.new_zeros((width, start - at, heads, dim)))
+            seq.append(t)
+            at = stop
+        if hi > at:
+            seq.append(like.new_zeros((width, hi - at, heads, dim)))
+        return seq[0] if len(seq) == 1 else torch.cat(seq, dim=1)
+
+    every = tuple(range(batch))
+    if all(run.rows == every for run, _ in pieces):
+        return row([(run.start, run.stop, t) for run, t in pieces], batch)
+    rows = [row([(run.start, run.stop, t.narrow(0, run.rows.index(b), 1)) for run, t in pieces if b in run.rows], 1)
+            for b in range(batch)]
+    return torch.cat(rows, dim=0)
+
+
+def attend_runs(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[Run], lo: int,
+                hi: int, q_at: int, scale: float | None) -> torch.Tensor:
+    """The attention output ``[B, hi - lo, H, D]`` of the queries at global positions ``[lo, hi)``.
+
+    Args:
+        kernel: the model's kernel with no mask, ``causal`` or full (:data:`Kernel`).
+        q: ``[B, H, *, D]`` holding those queries from index ``q_at`` on.
+        k, v: ``[B, H_kv, S, D]`` every key, in global order.
+        runs: the runs of the batch clipped to ``[lo, hi)`` (:func:`~tplower.context.runs.clip`).
+        scale: the softmax scale the model passes (``None``: ``1/sqrt(D)``), for the offset blocks.
+    """
+    batch, heads, dim = q.shape[0], q.shape[1], v.shape[3]
+    pieces = []
+    for run in runs:
+        qs = _rows(q, run.rows).narrow(2, q_at + run.start - lo, run.stop - run.start)
+        keys = (_rows(k, run.rows).narrow(2, run.key_start, run.key_stop - run.key_start),
+                _rows(v, run.rows).narrow(2, run.key_start, run.key_stop - run.key_start))
+        if run.causal and run.start > run.key_start:
+            out = offset_causal(qs, *keys, run.start - run.key_start, scale)
+        else:
+            out = kernel(qs, *keys, run.causal)
+        pieces.append((run, out))
+    if not pieces:
+        return q.new_zeros((batch, hi - lo, heads, dim))
+    return _assemble(batch, lo, hi, pieces, q, heads, dim)
