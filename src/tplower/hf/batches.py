@@ -1,0 +1,138 @@
+"""Batches of a training stack on a tplower mesh: cut over ``dp`` where they are loaded, over ``cp`` where the model
+takes them, counted over the whole global batch, and predictions made whole.
+
+* :func:`dp_data_loader`: accelerate's own ``prepare_data_loader`` (the public function, the sampler and RNG
+  handling it gives every process) told the data-parallel degree and coordinate instead of the world's: each
+  ``dp`` rank reads its own micro-batches, every rank of one tp/cp group the same ones. Batches are read on
+  every rank (never dispatched from rank 0, which would slice them per process).
+* :class:`SequenceSplit`: a forward pre-hook that passes a whole batch through :func:`tplower.shard_sequence`
+  (padded, packed with ``position_ids``, TRL's padding-free batches alike), so a trainer's own code, its
+  collators and its metrics see the batch one process would.
+* :func:`global_count`: the number of label tokens a step's loss is divided by, summed over ``dp``, as one
+  process counts its whole batch (transformers' ``num_items_in_batch``).
+* :func:`whole_predictions`: logits (any output with a sequence dim 1) gathered whole over ``cp``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..context.sequence import SPLIT_KEY, ContextSplit, gather_sequence, shard_sequence
+from .layout import DataLayout
+
+__all__ = ["SequenceSplit", "dp_data_loader", "global_count", "whole_predictions"]
+
+#: batch entries :func:`tplower.shard_sequence` reads (every other entry passes through as it is)
+_SEQUENCE = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids", "labels")
+
+
+def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader[Any],
+                   device_placement: bool | None = None,
+                   slice_fn_for_dispatch: Callable[..., Any] | None = None) -> DataLoader[Any]:
+    """``accelerator.prepare_data_loader(data_loader)`` with the ``dp`` axis as its processes.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` (its batch, RNG and placement settings are used).
+        layout: the mesh's :class:`~tplower.hf.layout.DataLayout`.
+        data_loader: a plain ``DataLoader`` (one already prepared is returned as it is).
+        device_placement: as ``Accelerator.prepare_data_loader``'s.
+        slice_fn_for_dispatch: accepted for signature parity; batches are never dispatched.
+
+    Returns:
+        accelerate's ``DataLoaderShard`` over ``layout.dp_size`` processes, this rank reading
+        ``layout.dp_rank``'s share (the sampler's order is synchronized from rank 0, as accelerate does).
+    """
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
+
+    prepared_already = isinstance(data_loader, (DataLoaderShard, DataLoaderDispatcher))
+    if prepared_already:
+        return data_loader
+    if device_placement is None:
+        device_placement = bool(accelerator.device_placement)
+    prepared: DataLoader[Any] = prepare_data_loader(
+        data_loader, accelerator.device, num_processes=layout.dp_size, process_index=layout.dp_rank,
+        split_batches=accelerator.split_batches, put_on_device=device_placement,
+        rng_types=list(accelerator.rng_types), dispatch_batches=False, even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
+    return prepared
+
+
+def global_count(local: torch.Tensor | int | None, layout: DataLayout) -> torch.Tensor | None:
+    """The label tokens of the whole global batch: ``local`` (this dp rank's micro-batches) summed over ``dp``.
+
+    Returns:
+        A 0-d ``int64`` tensor, the same on every rank; ``None`` when ``local`` is (the loss takes no count).
+    """
+    if local is None:
+        return None
+    count = torch.as_tensor(local).detach().to(torch.int64).reshape(())
+    return layout.sum_over(count, (layout.dp,) if layout.dp else ())
+
+
+def _split(kwargs: Mapping[str, Any], layout: DataLayout) -> dict[str, Any]:
+    """``kwargs`` with its sequence entries cut to this rank's tokens over ``cp`` (and ``context_split`` added)."""
+    assert layout.cp is not None
+    whole = {k: v for k, v in kwargs.items() if k in _SEQUENCE and isinstance(v, torch.Tensor)}
+    part = shard_sequence(whole, layout.mesh, layout.cp)
+    out = {**kwargs, **part}
+    split: ContextSplit = part[SPLIT_KEY]
+    given = kwargs.get("shift_labels")
+    if isinstance(given, torch.Tensor):  # labels the collator shifted already: cut, never shifted again
+        out["labels"] = out["shift_labels"] = given.index_select(1, split.local_index.to(given.device))
+    if "num_items_in_batch" in kwargs:  # the caller's count (the whole global batch's) wins over this batch's
+        out["num_items_in_batch"] = kwargs["num_items_in_batch"]
+    return out
+
+
+class SequenceSplit:
+    """A model's forward pre-hook: a whole batch given as keywords is cut over ``cp`` before the model sees it.
+
+    A call that carries ``context_split`` already (a batch from :func:`tplower.shard_sequence`), or no
+    ``input_ids``/``inputs_embeds``, passes unchanged. Registered first (``prepend``), so the context
+    install's own pre-hook sees the cut batch. :meth:`remove` takes it off again.
+    """
+
+    def __init__(self, model: nn.Module, layout: DataLayout) -> None:
+        if layout.cp is None:
+            raise ValueError("SequenceSplit needs a layout with a context-parallel axis")
+        self.layout = layout
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if SPLIT_KEY in kwargs or not any(isinstance(kwargs.get(k), torch.Tensor)
+                                          for k in ("input_ids", "inputs_embeds")):
+            return args, kwargs
+        return args, _split(kwargs, self.layout)
+
+    def remove(self) -> None:
+        """Take the hook off the model."""
+        self.handle.remove()
+
+
+def whole_predictions(value: Any, layout: DataLayout) -> Any:
+    """``value`` (a tensor or nested tuples/lists/dicts of them) with every tensor of 2 dims or more gathered
+    whole over ``cp`` on dim 1 (:func:`tplower.gather_sequence`); collective over ``cp``, on every rank alike.
+
+    Returns:
+        The same structure; unchanged without ``cp``.
+    """
+    if layout.cp is None or value is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return gather_sequence(value, layout.mesh, layout.cp, dim=1) if value.dim() >= 2 else value
+    if isinstance(value, MutableMapping):  # a dict or a transformers ModelOutput: a copy, entries replaced
+        out = copy.copy(value)
+        for key in list(value.keys()):
+            out[key] = whole_predictions(value[key], layout)
+        return out
+    if isinstance(value, (tuple, list)):
+        return type(value)(whole_predictions(v, layout) for v in value)
+    return value
