@@ -2,7 +2,7 @@
 
 Both copies take MiniLM's plan (``tplower.run.models.MINILM_TP_PLAN``: query, key, value and intermediate
 colwise, the two output projections rowwise); one forward and backward of a batch of 4 sentences padded to 32
-tokens, counted at the dispatcher (``tplower.core.traffic.CollectiveTraffic``, the same ring conventions for
+tokens, counted at the dispatcher (``tplower.core.lower.traffic.CollectiveTraffic``, the same ring conventions for
 both libraries). tplower's query, key and value share one move of their input (one all_reduce of the summed
 gradient where ``parallelize_module`` sends three).
 
@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
-from tplower.core.traffic import CollectiveTraffic
+from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.run.models import MINILM, MINILM_TP_PLAN, load_model, sentences
 from tplower.run.paths import parallelize_dtensor
 from tplower.testing import run_processes

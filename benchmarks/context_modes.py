@@ -16,7 +16,7 @@ will add is the same for both modes and not part of the step). Per length:
   is the slower rank's; medians. One process (rank 0 runs the reference
   model on the whole batch while rank 1 waits) is timed in the same rounds;
 * collectives and bytes a rank sends per step, counted at the dispatcher
-  (:class:`tplower.core.traffic.CollectiveTraffic`) on an untimed step;
+  (:class:`tplower.core.lower.traffic.CollectiveTraffic`) on an untimed step;
 * peak tensor memory per rank over a step (every storage the step creates,
   alive at once: :func:`tplower.bench.memory.peak_tensor_bytes`, the bench's
   ``loss`` phase measure), against one process on the whole batch.
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, seqs: list[int], layers: int, batch: int, reps:
 
     from tplower.bench.memory import peak_tensor_bytes
     from tplower.context import install_context, shard_sequence
-    from tplower.core.traffic import CollectiveTraffic
+    from tplower.core.lower.traffic import CollectiveTraffic
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ref = _model(layers)

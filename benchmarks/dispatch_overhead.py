@@ -54,7 +54,7 @@ def _interleave(calls: dict[str, Call], rounds: int, warmup: int) -> dict[str, f
 
 def _calls(case_name: str, mesh: object, mode: str) -> dict[str, Call]:
     from tplower.bench.cases import CASES, _autograd_call, _leaf, build, setup
-    from tplower.core.redistribute import redistribute_local
+    from tplower.core.lower.redistribute import redistribute_local
 
     case = next(c for c in CASES if c.name == case_name)
     s = setup(case, mesh, 16 * 16 * 4 * mesh.size(), torch.device("cpu"))  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 # Mutation testing of tplower's core modules with cosmic-ray: init, exec, report. Slow; not run in CI.
 #
 #   mutation/run.sh                      # the five core modules of mutation/cosmic-ray.toml
-#   mutation/run.sh src/tplower/core/placements.py src/tplower/core/transitions.py   # only these
+#   mutation/run.sh src/tplower/core/language/placements.py src/tplower/core/language/transitions.py   # only these
 #
 # cosmic-ray rewrites each module in place while its tests run, so everything happens in a scratch
 # copy of src/ and tests/ (never in this tree). TPLOWER_MUTATION_DIR=<dir> picks the copy; running

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tplower.core.traffic import CollectiveTraffic
+from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.run.hf_configs import tiny_config
 
 #: model kinds: (model_type, config overrides). Sliding windows (8) are shorter than every sequence.

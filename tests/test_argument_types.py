@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import tplower.core.agreement
-import tplower.core.collectives
+import tplower.core.lower.agreement
+import tplower.core.lower.collectives
 from tplower import (
     TPCollectiveLowerer,
     TPExecutionOp,
@@ -44,7 +44,7 @@ from tplower import (
     replicate_partials,
 )
 from tplower.conformance import Case, check_case, check_cases, make_mesh
-from tplower.core.errors import TPLowerError, TPLowerTypeError
+from tplower.core.support.errors import TPLowerError, TPLowerTypeError
 from tplower.nn.parallelize import parallelize
 from tplower.testing import run_threaded
 
@@ -143,9 +143,9 @@ def collective_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     for name in COLLECTIVES:
         monkeypatch.setattr(dist, name, counted(getattr(dist, name)))
-    for module in (tplower.core.collectives, tplower.core.agreement):
+    for module in (tplower.core.lower.collectives, tplower.core.lower.agreement):
         monkeypatch.setattr(module, "_all_gather_base", counted(module._all_gather_base))
-    coll = tplower.core.collectives
+    coll = tplower.core.lower.collectives
     monkeypatch.setattr(coll, "_reduce_scatter_base", counted(coll._reduce_scatter_base))
     return calls
 

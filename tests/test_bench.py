@@ -98,7 +98,7 @@ def _traffic(rank: int, world: int) -> list[tuple[dict[str, int], int]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from tplower.core.traffic import CollectiveTraffic
+    from tplower.core.lower.traffic import CollectiveTraffic
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     x = torch.ones(4, 3)  # 48 bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tplower.core.errors import TPLowerError
+from tplower.core.support.errors import TPLowerError
 from tplower.plans.forms import BoundaryForm, classify_boundary_form
 
 AXES = ("dp", "tp", "ep", "sp")

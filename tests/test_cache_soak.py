@@ -30,10 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-import tplower.core.cache as cache_mod
+import tplower.core.lower.cache as cache_mod
 from tplower import TPExecutionOp, mesh_lowerer, parallelize, redistribute_local, set_cache_size
 from tplower.conformance import Case, check_case, quiet_dtensor_logs
-from tplower.core.cache import CACHE_SIZE_ENV, DEFAULT_CACHE_SIZE, LRUCache, cache_size
+from tplower.core.lower.cache import CACHE_SIZE_ENV, DEFAULT_CACHE_SIZE, LRUCache, cache_size
 from tplower.testing import run_processes, run_threaded
 
 from blocks import SP, Block, D

@@ -9,8 +9,8 @@ import torch
 
 from tplower.cli import main
 from tplower.cli.explain import parse_mesh
-from tplower.core.errors import TPLowerError
-from tplower.core.explain import format_bytes
+from tplower.core.language.explain import format_bytes
+from tplower.core.support.errors import TPLowerError
 
 
 def test_explain_table_hand_computed(capsys):

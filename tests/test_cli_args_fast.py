@@ -124,9 +124,9 @@ PLACEMENT_TEXTS = [
 
 @pytest.mark.parametrize("text", PLACEMENT_TEXTS)
 def test_torch_free_placement_check_agrees_with_the_torch_parse(text: str) -> None:
-    from tplower.core.errors import TPLowerError
-    from tplower.core.placement_text import check_placement_text
-    from tplower.core.placements import format_placement, parse_placement
+    from tplower.core.language.placement_text import check_placement_text
+    from tplower.core.language.placements import format_placement, parse_placement
+    from tplower.core.support.errors import TPLowerError
 
     try:
         want: str = format_placement(parse_placement(text, arg="SRC"))

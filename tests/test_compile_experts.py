@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import tplower
 from tplower import TPLowerError
-from tplower.core.redistribute import MeshLowerer
+from tplower.core.lower.redistribute import MeshLowerer
 from tplower.runtime.uneven import known_global_shape
 from tplower.testing import run_processes
 
@@ -138,9 +138,9 @@ def _exchange_op(rank: int, world: int) -> dict[str, Any]:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tplower.core.dispatch import all_to_all_splits
-    from tplower.core.dispatch_traced import split_exchange
-    from tplower.core.traffic import CollectiveTraffic
+    from tplower.core.lower.traffic import CollectiveTraffic
+    from tplower.core.ops.dispatch import all_to_all_splits
+    from tplower.core.ops.dispatch_traced import split_exchange
 
     group = torch.distributed.group.WORLD
     matrix = [[2, 3], [0, 4]]  # rank 1 sends nothing to rank 0
@@ -183,7 +183,7 @@ def _ep_body(rank: int, world: int) -> dict[str, Any]:
 
 
 def _vocab_body(rank: int, world: int) -> dict[str, Any]:
-    from tplower.core.traffic import CollectiveTraffic
+    from tplower.core.lower.traffic import CollectiveTraffic
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {"exchange": _exchange_op(rank, world)}

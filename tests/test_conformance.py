@@ -14,9 +14,9 @@ import os
 
 import pytest
 
-import tplower.core.collectives as C
+import tplower.core.lower.collectives as C
 from tplower.conformance import Case, check_cases, failures, one_axis_cases, summarize
-from tplower.core import backends
+from tplower.core.lower import backends
 from tplower.testing import run_processes, run_threaded
 
 FULL = os.environ.get("TPLOWER_FULL_MATRIX") == "1"

@@ -18,7 +18,7 @@ import torch
 from context_cases import Case, batch, named, run_case, tiny
 from torch import nn
 
-from tplower.core.errors import TPLowerError
+from tplower.core.support.errors import TPLowerError
 from tplower.testing import run_processes
 
 TOL = 1e-5

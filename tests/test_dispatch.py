@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch and combine (tplower.core.dispatch) against one process, forward and backward.
+"""Expert-parallel dispatch and combine (tplower.core.ops.dispatch) against one process, forward and backward.
 
 Each rank holds its own tokens and routing; the experts are ``f_e(x) = x * (e + 1) + e`` (global expert index
 ``e``), run on the rank that holds ``e`` after :func:`tplower.dispatch_tokens`. The one-process reference applies every

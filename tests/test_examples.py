@@ -154,7 +154,7 @@ def test_redistribute_example_runs_under_torchrun() -> None:
                "--master-port", str(_free_port()), "examples/redistribute.py"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, output  # no exit-time abort either (tplower.core.teardown)
+        assert proc.returncode == 0, output  # no exit-time abort either (tplower.core.support.teardown)
         assert proc.stdout.count(SUCCESS) == 1, output  # rank 0 prints it after every check passed on every rank
         # the plans it prints: one collective each way, by name (the table in the README)
         assert "forward [S(0)->R on axis 0: all_gather(dim=0)], backward [R->S(0) on axis 0: chunk(dim=0)]" in output

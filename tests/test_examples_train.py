@@ -62,7 +62,7 @@ def test_train_example_runs_under_torchrun_and_leaves_a_trained_checkpoint() -> 
                "--master-port", str(_free_port()), "examples/train.py", "--steps", "3", "--checkpoint", tmpdir]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, output  # no exit-time abort either (tplower.core.teardown)
+        assert proc.returncode == 0, output  # no exit-time abort either (tplower.core.support.teardown)
         assert SUCCESS in proc.stdout, output
         assert proc.stdout.count("grad-norm") == 3, output  # one line per step, from rank 0 only
 

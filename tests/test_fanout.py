@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
 from tplower.bench.graphs import GraphCapture
-from tplower.core.traffic import CollectiveTraffic
+from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.runtime.boundary import FANOUT
 from tplower.testing import run_processes
 

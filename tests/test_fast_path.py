@@ -1,6 +1,6 @@
 """redistribute_local's fast path: a call seen before gives the answer and the errors a first call gives.
 
-The fast path (:mod:`tplower.core.callcache`) serves a call from the
+The fast path (:mod:`tplower.core.lower.callcache`) serves a call from the
 program the full path built for the same arguments. Checked here: every
 enumerated transition run twice on the same meshes equals DTensor both
 times, the second time from the fast path; bad calls on a warm cache raise
@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-import tplower.core.redistribute as redistribute_mod
+import tplower.core.lower.redistribute as redistribute_mod
 from tplower import mesh_lowerer, redistribute_local, set_cache_size
 from tplower.conformance import check_cases, failures, one_axis_cases
-from tplower.core.cache import LRUCache
-from tplower.core.callcache import CallCache, IdentityMap
+from tplower.core.lower.cache import LRUCache
+from tplower.core.lower.callcache import CallCache, IdentityMap
 from tplower.testing import run_threaded
 
 

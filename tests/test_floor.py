@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplower.bench.floor import comm_share, floor_group, paired_share, with_shares
-from tplower.core.traffic import _group
+from tplower.core.lower.traffic import _group
 
 D, H = 8, 16
 PLAN = {"up": "colwise", "down": "rowwise"}

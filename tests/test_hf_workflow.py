@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import tplower
-from tplower.core.errors import TPLowerError
+from tplower.core.support.errors import TPLowerError
 from tplower.state.loading import materialize
 from tplower.testing import run_processes
 

@@ -1,12 +1,15 @@
 """The package layout: the layer contract holds and can fail, no two modules import each other, public names stay,
-no file is longer than the project keeps to.
+no file is longer and no folder fuller than the project keeps to.
 
 Layers, top to bottom (``[tool.importlinter]`` in ``pyproject.toml``): the
 command line; the benchmarks; the main job; the code generator and the
 verifier (independent of each other); installation (``tplower.nn``), the test
 harness and the conformance checks; adapters and context parallelism
 (independent of each other); state in and out; the runtime of installed
-boundaries; the plan language; model-family helpers; the core.
+boundaries; the plan language; model-family helpers; the core, itself four
+rooms: model-level operations (expert dispatch, the vocabulary-parallel loss)
+above the lowering and call path, above the transition language, above
+housekeeping (errors, argument checks, teardown).
 ``lint-imports`` checks that no import points up, and every planted upward
 import below must break it.
 """
@@ -54,12 +57,12 @@ def test_the_layer_contract_holds() -> None:
 def test_an_import_pointing_up_breaks_the_contract(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "src" / "tplower", tmp_path / "src" / "tplower",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    placements = tmp_path / "src" / "tplower" / "core" / "placements.py"
-    placements.write_text(placements.read_text() + "\nfrom ..plans import entries  # noqa: E402\n")
+    placements = tmp_path / "src" / "tplower" / "core" / "language" / "placements.py"
+    placements.write_text(placements.read_text() + "\nfrom ...plans import entries  # noqa: E402\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     done = _lint(tmp_path / "pyproject.toml", tmp_path / "src")
     assert done.returncode == 1 and "0 kept, 1 broken" in done.stdout, done.stdout + done.stderr
-    assert "tplower.core.placements -> tplower.plans.entries" in done.stdout
+    assert "tplower.core.language.placements -> tplower.plans.entries" in done.stdout
 
 
 def test_public_names_unchanged() -> None:
@@ -109,9 +112,17 @@ def test_subpackages_are_attributes_imported_on_first_use() -> None:
     ("runtime/params.py", "from ..state import full_state", "tplower.runtime.params -> tplower.state"),
     ("plans/forms.py", "from ..runtime import operators", "tplower.plans.forms -> tplower.runtime"),
     ("families/conv1d.py", "from ..plans import styles", "tplower.families.conv1d -> tplower.plans"),
-    ("core/errors.py", "from ..cli import main", "tplower.core.errors -> tplower.cli"),
+    ("core/support/errors.py", "from ...cli import main", "tplower.core.support.errors -> tplower.cli"),
+    ("core/lower/redistribute.py", "from ..ops import dispatch", "tplower.core.lower.redistribute -> tplower.core.ops"),
+    ("core/lower/program.py", "from ..ops.vocab_loss import vocab_parallel_cross_entropy",
+     "tplower.core.lower.program -> tplower.core.ops.vocab_loss"),
+    ("core/language/transitions.py", "from ..lower import collectives", "tplower.core.language.transitions -> "
+     "tplower.core.lower.collectives"),
+    ("core/support/argcheck.py", "from ..language import placements", "tplower.core.support.argcheck -> "
+     "tplower.core.language.placements"),
 ], ids=["nn->codegen", "codegen->verification", "state->adapters", "adapters->context", "runtime->nn",
-        "runtime->state", "plans->runtime", "families->plans", "core->cli"])
+        "runtime->state", "plans->runtime", "families->plans", "core->cli", "lowering->model-level op",
+        "call path->model-level op", "language->lowering", "support->language"])
 def test_every_planted_upward_import_breaks_the_contract(tmp_path: Path, where: str, line: str, shown: str) -> None:
     shutil.copytree(ROOT / "src" / "tplower", tmp_path / "src" / "tplower",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -133,8 +144,18 @@ def test_no_file_is_longer_than_the_project_keeps_to() -> None:
     assert long == {}, f"files over {MAX_LINES} lines: {long}"
 
 
+#: the most modules (``__init__.py`` aside) a folder of the package may hold (a room a reader takes in at once)
+MAX_MODULES = 18
+
+
+def test_no_folder_holds_more_modules_than_the_project_keeps_to() -> None:
+    big = {str(d.relative_to(ROOT)): n for d in sorted((ROOT / "src" / "tplower").rglob("*")) if d.is_dir()
+           if (n := sum(1 for p in d.glob("*.py") if p.name != "__init__.py")) > MAX_MODULES}
+    assert big == {}, f"folders over {MAX_MODULES} modules: {big}"
+
+
 def test_every_room_says_its_one_idea() -> None:
-    for init in sorted((ROOT / "src" / "tplower").glob("*/__init__.py")):
+    for init in sorted((ROOT / "src" / "tplower").glob("**/__init__.py")):
         doc = init.read_text().split('"""')
         assert len(doc) >= 3 and len(doc[1].strip()) > 80, f"{init.relative_to(ROOT)} has no docstring of its room"
 
@@ -163,6 +184,6 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
 
 def test_a_planted_circle_is_found(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "src" / "tplower", tmp_path / "tplower", ignore=shutil.ignore_patterns("__pycache__"))
-    planted = tmp_path / "tplower" / "core" / "placements.py"
+    planted = tmp_path / "tplower" / "core" / "language" / "placements.py"
     planted.write_text(planted.read_text() + "\nfrom . import transitions  # noqa: E402\n")
-    assert ("tplower.core.placements", "tplower.core.transitions") in _mutual_imports(tmp_path)
+    assert ("tplower.core.language.placements", "tplower.core.language.transitions") in _mutual_imports(tmp_path)

@@ -23,7 +23,7 @@ from torch.distributed.tensor._utils import assert_no_mixed_partial_types
 
 from tplower import TPLowerError, parse_placements, plan_transition, redistribute_local
 from tplower.conformance import Case, check_cases, failures, grads_for, summarize
-from tplower.core.placements import check_reduce_ops
+from tplower.core.language.placements import check_reduce_ops
 from tplower.testing import run_threaded
 
 MESH = (2, 2, 2)

@@ -432,7 +432,7 @@ def test_cli_verify_takes_experts() -> None:
 
 def test_explain_moe_bytes_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     from tplower.cli import main
-    from tplower.core.explain import explain_moe
+    from tplower.core.language.explain import explain_moe
 
     # 4 tokens, hidden 2, top-2 of 4 experts, tp=2, float32 (4 B), by hand:
     # tp: all_reduce sends 2(n-1)/n of the tensor: output [4,2] 32 B forward; [4,2] and [4,2] gradients backward

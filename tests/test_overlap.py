@@ -207,8 +207,8 @@ def test_tiny_llama_gradients_match_unfused_and_one_process() -> None:
 def _starts(rank: int, world: int) -> dict[str, bool]:
     import torch.distributed as dist
 
-    from tplower.core import collectives as C
-    from tplower.core.overlap import all_reduce_start
+    from tplower.core.lower import collectives as C
+    from tplower.core.lower.overlap import all_reduce_start
 
     group = dist.group.WORLD
     x = torch.arange(6.0).reshape(2, 3) * (rank + 1)

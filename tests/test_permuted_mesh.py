@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Shard
 
 from tplower import parse_placements, redistribute_local
-from tplower.core.placements import replicate_partials
+from tplower.core.language.placements import replicate_partials
 from tplower.testing import run_threaded
 
 

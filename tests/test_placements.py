@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from tplower import TPLowerError, format_placement, format_placements, parse_placement, parse_placements
-from tplower.core.placements import replicate_partials
+from tplower.core.language.placements import replicate_partials
 
 TABLE = [
     ("R", Replicate()),

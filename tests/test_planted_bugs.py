@@ -26,8 +26,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-import tplower.core.collectives as C
-import tplower.core.redistribute as R
+import tplower.core.lower.collectives as C
+import tplower.core.lower.redistribute as R
 from tplower import (
     TPExecutionOp,
     TPLowerError,
@@ -38,9 +38,9 @@ from tplower import (
     redistribute_local,
 )
 from tplower.conformance import Case, check_cases
-from tplower.core import backends, debug_path
-from tplower.core.agreement import check_agreement
-from tplower.core.transitions import chunk_size_and_offset, local_shape
+from tplower.core.language.transitions import chunk_size_and_offset, local_shape
+from tplower.core.lower import backends, debug_path
+from tplower.core.lower.agreement import check_agreement
 from tplower.testing import RankFailure, run_processes, run_threaded
 
 from test_permuted_mesh import _body as permuted_mesh_check

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate
 
-import tplower.core.redistribute as redistribute_mod
+import tplower.core.lower.redistribute as redistribute_mod
 from tplower import TPLowerError, mesh_lowerer, redistribute_local
 from tplower.testing import run_threaded
 

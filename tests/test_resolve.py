@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tplower import TPLowerError
-from tplower.core.placements import format_placements
-from tplower.core.traffic import CollectiveTraffic
+from tplower.core.language.placements import format_placements
+from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.nn.resolve import ResolvedPlan, resolve_plan
 from tplower.run.hf_table import architectures, tiny_model
 from tplower.testing import run_threaded

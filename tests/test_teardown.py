@@ -1,4 +1,4 @@
-"""No gloo worker outlives a script, and no exit-time abort (tplower.core.teardown).
+"""No gloo worker outlives a script, and no exit-time abort (tplower.core.support.teardown).
 
 The scripts run under ``torch.distributed.run``, as a user runs them: the abort lives in interpreter
 finalization, after the script's last line.
@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
-from tplower.core import teardown
+from tplower.core.support import teardown
 from tplower.testing import run_processes
 
 ROOT = Path(__file__).resolve().parents[1]

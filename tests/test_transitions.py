@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from tplower import TPLowerError, classify_axis, plan_steps, plan_transition
-from tplower.core.transitions import KINDS, chunk_size_and_offset, global_shape_from_local, local_shape
+from tplower.core.language.transitions import KINDS, chunk_size_and_offset, global_shape_from_local, local_shape
 
 R, P = Replicate(), Partial("sum")
 
@@ -103,7 +103,7 @@ def test_grad_must_fit_output():
 
 
 def test_backend_for_device_splits_multi_device_backends():
-    from tplower.core.collectives import backend_caps, backend_for_device
+    from tplower.core.lower.collectives import backend_caps, backend_for_device
 
     assert backend_for_device("cpu:gloo,cuda:nccl", "cuda") == "nccl"
     assert backend_for_device("cpu:gloo,cuda:nccl", "cpu") == "gloo"
@@ -154,7 +154,7 @@ def test_planner_plans_or_raises_documented_error(placements, shape):
     ("someother", "xpu", True),  # unknown backends are not second-guessed
 ])
 def test_device_must_be_carried_by_the_backend(backend, device, ok):
-    from tplower.core.collectives import check_device
+    from tplower.core.lower.collectives import check_device
 
     if ok:
         check_device(backend, device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tplower.core.words import count
+from tplower.core.support.words import count
 
 
 @pytest.mark.parametrize(("n", "one", "many", "expected"), [

@@ -13,7 +13,7 @@ package ``tplower.verification``.
 
 At interpreter exit, a default process group the script left initialized is
 destroyed (a local call, no collective) and what tplower holds is released
-(:mod:`tplower.core.teardown`), so a script that forgets
+(:mod:`tplower.core.support.teardown`), so a script that forgets
 ``destroy_process_group()`` still exits cleanly.
 """
 
@@ -28,21 +28,26 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from .context.sequence import gather_sequence, shard_sequence
-    from .core.cache import set_cache_size
-    from .core.dispatch import DispatchPlan, all_to_all_splits, combine_tokens, dispatch_tokens, plan_dispatch
-    from .core.errors import TPLowerError, TPLowerTypeError
-    from .core.lowering import TPCollectiveLowerer, TPExecutionOp, classify_tp_transition, create_tp_collective_lowerer
-    from .core.placements import (
+    from .core.language.placements import (
         format_placement,
         format_placements,
         parse_placement,
         parse_placements,
         replicate_partials,
     )
-    from .core.redistribute import MeshLowerer, mesh_lowerer, redistribute_local
-    from .core.teardown import shutdown
-    from .core.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
-    from .core.vocab_loss import vocab_parallel_cross_entropy
+    from .core.language.transitions import Step, TransitionPlan, classify_axis, plan_steps, plan_transition
+    from .core.lower.cache import set_cache_size
+    from .core.lower.lowering import (
+        TPCollectiveLowerer,
+        TPExecutionOp,
+        classify_tp_transition,
+        create_tp_collective_lowerer,
+    )
+    from .core.lower.redistribute import MeshLowerer, mesh_lowerer, redistribute_local
+    from .core.ops.dispatch import DispatchPlan, all_to_all_splits, combine_tokens, dispatch_tokens, plan_dispatch
+    from .core.ops.vocab_loss import vocab_parallel_cross_entropy
+    from .core.support.errors import TPLowerError, TPLowerTypeError
+    from .core.support.teardown import shutdown
     from .nn.parallelize import parallelize
     from .plans.entries import BoundaryEntry, load_plan
     from .plans.forms import BoundaryForm, classify_boundary_form, explain_plan_lines
@@ -56,33 +61,33 @@ if TYPE_CHECKING:
 _HOMES: dict[str, str] = {
     "gather_sequence": ".context.sequence",
     "shard_sequence": ".context.sequence",
-    "set_cache_size": ".core.cache",
-    "DispatchPlan": ".core.dispatch",
-    "all_to_all_splits": ".core.dispatch",
-    "combine_tokens": ".core.dispatch",
-    "dispatch_tokens": ".core.dispatch",
-    "plan_dispatch": ".core.dispatch",
-    "TPLowerError": ".core.errors",
-    "TPLowerTypeError": ".core.errors",
-    "TPCollectiveLowerer": ".core.lowering",
-    "TPExecutionOp": ".core.lowering",
-    "classify_tp_transition": ".core.lowering",
-    "create_tp_collective_lowerer": ".core.lowering",
-    "format_placement": ".core.placements",
-    "format_placements": ".core.placements",
-    "parse_placement": ".core.placements",
-    "parse_placements": ".core.placements",
-    "replicate_partials": ".core.placements",
-    "MeshLowerer": ".core.redistribute",
-    "mesh_lowerer": ".core.redistribute",
-    "redistribute_local": ".core.redistribute",
-    "shutdown": ".core.teardown",
-    "Step": ".core.transitions",
-    "TransitionPlan": ".core.transitions",
-    "classify_axis": ".core.transitions",
-    "plan_steps": ".core.transitions",
-    "plan_transition": ".core.transitions",
-    "vocab_parallel_cross_entropy": ".core.vocab_loss",
+    "set_cache_size": ".core.lower.cache",
+    "DispatchPlan": ".core.ops.dispatch",
+    "all_to_all_splits": ".core.ops.dispatch",
+    "combine_tokens": ".core.ops.dispatch",
+    "dispatch_tokens": ".core.ops.dispatch",
+    "plan_dispatch": ".core.ops.dispatch",
+    "TPLowerError": ".core.support.errors",
+    "TPLowerTypeError": ".core.support.errors",
+    "TPCollectiveLowerer": ".core.lower.lowering",
+    "TPExecutionOp": ".core.lower.lowering",
+    "classify_tp_transition": ".core.lower.lowering",
+    "create_tp_collective_lowerer": ".core.lower.lowering",
+    "format_placement": ".core.language.placements",
+    "format_placements": ".core.language.placements",
+    "parse_placement": ".core.language.placements",
+    "parse_placements": ".core.language.placements",
+    "replicate_partials": ".core.language.placements",
+    "MeshLowerer": ".core.lower.redistribute",
+    "mesh_lowerer": ".core.lower.redistribute",
+    "redistribute_local": ".core.lower.redistribute",
+    "shutdown": ".core.support.teardown",
+    "Step": ".core.language.transitions",
+    "TransitionPlan": ".core.language.transitions",
+    "classify_axis": ".core.language.transitions",
+    "plan_steps": ".core.language.transitions",
+    "plan_transition": ".core.language.transitions",
+    "vocab_parallel_cross_entropy": ".core.ops.vocab_loss",
     "parallelize": ".nn.parallelize",
     "BoundaryEntry": ".plans.entries",
     "load_plan": ".plans.entries",
@@ -148,7 +153,7 @@ def _exit_hook() -> None:
     """tplower's teardown at interpreter exit, when torch.distributed was loaded at all (registered at ``import
     tplower``, so it runs before the exit handlers of what was imported earlier)."""
     if "torch.distributed" in sys.modules:
-        from .core import teardown
+        from .core.support import teardown
 
         teardown._at_exit()
 

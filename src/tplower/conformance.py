@@ -29,9 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .core.argcheck import check_bool, check_mesh, check_shape, describe
-from .core.placements import LINEAR_REDUCE_OPS, parse_placements, replicate_partials
-from .core.redistribute import mesh_lowerer, redistribute_local
+from .core.language.placements import LINEAR_REDUCE_OPS, parse_placements, replicate_partials
+from .core.lower.redistribute import mesh_lowerer, redistribute_local
+from .core.support.argcheck import check_bool, check_mesh, check_shape, describe
 
 __all__ = [
     "Case",
@@ -344,7 +344,7 @@ def one_axis_cases(mesh_shape: Sequence[int], axis: int, placements: Iterable[st
 
 def mixable(placements: Sequence[str]) -> bool:
     """Whether a list of canonical placement strings is ``Partial`` with one reduce op or only sum/avg (see
-    :func:`tplower.core.placements.check_reduce_ops`)."""
+    :func:`tplower.core.language.placements.check_reduce_ops`)."""
     ops = {p[2:-1] for p in placements if p.startswith("P(")}
     return len(ops) <= 1 or ops <= set(LINEAR_REDUCE_OPS)
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .core.teardown import shutdown
-from .core.words import count
+from .core.support.teardown import shutdown
+from .core.support.words import count
 
 __all__ = ["RankFailure", "run_processes", "run_threaded"]
 

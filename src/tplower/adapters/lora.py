@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
 from ..runtime.boundary import _Boundary
 from .lora_init import LOCAL_DRAWS, draw_whole, local_draws_left

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..state.full_state import shard_of
 
 __all__ = ["LOCAL_DRAWS", "draw_whole", "local_draws_left"]

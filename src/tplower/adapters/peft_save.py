@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..state.full_state import placed_by_tplower, plain_dtensor
 
 __all__ = ["collective_peft_save", "is_peft_model", "whole_adapter_state"]

@@ -38,10 +38,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.lowering import TPExecutionOp
-from ..core.placements import format_placements, parse_placements, replicate_partials
-from ..core.redistribute import redistribute_local
-from ..core.transitions import Step, plan_transition
+from ..core.language.placements import format_placements, parse_placements, replicate_partials
+from ..core.language.transitions import Step, plan_transition
+from ..core.lower.lowering import TPExecutionOp
+from ..core.lower.redistribute import redistribute_local
 from .catalog import CASES, IMPLS, MODES, SIZES, Case
 from .megatron import MEGATRON, ReduceFromTP, all_gather_into, reduce_scatter_into
 

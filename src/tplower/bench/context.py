@@ -15,7 +15,7 @@ median time over interleaved rounds (the slower rank's, behind barriers;
 :func:`tplower.bench.timing.barrier_rounds`), each rank's peak tensor memory
 over a step (:func:`tplower.bench.memory.peak_tensor_bytes`, the ``loss``
 phase's measure), the collectives and bytes a rank sends, counted at the
-dispatcher (:class:`tplower.core.traffic.CollectiveTraffic`), and for the two
+dispatcher (:class:`tplower.core.lower.traffic.CollectiveTraffic`), and for the two
 context-parallel modes the bytes ``tplower explain --context`` predicts.
 """
 
@@ -60,7 +60,7 @@ def context_rank(rank: int, world: int, seq: int, layers: int, rounds: int) -> l
 
     from ..context import SPLIT_KEY, shard_sequence
     from ..context.explain import explain_context
-    from ..core.traffic import CollectiveTraffic
+    from ..core.lower.traffic import CollectiveTraffic
     from ..nn.parallelize import parallelize
 
     cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))

@@ -72,7 +72,7 @@ def loss_rank(rank: int, world: int, rounds: int, warmup: int = 1) -> list[dict[
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..core.vocab_loss import vocab_parallel_cross_entropy
+    from ..core.ops.vocab_loss import vocab_parallel_cross_entropy
     from ..nn.parallelize import parallelize
     from ..plans.hf import model_tp_plan
 

@@ -116,7 +116,7 @@ def _memory_calls(case: Case, s: Any, impl: str) -> tuple[Callable[[], Any], Cal
     """(forward under no grad, backward of a fresh forward's output) of ``impl``."""
     from torch.distributed.tensor import distribute_tensor
 
-    from ..core.redistribute import redistribute_local
+    from ..core.lower.redistribute import redistribute_local
 
     if impl == "raw":
         fwd_raw, bwd_raw = raw_call(s.fwd, s.mesh, s.local.device), raw_call(s.bwd, s.mesh, s.local.device)

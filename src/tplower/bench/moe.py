@@ -21,7 +21,7 @@ On ``tp`` spawned gloo ranks, interleaved in rounds after a warm-up:
 
 Each row has the median train step (milliseconds, the slower rank's view
 through a barrier per call), the loss's difference from one process, and,
-from one extra untimed step under :class:`tplower.core.traffic.CollectiveTraffic`,
+from one extra untimed step under :class:`tplower.core.lower.traffic.CollectiveTraffic`,
 the collectives issued and the bytes each rank sent (forward and backward). A
 compiled row adds its first step's seconds (the compile), the graphs dynamo
 made over all its steps and the graph breaks of its first step.
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.traffic import CollectiveTraffic
+from ..core.lower.traffic import CollectiveTraffic
 from ..run.quiet import quiet_transformers
 from ..testing import run_processes
 from .timing import barrier_rounds

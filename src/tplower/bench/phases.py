@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..conformance import quiet_dtensor_logs
-from ..core.cache import cache_size
-from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.lower.cache import cache_size
+from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
 from ..testing import run_processes
 from .cases import CASES, IMPLS, Case, build, describe, setup
 from .config import PHASES, BenchConfig
@@ -192,7 +192,7 @@ def fake_rank(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
 def plan_cache_rows(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Per transition, the cost of a plan-cache miss next to a hit, on the ``fake`` backend (already initialised).
 
-    A miss is :meth:`~tplower.core.redistribute.MeshLowerer.program` with the
+    A miss is :meth:`~tplower.core.lower.redistribute.MeshLowerer.program` with the
     program dropped from the cache first (planning and binding one
     transition, as a new local shape or an evicted entry costs); a hit is
     the same call with the program cached. Both run interleaved,

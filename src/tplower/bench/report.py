@@ -12,8 +12,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..core.explain import format_bytes
-from ..core.words import count
+from ..core.language.explain import format_bytes
+from ..core.support.words import count
 from .cases import IMPLS, size_label
 from .phases import BenchResult, summarize
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..bench.catalog import CASES, IMPLS
 from ..bench.config import PHASES
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .errors import closest, positive_int
 
 if TYPE_CHECKING:

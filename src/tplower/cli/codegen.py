@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from .explain import parse_mesh
 from .target import add_model_arguments, build_module, check_keys, fake_mesh, plan_value
 

@@ -6,8 +6,8 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from .errors import positive_int
 from .explain import parse_shape
 
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _rank_body(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
     from ..conformance import check_case, make_mesh, quiet_dtensor_logs
-    from ..core.placements import parse_placements
-    from ..core.redistribute import mesh_lowerer
+    from ..core.language.placements import parse_placements
+    from ..core.lower.redistribute import mesh_lowerer
 
     quiet_dtensor_logs()
     mesh = make_mesh((world,))
@@ -56,8 +56,8 @@ def _rank_body(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]
 
 
 def _local_shape(case: Case, rank: int, world: int) -> tuple[int, ...]:
-    from ..core.placements import parse_placements
-    from ..core.transitions import local_shape
+    from ..core.language.placements import parse_placements
+    from ..core.language.transitions import local_shape
 
     src = parse_placements(case.src, ("tp",), tensor_ndim=len(case.global_shape))
     return local_shape(case.global_shape, src, (world,), (rank,))

@@ -1,6 +1,6 @@
 """How every ``tplower`` command ends bad input: one line ``tplower <cmd>: error: <what is wrong and the fix>``, exit 2.
 
-The subcommands raise :class:`~tplower.core.errors.TPLowerError` (or argparse
+The subcommands raise :class:`~tplower.core.support.errors.TPLowerError` (or argparse
 reports a value it cannot take); :func:`run_command` turns either into that
 one line on standard error, in the parent process, before any rank starts.
 This module imports no torch: the parser and ``--help`` stay fast.
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["Parser", "Terminated", "axis_name", "closest", "error_line", "fail", "non_negative_float", "plan_keyword",
            "positive_float", "positive_int", "run_command", "run_interruptible", "signals_raise"]

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 
 if TYPE_CHECKING:
     import torch
@@ -100,11 +100,11 @@ def check_dims(placements: dict[str, str | None], names: tuple[str, ...], shape:
     ``shape_option`` says where the shape came from, e.g. ``"--shape 8,16"`` or ``"--shape's default 8,16"``.
 
     Raises:
-        TPLowerError: a placement that does not parse (as :func:`tplower.core.placements.parse_placements`), or
+        TPLowerError: a placement that does not parse (as :func:`tplower.core.language.placements.parse_placements`), or
             ``S(d)`` on a tensor of ``d`` dims or fewer; the message names the placement, the dims it needs and
             ``shape_option``.
     """
-    from ..core.placement_text import SHARD_RE, check_placements_text
+    from ..core.language.placement_text import SHARD_RE, check_placements_text
 
     nd = len(shape)
     for option, text in placements.items():
@@ -208,7 +208,7 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
 
 
 def _explain_moe(args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
-    from ..core.explain import explain_moe, moe_to_table
+    from ..core.language.explain import explain_moe, moe_to_table
 
     if len(names) != 1:
         raise TPLowerError(f"--moe explains one block over one axis; --mesh {args.mesh} has {len(names)} axes")
@@ -299,12 +299,12 @@ def main(args: argparse.Namespace) -> int:
         coord = parse_coord(args.coord, names, sizes) if args.coord is not None else None
         check_dims({"SRC": args.src, "DST": args.dst, "--grad": args.grad}, names, shape,
                    f"--shape {args.shape}" if args.shape is not None else f"--shape's default {DEFAULT_SHAPE}")
-        from ..core.explain import explain_transition  # torch: after every check of the arguments
+        from ..core.language.explain import explain_transition  # torch: after every check of the arguments
 
         plan = explain_transition(args.src, args.dst, names, sizes, shape, grad=args.grad, coord=coord)
     except ValueError as exc:  # TPLowerError, and the library's own checks of placements and sizes
         raise TPLowerError(str(exc)) from None
-    from ..core.explain import plan_to_dict, plan_to_table
+    from ..core.language.explain import plan_to_dict, plan_to_table
 
     info = plan_to_dict(plan, names, dtype_of(args.dtype))
     info["mesh"] = dict(zip(names, sizes, strict=True))

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from .errors import axis_name, positive_float, positive_int
 
 __all__ = ["add_arguments", "derive_for", "main"]

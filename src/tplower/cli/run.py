@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from ..run.models import MINILM, MODELS
 from .errors import plan_keyword
 

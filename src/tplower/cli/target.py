@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .errors import plan_keyword
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from .errors import non_negative_float, positive_float, positive_int
 from .target import add_model_arguments, build_module, check_plan, import_attr, plan_value
 
@@ -99,7 +99,7 @@ def _placement(option: str, value: str, forms: str = "R, S(d) (split along tenso
     Raises:
         TPLowerError: ``value`` is not one placement; the message names ``option``, ``value`` and ``forms``.
     """
-    from ..core.placement_text import check_placement_text  # no torch: a typo is refused at once
+    from ..core.language.placement_text import check_placement_text  # no torch: a typo is refused at once
 
     try:
         return check_placement_text(value, arg=option)
@@ -128,7 +128,7 @@ def _check_input_dims(placements: dict[int | str, str], inputs: Any) -> None:
     """
     import re
 
-    from ..core.placement_text import SHARD_RE
+    from ..core.language.placement_text import SHARD_RE
 
     if inputs is None or callable(inputs):
         return

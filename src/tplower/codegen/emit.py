@@ -52,10 +52,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._version import __version__
-from ..core.argcheck import check_mesh
-from ..core.errors import TPLowerError
-from ..core.placements import format_placements
-from ..core.redistribute import mesh_lowerer
+from ..core.language.placements import format_placements
+from ..core.lower.redistribute import mesh_lowerer
+from ..core.support.argcheck import check_mesh
+from ..core.support.errors import TPLowerError
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
 from ..plans.hf import resolve_model_plan

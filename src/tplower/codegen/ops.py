@@ -21,7 +21,7 @@ or the live process group goes through one :class:`GeneratedOps` object,
 * ``ops.local_params`` / ``ops.restore_params`` swap a module's parameters
   for their local tensors around a call of the module's own ``forward``.
 * an expert-parallel experts module is written out as its steps:
-  ``ops.expert_route`` (:func:`tplower.core.dispatch.plan_dispatch` on the
+  ``ops.expert_route`` (:func:`tplower.core.ops.dispatch.plan_dispatch` on the
   axis's group), ``ops.dispatch_tokens``, the module's own ``forward`` on the
   rows received, ``ops.combine_tokens``.
 """
@@ -37,12 +37,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ..core.dispatch import DispatchPlan, combine_tokens, dispatch_tokens, plan_dispatch
-from ..core.errors import TPLowerError
-from ..core.placements import parse_placements
-from ..core.redistribute import MeshLowerer, mesh_lowerer
-from ..core.transitions import classify_axis
-from ..core.words import count
+from ..core.language.placements import parse_placements
+from ..core.language.transitions import classify_axis
+from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
+from ..core.ops.dispatch import DispatchPlan, combine_tokens, dispatch_tokens, plan_dispatch
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from ..runtime.boundary import _Boundary, _dtensor, _lowered, _Move, shared_move, tie_outputs
 from ..runtime.experts import ExpertDispatch
 from ..runtime.params import ParamLayout, local_parameter
@@ -198,7 +198,7 @@ class GeneratedOps:
 
     def transition(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
                    fan: str | None = None, sized: bool = False) -> Any:
-        """Several collectives (several axes move): the program :mod:`tplower.core.transitions` plans."""
+        """Several collectives (several axes move): the program :mod:`tplower.core.language.transitions` plans."""
         return self._move("transition", t, src, dst, grad, where, uneven, False, fan, sized)
 
     def dtensor(self, t: Any, src: str, dst: str, *, grad: str, where: str, uneven: bool = False,
@@ -281,9 +281,9 @@ class GeneratedOps:
             raise TPLowerError(f"{type(module).__name__}: not an expert-parallel experts module")
         return plan_dispatch(top_k_index, compute.num_experts, compute.lowerer.groups[compute.axis])
 
-    #: :func:`tplower.core.dispatch.dispatch_tokens`: ``[T, H]`` -> the ``[R, H]`` rows this rank's experts take
+    #: :func:`tplower.core.ops.dispatch.dispatch_tokens`: ``[T, H]`` -> the ``[R, H]`` rows this rank's experts take
     dispatch_tokens = staticmethod(dispatch_tokens)
-    #: :func:`tplower.core.dispatch.combine_tokens`: the experts' ``[R, H]`` rows -> ``[T, H]``, weighted by slot
+    #: :func:`tplower.core.ops.dispatch.combine_tokens`: the experts' ``[R, H]`` rows -> ``[T, H]``, weighted by slot
     combine_tokens = staticmethod(combine_tokens)
 
     def hooked(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:

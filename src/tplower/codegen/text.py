@@ -21,8 +21,8 @@ from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.placements import format_placement, replicate_partials
-from ..core.transitions import classify_axis
+from ..core.language.placements import format_placement, replicate_partials
+from ..core.language.transitions import classify_axis
 from ..plans.forms import op_text
 
 __all__ = ["move_comment", "step_text"]

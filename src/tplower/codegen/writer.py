@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.placements import format_placements
+from ..core.language.placements import format_placements
 from ..runtime.boundary import _Boundary, _Move
 from ..runtime.experts import ExpertDispatch
 from .ops import operator_name

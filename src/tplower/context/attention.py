@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.errors import TPLowerError
-from ..core.redistribute import redistribute_local
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.errors import TPLowerError
 from .sequence import SPLIT_KEY, ContextSplit
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]

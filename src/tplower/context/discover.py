@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["ATTENTION_LAYERS", "TOKEN_WISE_LAYERS", "attention_modules", "check_mixers", "eager_kernel",
            "text_config"]

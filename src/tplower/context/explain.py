@@ -1,7 +1,7 @@
 """What context parallelism sends per step, by mode: the exchanges around attention, the loss, the gradients.
 
 Pure arithmetic (no process group), in the ring conventions tplower counts
-every collective by (:mod:`tplower.core.traffic`): an ``all_to_all`` sends
+every collective by (:mod:`tplower.core.lower.traffic`): an ``all_to_all`` sends
 ``(n-1)/n`` of its input, an ``all_gather`` ``n-1`` local pieces, a
 ``reduce_scatter`` ``n-1`` output pieces, an ``all_reduce`` ``2(n-1)/n`` of
 its tensor. A rank's pieces are padded to the longest before an exchange
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..core.explain import format_bytes
-from ..core.words import count
+from ..core.language.explain import format_bytes
+from ..core.support.words import count
 from .layout import SequenceLayout
 
 __all__ = ["context_to_table", "divisors", "explain_context", "head_problem", "ulysses_refusal"]

@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.errors import TPLowerError
-from ..core.redistribute import redistribute_local
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.errors import TPLowerError
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
 from .sequence import SPLIT_KEY, ContextSplit, _axis

@@ -22,8 +22,8 @@ from functools import cached_property
 
 import torch
 
-from ..core.errors import TPLowerError
-from ..core.transitions import chunk_size_and_offset
+from ..core.language.transitions import chunk_size_and_offset
+from ..core.support.errors import TPLowerError
 
 __all__ = ["SequenceLayout"]
 

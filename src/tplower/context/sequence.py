@@ -11,7 +11,11 @@ with what a parallelized model needs to give one process's answer:
   token of the next piece), and ``num_items_in_batch``, the count of labels
   that are not ``ignore_index`` in the whole batch: transformers' causal-LM
   loss then sums this rank's token losses and divides by the whole count, so
-  the model's loss, summed over the axis, is one process's mean;
+  the model's loss, summed over the axis, is one process's mean. A
+  ``num_items_in_batch`` the batch already carries is kept as given: with
+  gradient accumulation (or data parallelism) the caller's count covers every
+  micro-batch (transformers' ``Trainer`` passes exactly that), and each
+  micro-batch's loss is then its share of that one mean, as in one process;
 * ``context_split``: a :class:`ContextSplit` (the layout and the whole
   ``attention_mask`` and ``position_ids``, small ``[batch, S]`` integers),
   which the model's attention reads to build each rank's mask rows from the
@@ -28,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.argcheck import check_mesh
-from ..core.collectives import _all_gather_base
-from ..core.errors import TPLowerError
-from ..core.redistribute import redistribute_local
+from ..core.lower.collectives import _all_gather_base
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.argcheck import check_mesh
+from ..core.support.errors import TPLowerError
 from .layout import SequenceLayout
 
 __all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
@@ -104,7 +108,11 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         batch: ``input_ids`` ``[B, S]`` (or ``inputs_embeds`` ``[B, S, H]``),
             and optionally ``labels``, ``attention_mask`` and ``position_ids``
             ``[B, S]`` (``token_type_ids`` too); the same on every rank of the
-            axis. Other entries pass through unchanged.
+            axis. Other entries pass through unchanged, ``num_items_in_batch``
+            among them: the count the loss divides by, over every
+            micro-batch of a gradient-accumulation step (and every data-parallel
+            rank), as transformers' ``Trainer`` passes it; absent (or
+            ``None``), this batch's count of labels is used.
         mesh: the device mesh; ``axis`` one of its axis names.
         axis: the context-parallel axis.
         balance: head-tail pieces (rank ``r`` of ``n`` holds pieces ``r`` and
@@ -117,7 +125,9 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         (``torch.chunk`` pieces; a length that does not divide gives uneven
         pieces, down to none), ``position_ids`` of the tokens' global
         positions, with ``labels`` the globally shifted labels of this rank's
-        tokens (also as ``shift_labels``) and ``num_items_in_batch``, and
+        tokens (also as ``shift_labels``) and ``num_items_in_batch`` (the
+        given one, else this batch's count of shifted labels that are not
+        ``ignore_index``), and
         ``context_split`` (:class:`ContextSplit`).
 
     Raises:
@@ -157,7 +167,8 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
     if isinstance(labels, torch.Tensor):
         shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
         out["labels"] = out["shift_labels"] = shifted.index_select(1, index)
-        out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+        if batch.get("num_items_in_batch") is None:  # a given count (over every micro-batch) is the caller's
+            out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     mask = batch.get("attention_mask")
     out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions)
     return out

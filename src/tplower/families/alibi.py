@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["alibi_heads_forward", "local_alibi"]
 

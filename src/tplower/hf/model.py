@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..nn.parallelize import parallelize
 from ..state.full_state import placed_by_tplower
 from .batches import SequenceSplit

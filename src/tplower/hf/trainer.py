@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .accelerator import check_accelerator, patch_accelerator
 from .batches import global_count, whole_predictions
 from .model import TrainingModel, parallelize_for_training

@@ -14,8 +14,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
-from ..core.errors import TPLowerError
-from ..core.redistribute import MeshLowerer
+from ..core.lower.redistribute import MeshLowerer
+from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm
 from ..plans.heads import config_head_counts

@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..runtime.boundary import REPLACED, _Boundary
 from ..runtime.rest_params import RestParams
 

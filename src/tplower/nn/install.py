@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ..adapters.lora import is_lora_layer, place_lora_layer, watch_registrations
 from ..adapters.peft_save import collective_peft_save, is_peft_model
-from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
 from ..plans.entries import BoundaryEntry
 from ..runtime.boundary import _Boundary
 from ..runtime.ddp_guard import refuse_ddp

@@ -14,9 +14,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
-from ..core.errors import TPLowerError
-from ..core.placements import replicate_partials
-from ..core.redistribute import MeshLowerer
+from ..core.language.placements import replicate_partials
+from ..core.lower.redistribute import MeshLowerer
+from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, parse_spec
 from ..runtime.params import ParamLayout, param_layout

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from ..core import collectives as C
-from ..core.errors import TPLowerError
-from ..core.placements import replicate_partials
-from ..core.redistribute import MeshLowerer
-from ..core.transitions import chunk_size_and_offset
+from ..core.language.placements import replicate_partials
+from ..core.language.transitions import chunk_size_and_offset
+from ..core.lower import collectives as C
+from ..core.lower.redistribute import MeshLowerer
+from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, BoundaryOp
 from ..runtime.boundary import _Lookup, _Move

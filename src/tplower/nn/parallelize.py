@@ -46,9 +46,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..context.attention import MODES
 from ..context.discover import attention_modules
 from ..context.install import install_context
-from ..core.argcheck import check_mesh
-from ..core.errors import TPLowerError
-from ..core.redistribute import mesh_lowerer
+from ..core.lower.redistribute import mesh_lowerer
+from ..core.support.argcheck import check_mesh
+from ..core.support.errors import TPLowerError
 from ..plans.entries import PlanValue
 from ..runtime.boundary import InstalledBoundary, installed_boundary
 from .coverage import COVER_MODES

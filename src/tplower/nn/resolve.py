@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..adapters.lora import redirect_to_base
-from ..core.errors import TPLowerError
-from ..core.placements import format_placement, format_placements
-from ..core.redistribute import MeshLowerer, mesh_lowerer
+from ..core.language.placements import format_placement, format_placements
+from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
+from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad

@@ -62,7 +62,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..families.conv1d import is_conv1d
 from .heads import config_head_counts, config_heads, head_attrs
 from .module_facts import features, glob, is_linear, is_projection, join, split_style, takes, whole_reason

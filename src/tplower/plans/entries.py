@@ -89,8 +89,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from ..core.errors import TPLowerError
-from ..core.placements import parse_placement
+from ..core.language.placements import parse_placement
+from ..core.support.errors import TPLowerError
 from .keys import glob_regex, key_hint, matching_keys, unmatched_key_message
 from .styles import HF_STYLES, PARAMETER_ONLY_STYLES, entry_from_style  # re-exported: they lived here
 

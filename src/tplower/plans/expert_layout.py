@@ -53,7 +53,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .entries import BoundaryEntry
 from .forms import BoundaryForm, parse_spec
 from .hf import COLWISE_STYLES

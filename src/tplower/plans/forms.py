@@ -3,7 +3,7 @@
 A boundary is a module's declared inputs and outputs, each a transition
 ``(src, dst, grad)`` on the mesh (see :mod:`tplower.plans.entries`). Classifying it
 is pure, on the same single-axis table the runtime lowers with
-(:func:`tplower.core.transitions.classify_axis`), so what ``tplower explain``
+(:func:`tplower.core.language.transitions.classify_axis`), so what ``tplower explain``
 prints is what runs:
 
 ================  ==================================================================
@@ -32,10 +32,10 @@ from typing import Any
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.argcheck import check_names, describe
-from ..core.errors import TPLowerError
-from ..core.placements import format_placement, parse_placements, replicate_partials
-from ..core.transitions import classify_axis
+from ..core.language.placements import format_placement, parse_placements, replicate_partials
+from ..core.language.transitions import classify_axis
+from ..core.support.argcheck import check_names, describe
+from ..core.support.errors import TPLowerError
 from .entries import BoundaryEntry, PlacementSpec, PlanValue, load_plan, resolve_entry, style_kind
 
 __all__ = [

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .derive import derive_plan
 from .entries import PlanValue, load_plan, matching_keys, plan_name
 

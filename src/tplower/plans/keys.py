@@ -18,7 +18,7 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["check_plan_keys", "glob_regex", "key_hint", "matching_keys", "unmatched_key_message"]
 

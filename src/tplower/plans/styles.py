@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["HF_STYLES", "PARAMETER_ONLY_STYLES", "entry_from_style"]
 

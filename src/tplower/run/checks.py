@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = [
     "RunError",

@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..core.errors import TPLowerError
-from ..core.traffic import CollectiveTraffic
+from ..core.lower.traffic import CollectiveTraffic
+from ..core.support.errors import TPLowerError
 
 __all__ = ["TOL", "Outcome", "Status", "compare_logits", "compare_training", "describe", "eval_logits", "guarded",
            "merge"]
@@ -106,7 +106,7 @@ def compare_training(tp: nn.Module, ref: nn.Module, ids: torch.Tensor | None,
     agreement check is a collective per replicated DTensor gradient). ``grad_diff`` is the largest of the
     gradient differences and spreads; ``detail`` names the worst parameter when it is beyond :data:`TOL`.
     With ``count``, ``sent`` is the bytes this rank sent in ``tp``'s forward and backward
-    (:class:`~tplower.core.traffic.CollectiveTraffic`, every collective whoever issues it; the output's
+    (:class:`~tplower.core.lower.traffic.CollectiveTraffic`, every collective whoever issues it; the output's
     gathering for the comparison included, as a training step's loss needs it).
     """
     if step is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..plans import entries as plans
 from .checks import RunError, check_backend, check_kill_rank, check_numbers, check_writable_folder, torchrun_env
 from .models import check_plan_modules, check_tp, model_spec, read_sentences, sentences, skeleton

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 
 __all__ = ["WEIGHT_SEED", "Arch", "architectures", "tiny_config", "tiny_model"]
 

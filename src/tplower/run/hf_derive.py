@@ -4,7 +4,7 @@ Each architecture's tiny model (:func:`tplower.run.hf_configs.tiny_model`) is pa
 :func:`tplower.plans.derive.derive_plan` makes from its module structure at the table's tp, not by the plan
 transformers ships, and checked as the shipped plan's column is (:func:`tplower.run.compare.compare_training`:
 logits, every gradient, replicated gradients equal across ranks). Both columns count the bytes each rank sends
-in the step (:class:`tplower.core.traffic.CollectiveTraffic`), so a row also says how the derived plan's bytes
+in the step (:class:`tplower.core.lower.traffic.CollectiveTraffic`), so a row also says how the derived plan's bytes
 compare with the shipped plan's (:func:`byte_ratio`; only where both pass).
 """
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..core.words import count
+from ..core.support.words import count
 from .compare import TOL, Outcome, compare_logits, compare_training, describe, eval_logits, guarded, merge
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
 from .hf_context import context_side

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TPLowerError
-from ..core.words import count
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from ..plans.keys import check_plan_keys
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the names and plans here load without it

@@ -21,10 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..core.errors import TPLowerError
-from ..core.placements import format_placement
-from ..core.redistribute import MeshLowerer, mesh_lowerer
-from ..core.transitions import global_shape_from_local, plan_transition
+from ..core.language.placements import format_placement
+from ..core.language.transitions import global_shape_from_local, plan_transition
+from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
+from ..core.support.errors import TPLowerError
 from ..nn.parallelize import installed_boundary, parallelize
 from ..plans.entries import PlanValue, match_plan, resolve_entry
 from ..plans.forms import BoundaryOp, parse_spec

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.words import count
+from ..core.support.words import count
 from .config import RunConfig
 
 __all__ = ["boundary_table", "format_report", "full_report", "speed", "verdict", "write_json"]

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import TPLowerError
-from ..core.placements import parse_placements
-from ..core.redistribute import MeshLowerer
-from ..core.transitions import global_shape_from_local
-from ..core.words import count
+from ..core.language.placements import parse_placements
+from ..core.language.transitions import global_shape_from_local
+from ..core.lower.redistribute import MeshLowerer
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from ..families.conv1d import is_conv1d
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, Placements

@@ -6,14 +6,14 @@ as this rank's piece of the tokens (the boundary chunks replicated inputs
 ``R -> S(0)`` and gathers the output ``S(0) -> R``), and runs
 :class:`ExpertDispatch` as its local compute:
 
-1. :func:`tplower.core.dispatch.plan_dispatch` on the axis's process group,
-2. :func:`tplower.core.dispatch.dispatch_tokens`: each token's copy per slot goes
+1. :func:`tplower.core.ops.dispatch.plan_dispatch` on the axis's process group,
+2. :func:`tplower.core.ops.dispatch.dispatch_tokens`: each token's copy per slot goes
    to the rank holding that slot's expert,
 3. the module's own ``forward`` on the rows it received, with the local expert
    of each row as its only slot (weight 1) — the module holds ``E/n`` experts
    (``Shard(0)`` on the expert dim, ``num_experts`` divided at install), so
    whatever experts implementation it selects runs unchanged,
-4. :func:`tplower.core.dispatch.combine_tokens`: the rows go back and each
+4. :func:`tplower.core.ops.dispatch.combine_tokens`: the rows go back and each
    token's slots are summed with the routing weights. It is given the
    dispatched rows too, so the dispatch's backward exchange runs on every
    rank, also where the module's result does not depend on its rows (an
@@ -24,7 +24,7 @@ gradients are whole on their rank (no reduction); the hidden states' and the
 routing weights' gradients come back through the same exchanges.
 
 Under ``torch.compile`` the same steps run as
-:func:`tplower.core.dispatch_traced.traced_experts`: the counts stay tensors
+:func:`tplower.core.ops.dispatch_traced.traced_experts`: the counts stay tensors
 and the exchange is one operator whose row count the trace leaves unbacked,
 so a train step traces as one graph for every routing (no graph break, no
 recompile), with the eager dispatch's rows and bytes.
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from ..core.dispatch import combine_tokens, dispatch_tokens, plan_dispatch
-from ..core.dispatch_traced import traced_experts
-from ..core.errors import TPLowerError
-from ..core.redistribute import MeshLowerer
+from ..core.lower.redistribute import MeshLowerer
+from ..core.ops.dispatch import combine_tokens, dispatch_tokens, plan_dispatch
+from ..core.ops.dispatch_traced import traced_experts
+from ..core.support.errors import TPLowerError
 
 __all__ = ["ExpertDispatch"]
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.placements import format_placements
+from ..core.language.placements import format_placements
 from ..plans.forms import Placements
 from .boundary import FANOUT, _Boundary
 

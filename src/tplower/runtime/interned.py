@@ -8,7 +8,7 @@ an immutable value (a frozen dataclass with a ``key`` field), interned so
 that equal layouts are one object (:func:`intern`); the module keeps only
 its number. Traced, :func:`traced` turns the number into the object at trace
 time, untraced, and reads it from an attribute of
-:data:`tplower.core.redistribute._TRACED` bound once, so the graph guards on
+:data:`tplower.core.lower.redistribute._TRACED` bound once, so the graph guards on
 one integer per module and on each distinct layout once. Eager code uses
 the object itself, through a reference it keeps.
 
@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ..core.traced import _TRACED, _slot
+from ..core.lower.traced import _TRACED, _slot
 
 __all__ = ["intern", "register", "traced"]
 

@@ -2,7 +2,7 @@
 
 :class:`TPOperators` (``all_gather``, ``all_reduce``, ``reduce_scatter``,
 ``all_to_all``) builds each operator once through its
-:class:`~tplower.core.lowering.TPCollectiveLowerer`, so a named operator gets
+:class:`~tplower.core.lower.lowering.TPCollectiveLowerer`, so a named operator gets
 the remaps and the gradient convention of the placement path.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..core.argcheck import check_int, check_local_tensor, describe
-from ..core.cache import LRUCache
-from ..core.lowering import TPCollectiveLowerer, TPExecutionOp
+from ..core.lower.cache import LRUCache
+from ..core.lower.lowering import TPCollectiveLowerer, TPExecutionOp
+from ..core.support.argcheck import check_int, check_local_tensor, describe
 
 __all__ = ["TPOperators"]
 
@@ -24,13 +24,13 @@ class TPOperators:
     """Statically named collectives on the lowerer's axis, for hand-written local compute.
 
     Each operator builds its op with ``lowerer.execution_op`` (cached per
-    arguments in a bounded cache, :mod:`tplower.core.cache`), so a named operator gets exactly the backend remaps the
-    placement path gets (e.g. ``reduce_scatter`` as ``all_reduce`` + chunk
+    arguments in a bounded cache, :mod:`tplower.core.lower.cache`), so a named operator gets exactly the
+    backend remaps the placement path gets (e.g. ``reduce_scatter`` as ``all_reduce`` + chunk
     where the backend lacks it), and the lowerer's gradient convention
     (``replicated_grad``). Shard sizes must be even (``n * local``).
 
     Args:
-        lowerer: a :class:`~tplower.core.lowering.TPCollectiveLowerer`.
+        lowerer: a :class:`~tplower.core.lower.lowering.TPCollectiveLowerer`.
 
     Raises:
         TypeError: ``lowerer`` is not a ``TPCollectiveLowerer`` (make one with

@@ -4,7 +4,7 @@ A boundary whose one input moves ``R -> R`` with a ``P(sum)`` gradient (the
 colwise style's input: identity forward, ``all_reduce`` backward) and whose
 compute is ``nn.Linear``'s own forward is, in autograd, the transition's node
 then the linear's. :func:`overlapped_call` runs both as
-:class:`tplower.core.overlap.OverlappedLinear` instead: the same forward,
+:class:`tplower.core.lower.overlap.OverlappedLinear` instead: the same forward,
 and a backward that starts the all_reduce as soon as the input gradient
 exists and computes the weight and bias gradients while it runs. Gradients
 are equal bit for bit (the same products in the same order).
@@ -41,8 +41,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..core.overlap import overlapped_linear
-from ..core.redistribute import MeshLowerer
+from ..core.lower.overlap import overlapped_linear
+from ..core.lower.redistribute import MeshLowerer
 from ..plans.forms import Placements
 from .params import ParamLayout, local_parameter
 
@@ -79,7 +79,7 @@ def can_overlap(
     lowered: bool,
     plain: bool,
 ) -> bool:
-    """Whether a boundary may run as :class:`tplower.core.overlap.OverlappedLinear` (each call still checks).
+    """Whether a boundary may run as :class:`tplower.core.lower.overlap.OverlappedLinear` (each call still checks).
 
     ``owner`` exactly ``nn.Linear`` running its own forward (``func``), one
     input move, declared neither ``uneven`` nor sized per call, run lowered

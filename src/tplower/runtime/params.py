@@ -39,11 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..core.errors import TPLowerError
-from ..core.placements import format_placements
-from ..core.program import Program
-from ..core.redistribute import mesh_lowerer
-from ..core.transitions import chunk_size_and_offset
+from ..core.language.placements import format_placements
+from ..core.language.transitions import chunk_size_and_offset
+from ..core.lower.program import Program
+from ..core.lower.redistribute import mesh_lowerer
+from ..core.support.errors import TPLowerError
 
 __all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "param_layout", "shard_parameter"]
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ..core.redistribute import mesh_lowerer
+from ..core.lower.redistribute import mesh_lowerer
 from .interned import intern, register, traced
 from .params import ParamLayout, local_parameter, param_layout, shard_parameter
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..core.collectives import keep_backward
+from ..core.lower.collectives import keep_backward
 
 __all__ = ["tie_outputs"]
 
@@ -25,7 +25,7 @@ def tie_outputs(out: Any, moved: list[Any], local_params: list[Any]) -> Any:
     token the result is ``zeros_like``, and no expert weight is touched);
     then the input move's backward collective, or a parameter's gradient
     reduction, would run on the other ranks and not on this one, and they
-    would wait for it. Joined (:func:`tplower.core.collectives.keep_backward`),
+    would wait for it. Joined (:func:`tplower.core.lower.collectives.keep_backward`),
     they get autograd's zero gradient here (a parameter's ``.grad`` is then
     zero, as one process's would be) and every backward collective runs.
     """

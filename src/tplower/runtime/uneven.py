@@ -40,12 +40,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.backends import check_device
-from ..core.collectives import _all_gather_base, _fc_all_gather
-from ..core.errors import TPLowerError
-from ..core.redistribute import MeshLowerer
-from ..core.transitions import chunk_size_and_offset
-from ..core.words import count
+from ..core.language.transitions import chunk_size_and_offset
+from ..core.lower.backends import check_device
+from ..core.lower.collectives import _all_gather_base, _fc_all_gather
+from ..core.lower.redistribute import MeshLowerer
+from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 
 __all__ = ["agreed_global_shape", "exchanged_global_shape", "known_global_shape"]
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .packed_checkpoint import PackedLocal, packed_boxes
 
 __all__ = ["Box", "full_state_dict", "local_boxes", "patch_save_pretrained", "placed_by_tplower",

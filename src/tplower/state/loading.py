@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from .full_state import fill_local, local_boxes
 
 __all__ = ["LoadReport", "load_safetensors", "materialize"]

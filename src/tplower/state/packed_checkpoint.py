@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..core.transitions import chunk_size_and_offset
+from ..core.language.transitions import chunk_size_and_offset
 
 __all__ = ["PackedLocal", "packed_boxes", "register"]
 

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.placements import format_placements, replicate_partials
-from ..core.redistribute import redistribute_local
+from ..core.language.placements import format_placements, replicate_partials
+from ..core.lower.redistribute import redistribute_local
 from ..nn.parallelize import installed_boundary
 from .compare import Comparer, bias_cause, grad_cause, param_cause
 from .record import Recorder

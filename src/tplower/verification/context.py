@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..context.install import installed_context
 from ..context.sequence import gather_sequence, shard_sequence
-from ..core.argcheck import check_mesh
-from ..core.redistribute import redistribute_local
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.argcheck import check_mesh
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
 from .checks import Ticker, _build, _default_loss, _first_tensor, param_checks

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.errors import TPLowerError
+from ..core.support.errors import TPLowerError
 from ..nn.parallelize import parallelize
 from ..plans.derive import DerivedPlan, derive_plan
 from .report import VerifyReport

@@ -15,7 +15,7 @@ import math
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..core.placements import format_placements
+from ..core.language.placements import format_placements
 from .record import OpenCall
 from .report import Check
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Placement, Shard
 
-from ..core.errors import TPLowerError
-from ..core.placements import format_placements, replicate_partials
+from ..core.language.placements import format_placements, replicate_partials
+from ..core.support.errors import TPLowerError
 from ..nn.moves import input_slot
 from ..runtime.boundary import _Boundary
 

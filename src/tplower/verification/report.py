@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..core.words import count
+from ..core.support.words import count
 
 __all__ = ["BoundaryVerdict", "Check", "VerifyReport"]
 

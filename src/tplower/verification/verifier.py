@@ -43,9 +43,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, distribute_tensor
 
-from ..core.argcheck import check_mesh
-from ..core.placements import PlacementsLike, format_placements, parse_placements
-from ..core.redistribute import redistribute_local
+from ..core.language.placements import PlacementsLike, format_placements, parse_placements
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.argcheck import check_mesh
 from ..nn.parallelize import parallelize
 from ..plans.entries import PlanValue
 from .checks import (

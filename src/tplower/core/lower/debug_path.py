@@ -1,8 +1,8 @@
-"""The debug path of :class:`~tplower.core.redistribute.MeshLowerer`: a transition run after the ranks agree on it.
+"""The debug path of :class:`~tplower.core.lower.redistribute.MeshLowerer`: a transition run once the ranks agree on it.
 
 :func:`checked` describes this rank's call (placements, shapes, dtype,
 device, its own error if any), lets the ranks compare their descriptions
-(:mod:`tplower.core.agreement`: one small ``all_gather`` of a digest) over
+(:mod:`tplower.core.lower.agreement`: one small ``all_gather`` of a digest) over
 :func:`debug_group`, and raises the same error on every rank on a
 difference; otherwise it runs the cached program.
 """
@@ -19,17 +19,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
+from ..language.placements import PlacementsLike, format_placements, parse_placements
+from ..language.transitions import global_shape_from_local
+from ..support.argcheck import check_local_tensor, check_shape
+from ..support.errors import TPLowerError
 from .agreement import check_agreement
-from .argcheck import check_local_tensor, check_shape
-from .errors import TPLowerError
-from .placements import PlacementsLike, format_placements, parse_placements
-from .transitions import global_shape_from_local
 
 __all__ = ["Lowerer", "checked", "debug_group", "describe_spec", "name_type_error"]
 
 
 class Lowerer(Protocol):
-    """What the debug path reads of a :class:`~tplower.core.redistribute.MeshLowerer` (which calls it; typed
+    """What the debug path reads of a :class:`~tplower.core.lower.redistribute.MeshLowerer` (which calls it; typed
     by this protocol so the two modules do not import each other)."""
 
     names: tuple[str, ...]
@@ -74,7 +74,7 @@ def describe_spec(spec: PlacementsLike, names: Sequence[str]) -> str:
 def checked(lowerer: Lowerer, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
             grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
             where: str | None = None, hint: str | None = None) -> torch.Tensor:
-    """:func:`redistribute_local` after the debug check (:mod:`tplower.core.agreement`); collective.
+    """:func:`redistribute_local` after the debug check (:mod:`tplower.core.lower.agreement`); collective.
 
     ``where`` (what is moved, e.g. ``module 'up', input '0'``) starts the
     error message; ``hint`` says how to fix local sizes that differ
@@ -83,7 +83,7 @@ def checked(lowerer: Lowerer, local: torch.Tensor, src: PlacementsLike, dst: Pla
     Raises:
         TPLowerError: on every rank alike when the ranks' calls disagree
             or any rank's call is invalid; it is also a ``TypeError``
-            (:class:`~tplower.core.errors.TPLowerTypeError`) when a rank's
+            (:class:`~tplower.core.support.errors.TPLowerTypeError`) when a rank's
             call had an argument of the wrong type (``local`` a list, a
             NumPy array, ``None`` or a DTensor).
     """

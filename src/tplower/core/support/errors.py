@@ -15,7 +15,7 @@ class TPLowerError(ValueError):
 class TPLowerTypeError(TPLowerError, TypeError):
     """The debug check's error when a rank's call had an argument of the wrong type.
 
-    Raised on every rank alike (see :mod:`tplower.core.agreement`), so it is both a
+    Raised on every rank alike (see :mod:`tplower.core.lower.agreement`), so it is both a
     ``TPLowerError`` (what the check raises) and a ``TypeError`` (what the
     same call raises without the check, on the rank that made it).
     """

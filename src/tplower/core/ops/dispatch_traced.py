@@ -1,6 +1,6 @@
 """Expert parallelism's token exchange under ``torch.compile``: exact sizes, one graph, no host read in it.
 
-The eager dispatch (:mod:`tplower.core.dispatch`) reads the count matrix on
+The eager dispatch (:mod:`tplower.core.ops.dispatch`) reads the count matrix on
 the host to size its exchange and its permutations; in a trace each of those
 reads (``bincount``, ``.tolist()``, ``repeat_interleave`` by counts, the split
 sizes) is a graph break. Here the counts stay tensors, and the one
@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
 
-from .backends import backend_caps, backend_name_for
-from .collectives import _fc_all_gather, keep_backward
+from ..lower.backends import backend_caps, backend_name_for
+from ..lower.collectives import _fc_all_gather, keep_backward
 from .dispatch import _exchange
 
 __all__ = ["TracedRoute", "split_exchange", "traced_combine", "traced_dispatch", "traced_experts", "traced_route"]
@@ -73,7 +73,7 @@ def split_exchange(x: torch.Tensor, matrix: torch.Tensor, rank: int, group_name:
     ==========  =========================================================
 
     The kernel reads ``matrix`` on the host and runs
-    :func:`tplower.core.dispatch.all_to_all_splits`'s exchange
+    :func:`tplower.core.ops.dispatch.all_to_all_splits`'s exchange
     (``all_to_all_single`` where the backend has it, else an ``all_gather``
     of padded buffers); traced, the number of result rows is an unbacked
     size. Backward: the same operator with ``matrix`` transposed.
@@ -178,7 +178,7 @@ def traced_combine(
     ``weights`` is ``[T, k]`` (cast to ``y``'s dtype before the product, as
     transformers' experts do); ``dispatched`` is what :func:`traced_dispatch`
     returned, joined to ``y`` so its backward exchange runs on every rank
-    (:func:`tplower.core.collectives.keep_backward`).
+    (:func:`tplower.core.lower.collectives.keep_backward`).
     """
     y = keep_backward(y, dispatched)
     back = split_exchange(y, route.counts.sum(-1).t().contiguous(), route.rank, route.group_name)

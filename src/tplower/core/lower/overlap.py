@@ -23,7 +23,7 @@ weight), so the gradients are the unfused pair's, bit for bit.
 
 The all_reduce is the transition's own backward step, started instead of
 run (:func:`all_reduce_start`, bound once per program:
-:attr:`tplower.core.program.Program.backward_start`), so nothing here plans
+:attr:`tplower.core.lower.program.Program.backward_start`), so nothing here plans
 or binds a collective of its own.
 """
 
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from .errors import TPLowerError
+from ..support.errors import TPLowerError
 
 __all__ = ["OverlappedLinear", "PendingReduce", "Startable", "all_reduce_start", "overlapped_linear"]
 
@@ -59,7 +59,7 @@ class PendingReduce:
 
 
 def all_reduce_start(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True) -> PendingReduce:
-    """``P(op) -> R`` started, not waited for: :func:`tplower.core.collectives.all_reduce` with ``async_op``.
+    """``P(op) -> R`` started, not waited for: :func:`tplower.core.lower.collectives.all_reduce` with ``async_op``.
 
     Unlike ``all_reduce``, ``x`` is reduced in place: the caller hands over a
     contiguous tensor of its own (a freshly computed gradient). Arguments as

@@ -2,7 +2,7 @@
 
 :func:`mesh_facts` is a constant of the graph under ``torch.compile`` (read
 eagerly, once); :func:`axis_order` is the rank-order check
-:class:`~tplower.core.redistribute.MeshLowerer` runs per axis: collectives
+:class:`~tplower.core.lower.redistribute.MeshLowerer` runs per axis: collectives
 put pieces in mesh-coordinate order where a group orders its ranks otherwise.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import TPLowerError
+from ..support.errors import TPLowerError
 
 __all__ = ["MeshFacts", "axis_order", "mesh_facts"]
 

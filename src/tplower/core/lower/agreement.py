@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..support.errors import TPLowerError, TPLowerTypeError
 from .collectives import _all_gather_base
-from .errors import TPLowerError, TPLowerTypeError
 
 __all__ = ["AGREED_FIELDS", "check_agreement", "debug_enabled"]
 
@@ -63,7 +63,7 @@ def check_agreement(record: dict[str, Any], group: ProcessGroup | None,
         TPLowerError: on every rank alike, when any rank reported an error
             or any agreed field differs; the message lists each differing
             field with the ranks holding each value, then each rank's error.
-            A :class:`~tplower.core.errors.TPLowerTypeError` (also a ``TypeError``)
+            A :class:`~tplower.core.support.errors.TPLowerTypeError` (also a ``TypeError``)
             when any rank's error was a ``TypeError``.
     """
     size = dist.get_world_size(group)

@@ -1,8 +1,8 @@
 """Bounded least-recently-used caches: every cache tplower keeps in a process is one of these.
 
-tplower caches one bound :class:`~tplower.core.redistribute.Program` per transition
-and local shape, in each mesh's :class:`~tplower.core.redistribute.MeshLowerer` and
-in each seed-compatible :class:`~tplower.core.lowering.TPExecutionOp` (and the ops
+tplower caches one bound :class:`~tplower.core.lower.redistribute.Program` per transition
+and local shape, in each mesh's :class:`~tplower.core.lower.redistribute.MeshLowerer` and
+in each seed-compatible :class:`~tplower.core.lower.lowering.TPExecutionOp` (and the ops
 of :class:`~tplower.plans.forms.TPOperators`). Serving and training with
 variable sequence lengths make a new key for every new length, so a cache
 without a bound grows for as long as the process lives (about 5 KiB of

@@ -9,7 +9,7 @@ unpad. Inputs are made contiguous before any collective (gloo's
 no elements are skipped on every rank alike (gloo can abort on them).
 
 Which collective carries a step is chosen once per backend and device by
-:func:`~tplower.core.backends.backend_caps` (re-exported here), never on the hot path: a backend without a native
+:func:`~tplower.core.lower.backends.backend_caps` (re-exported here), never on the hot path: a backend without a native
 collective gets an equivalent (``reduce_scatter`` as ``all_reduce`` plus the
 local piece, ``all_to_all`` as ``all_gather`` plus the local piece, ``avg``
 as ``sum`` then a division).
@@ -337,7 +337,7 @@ class StepProgram(Protocol):
 class LoweredTransition(torch.autograd.Function):
     """Forward: the bound forward steps; backward: the bound backward steps.
 
-    Both step lists come from one plan (:mod:`tplower.core.transitions`), so the
+    Both step lists come from one plan (:mod:`tplower.core.language.transitions`), so the
     gradient path is the lowering of ``grad -> src`` and nothing is written
     twice. Double backward (``create_graph=True``) raises: the collectives
     are not themselves recorded for autograd.

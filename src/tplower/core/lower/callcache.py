@@ -1,6 +1,6 @@
 """``redistribute_local``'s fast path: a call whose arguments it has seen goes straight to its program.
 
-The plan cache of a :class:`~tplower.core.redistribute.MeshLowerer` is keyed
+The plan cache of a :class:`~tplower.core.lower.redistribute.MeshLowerer` is keyed
 on what changes a plan (placements in canonical form, the sizes of sharded
 dims, the device type); reaching that key costs a few microseconds per call
 (the placements' keys, the planned shape, two lookups). :class:`CallCache`
@@ -62,7 +62,7 @@ class CallCache(LRUCache[Hashable, V], Generic[V]):
     the bound the oldest stored call is dropped (a lookup does not refresh
     it: the full path stores it again on its next call). A hit counts as a
     hit of ``counts``, the plan cache it stands in front of, so that cache's
-    :meth:`~tplower.core.cache.LRUCache.cache_info` still counts every
+    :meth:`~tplower.core.lower.cache.LRUCache.cache_info` still counts every
     lookup a call made.
 
     Args:

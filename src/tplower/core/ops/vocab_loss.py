@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import TPLowerError
-from .redistribute import redistribute_local
-from .transitions import chunk_size_and_offset
+from ..language.transitions import chunk_size_and_offset
+from ..lower.redistribute import redistribute_local
+from ..support.errors import TPLowerError
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

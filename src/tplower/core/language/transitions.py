@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .argcheck import check_placement, check_placement_seq, check_shape
-from .errors import TPLowerError
+from ..support.argcheck import check_placement, check_placement_seq, check_shape
+from ..support.errors import TPLowerError
+from ..support.words import count
 from .placements import REDUCE_OPS, check_reduce_ops, format_placement, format_placements, replicate_partials
-from .words import count
 
 __all__ = [
     "KINDS",
@@ -377,7 +377,7 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement], global_s
         TPLowerError: an unlowerable pair, a shard dim outside ``global_shape``,
             a placement count unlike the mesh's, a ``coord`` outside the mesh,
             a tensor that mixes ``max``/``min`` Partials with other reduce ops
-            (:func:`~tplower.core.placements.check_reduce_ops`), or a ``grad`` that
+            (:func:`~tplower.core.language.placements.check_reduce_ops`), or a ``grad`` that
             shards other dims than the output (the gradient must have the
             output's local shape on every rank).
         TypeError: placements that are not sequences of ``Placement``, or

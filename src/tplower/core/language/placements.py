@@ -32,13 +32,13 @@ from typing import TypeAlias
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .argcheck import check_int, check_names, check_placement_seq, describe
-from .errors import TPLowerError
+from ..support.argcheck import check_int, check_names, check_placement_seq, describe
+from ..support.errors import TPLowerError
+from ..support.words import count
 from .placement_text import ALLOWED as _ALLOWED
 from .placement_text import PARTIAL_RE as _PARTIAL_RE
 from .placement_text import REDUCE_OPS
 from .placement_text import SHARD_RE as _SHARD_RE
-from .words import count
 
 __all__ = [
     "LINEAR_REDUCE_OPS",

@@ -1,6 +1,6 @@
-"""Placement strings read without torch: the syntax of :func:`tplower.core.placements.parse_placement`.
+"""Placement strings read without torch: the syntax of :func:`tplower.core.language.placements.parse_placement`.
 
-:mod:`tplower.core.placements` builds PyTorch's ``Shard``/``Replicate``/``Partial``
+:mod:`tplower.core.language.placements` builds PyTorch's ``Shard``/``Replicate``/``Partial``
 from these same patterns, so the command line can refuse a misspelled
 placement before it imports torch, with the message the full parse gives.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from .errors import TPLowerError
-from .words import count
+from ..support.errors import TPLowerError
+from ..support.words import count
 
 __all__ = ["ALLOWED", "PARTIAL_RE", "REDUCE_OPS", "SHARD_RE", "check_placement_text", "check_placements_text"]
 
@@ -29,7 +29,8 @@ def check_placement_text(text: str, *, arg: str = "placement") -> str:
 
     Raises:
         TPLowerError: not one of the forms, or a ``Partial`` reduce op not in :data:`REDUCE_OPS`; the message
-            names ``arg`` and the allowed forms (the same words as :func:`~tplower.core.placements.parse_placement`).
+            names ``arg`` and the allowed forms (the same words as
+            :func:`~tplower.core.language.placements.parse_placement`).
     """
     s = text.strip()
     if s == "R":

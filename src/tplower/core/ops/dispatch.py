@@ -27,7 +27,7 @@ exact. A rank that sends or receives nothing, an expert that receives no
 token, and any ``top_k`` all work. Split sizes are host integers: planning
 reads the counts on the host once per step (as every variable-split
 dispatcher does). Under ``torch.compile`` those reads would be graph breaks:
-the same steps run there as :mod:`tplower.core.dispatch_traced` (the counts
+the same steps run there as :mod:`tplower.core.ops.dispatch_traced` (the counts
 kept as tensors, the exchange one operator).
 """
 
@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .backends import backend_caps, backend_name_for
-from .collectives import _all_gather_base, keep_backward
-from .errors import TPLowerError
-from .program import Program
-from .words import count
+from ..lower.backends import backend_caps, backend_name_for
+from ..lower.collectives import _all_gather_base, keep_backward
+from ..lower.program import Program
+from ..support.errors import TPLowerError
+from ..support.words import count
 
 __all__ = ["DispatchPlan", "all_to_all_splits", "combine_tokens", "dispatch_tokens", "plan_dispatch"]
 
@@ -265,7 +265,7 @@ def combine_tokens(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor | 
     rows (an experts implementation that skips experts with no row returns
     ``zeros_like`` on a rank that received none): every rank then issues the
     backward ``all_to_all`` that the others wait for
-    (:func:`tplower.core.collectives.keep_backward`).
+    (:func:`tplower.core.lower.collectives.keep_backward`).
 
     Raises:
         TPLowerError: ``y`` or ``weights`` of the wrong size.

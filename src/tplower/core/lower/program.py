@@ -1,10 +1,10 @@
 """A transition bound to one rank's process groups: forward and backward steps, run as one autograd Function.
 
-:class:`Program` is what a :class:`~tplower.core.redistribute.MeshLowerer`
+:class:`Program` is what a :class:`~tplower.core.lower.redistribute.MeshLowerer`
 builds for each ``(src, dst, grad, shape, device)`` and caches: its bound
 forward steps run the transition, its bound backward steps run the
-transition of the gradient back (:class:`~tplower.core.collectives.LoweredTransition`),
-or a fallback runs DTensor. :mod:`tplower.core.teardown` releases it when its
+transition of the gradient back (:class:`~tplower.core.lower.collectives.LoweredTransition`),
+or a fallback runs DTensor. :mod:`tplower.core.support.teardown` releases it when its
 process groups are destroyed.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..language.transitions import TransitionPlan
+from ..support import teardown
+from ..support.errors import TPLowerError
 from . import collectives as C
-from . import teardown
-from .errors import TPLowerError
 from .overlap import PendingReduce, all_reduce_start
-from .transitions import TransitionPlan
 
 __all__ = ["Program"]
 
@@ -36,21 +36,21 @@ class Program:
     """A transition ready to run on one rank: bound forward and backward steps, or a fallback.
 
     Set once when built; only :meth:`release` changes it. Compared and
-    hashed by identity (it is tracked in a weak set, :mod:`tplower.core.teardown`).
+    hashed by identity (it is tracked in a weak set, :mod:`tplower.core.support.teardown`).
 
     Attributes:
         plan: the pure plan (``None`` when falling back, and for the
             expert dispatch's variable-split exchange, which is no placement
-            transition: :func:`tplower.core.dispatch.all_to_all_splits`).
+            transition: :func:`tplower.core.ops.dispatch.all_to_all_splits`).
         forward, backward: bound steps.
         fallback_reason: why DTensor runs this transition, or ``None``.
         global_shape: the global shape given or inferred.
         backward_start: for a transition whose forward is the identity and
             whose backward is one ``all_reduce`` (``R -> R`` with gradient
             ``P``), that all_reduce started and not waited for
-            (:func:`tplower.core.overlap.all_reduce_start`, same group and
+            (:func:`tplower.core.lower.overlap.all_reduce_start`, same group and
             op), so a caller can compute while it runs
-            (:class:`tplower.core.overlap.OverlappedLinear`); else ``None``.
+            (:class:`tplower.core.lower.overlap.OverlappedLinear`); else ``None``.
     """
 
     plan: TransitionPlan | None
@@ -71,7 +71,7 @@ class Program:
     def release(self) -> None:
         """Drop the bound steps (and the process groups they hold); running the program afterwards raises.
 
-        Called by :func:`tplower.core.teardown.release_destroyed_groups` once
+        Called by :func:`tplower.core.support.teardown.release_destroyed_groups` once
         the groups are destroyed, wherever the program is still held (a cache,
         a module's boundary, a graph awaiting backward).
         """
@@ -80,7 +80,7 @@ class Program:
         self.backward_start = None
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
-        """Run forward; differentiable through :class:`~tplower.core.collectives.LoweredTransition`."""
+        """Run forward; differentiable through :class:`~tplower.core.lower.collectives.LoweredTransition`."""
         if self.fallback_reason is not None:  # DTensor's own autograd carries the backward
             return self.forward[0](local)
         if local.requires_grad and torch.is_grad_enabled():

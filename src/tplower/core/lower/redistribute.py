@@ -5,7 +5,7 @@ axis's process group orders its ranks as the mesh does, keeps a cache of
 bound programs keyed on ``(src, dst, grad, shape, device)`` (least recently
 used dropped beyond :func:`tplower.set_cache_size`'s bound), and runs them;
 in front of that cache, ``redistribute_local`` finds the program of a call it
-has seen by the call's own arguments (:mod:`tplower.core.callcache`).
+has seen by the call's own arguments (:mod:`tplower.core.lower.callcache`).
 Everything it cannot lower goes to DTensor's ``redistribute`` (forward and
 backward), logged at debug level with the reason.
 """
@@ -25,17 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import collectives as C
-from . import debug_path, teardown
-from .agreement import debug_enabled
-from .argcheck import check_bool, check_local_tensor, check_mesh, check_shape
-from .binding import bind_step
-from .cache import CacheInfo, LRUCache
-from .callcache import CallCache, IdentityMap
-from .debug_path import name_type_error
-from .errors import TPLowerError
-from .mesh_facts import axis_order, mesh_facts
-from .placements import (
+from ..language.placements import (
     REDUCE_OPS,
     PlacementsLike,
     check_reduce_ops,
@@ -43,10 +33,21 @@ from .placements import (
     parse_placements,
     replicate_partials,
 )
+from ..language.transitions import global_shape_from_local, plan_transition
+from ..support import teardown
+from ..support.argcheck import check_bool, check_local_tensor, check_mesh, check_shape
+from ..support.errors import TPLowerError
+from ..support.words import count
+from . import collectives as C
+from . import debug_path
+from .agreement import debug_enabled
+from .binding import bind_step
+from .cache import CacheInfo, LRUCache
+from .callcache import CallCache, IdentityMap
+from .debug_path import name_type_error
+from .mesh_facts import axis_order, mesh_facts
 from .program import Program
 from .traced import _TRACED, _slot, _traced_dims, _traced_slot
-from .transitions import global_shape_from_local, plan_transition
-from .words import count
 
 __all__ = ["MeshLowerer", "bind_step", "mesh_lowerer", "redistribute_local"]
 
@@ -164,7 +165,7 @@ class MeshLowerer:
                 grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None) -> Program:
         """The cached program for a transition of a local tensor of ``local_shape`` (see :func:`redistribute_local`).
 
-        The cache is bounded (:mod:`tplower.core.cache`): beyond its bound the least
+        The cache is bounded (:mod:`tplower.core.lower.cache`): beyond its bound the least
         recently used program is dropped and rebuilt, the same, when next needed.
 
         Under ``torch.compile`` the lookup is not traced (it runs at trace
@@ -175,7 +176,7 @@ class MeshLowerer:
             # Traced, a cache lookup would make the graph guard on the cache's contents: a first trace on a
             # cold cache would guard on the program being absent and recompile at the next call, which finds
             # it. So the lookup runs untraced, at trace time, and the trace reads the program from an
-            # attribute of its own that never changes (tplower.core.traced).
+            # attribute of its own that never changes (tplower.core.lower.traced).
             dims = _traced_dims(self, src, dst, grad, len(local_shape), global_shape, device_type)
             # The sizes of the dims the placements shard are part of the plan: the graph specializes on them.
             planned = tuple(int(s) if dims is None or i in dims else 1 for i, s in enumerate(local_shape))
@@ -264,7 +265,8 @@ class MeshLowerer:
     def checked(self, local: torch.Tensor, src: PlacementsLike, dst: PlacementsLike, *,
                 grad: PlacementsLike | None = None, global_shape: Sequence[int] | None = None,
                 where: str | None = None, hint: str | None = None) -> torch.Tensor:
-        """:func:`redistribute_local` after the debug check: :func:`tplower.core.debug_path.checked`; collective."""
+        """:func:`redistribute_local` after the debug check (:func:`tplower.core.lower.debug_path.checked`);
+        collective."""
         return debug_path.checked(self, local, src, dst, grad=grad, global_shape=global_shape, where=where, hint=hint)
 
     def _fallback_reason(self, src: Sequence[Placement], dst: Sequence[Placement],
@@ -340,7 +342,7 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
             ranks compare, all raise alike on a difference or on any rank's
             error); it costs one small ``all_gather`` of a 64-bit digest per
             call, and the full descriptions travel (``all_gather_object``)
-            only when the digests differ (:mod:`tplower.core.agreement`). Default
+            only when the digests differ (:mod:`tplower.core.lower.agreement`). Default
             ``TPLOWER_DEBUG=1``. Must be the same on every rank.
 
     Returns:
@@ -360,10 +362,10 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
             ``global_shape`` not a sequence of ints, ``check`` not a bool),
             raised before any collective, naming the argument. With
             ``check``, a wrong ``local`` (or placements) on any rank raises
-            :class:`~tplower.core.errors.TPLowerTypeError` (a ``TypeError`` and a
+            :class:`~tplower.core.support.errors.TPLowerTypeError` (a ``TypeError`` and a
             ``TPLowerError``) on every rank.
 
-    Lowered to direct collectives when :mod:`tplower.core.transitions` can plan
+    Lowered to direct collectives when :mod:`tplower.core.language.transitions` can plan
     it; otherwise (placements other than Shard/Replicate/Partial of
     sum/avg/max/min) DTensor's ``redistribute`` runs it, forward and
     backward. Shards follow mesh coordinates even where an axis's process
@@ -371,7 +373,7 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: PlacementsLik
 
     A call whose arguments were seen before (the same mesh object, placements
     given as the same strings or tuples, global shape, local shape and
-    device) goes straight to its program (:mod:`tplower.core.callcache`);
+    device) goes straight to its program (:mod:`tplower.core.lower.callcache`);
     every other call is checked in full first.
     """
     if not _is_compiling():

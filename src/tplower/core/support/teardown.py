@@ -13,8 +13,8 @@ SIGABRT) after all the script's work is done. The workers outlive
 
 * each ``DeviceMesh`` keeps its groups in ``_pg_registry`` (PyTorch's; the
   mesh lives on in every DTensor parameter of a model);
-* tplower's :class:`~tplower.core.redistribute.MeshLowerer` holds each axis's
-  group, and every bound :class:`~tplower.core.redistribute.Program` holds
+* tplower's :class:`~tplower.core.lower.redistribute.MeshLowerer` holds each axis's
+  group, and every bound :class:`~tplower.core.lower.redistribute.Program` holds
   the groups of its collectives, in the lowerer's cache, in a module's
   boundaries and in the autograd graph of a tensor that is still referenced
   (a ``loss`` kept in a global).

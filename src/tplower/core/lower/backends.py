@@ -83,7 +83,7 @@ def check_device(backend: str, device_type: str, where: str = "the process group
         TPLowerError: the backend carries no tensors of that device type;
             the message names the backend and the device types it carries.
     """
-    from .errors import TPLowerError
+    from ..support.errors import TPLowerError
 
     if ":" in backend:
         table = dict(part.split(":", 1) for part in backend.split(","))

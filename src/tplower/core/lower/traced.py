@@ -2,7 +2,7 @@
 
 A trace that reads ``_TRACED.p3`` guards on that attribute, bound once and
 never rebound, so the guard holds for every later call whatever happens to
-the caches that made the object (:mod:`tplower.core.redistribute`'s programs
+the caches that made the object (:mod:`tplower.core.lower.redistribute`'s programs
 and lowerers, :mod:`tplower.runtime.interned`'s per-call layouts).
 """
 
@@ -41,7 +41,7 @@ def _slot(obj: object) -> str:
 
 
 class _Lowerer(Protocol):
-    """What the traced lookups call of a :class:`~tplower.core.redistribute.MeshLowerer` (which imports this
+    """What the traced lookups call of a :class:`~tplower.core.lower.redistribute.MeshLowerer` (which imports this
     module, so it is typed by this protocol)."""
 
     def _dims(

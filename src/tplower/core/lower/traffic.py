@@ -7,7 +7,7 @@ functions (``c10d.allreduce_``, ``c10d._allgather_base_``,
 collectives (``_c10d_functional.all_reduce``, ...: DTensor and so
 transformers' tensor parallelism), forward and backward (the autograd engine
 carries the mode into backward on the calling thread). Bytes sent per rank
-follow the ring conventions of :mod:`tplower.core.transitions`
+follow the ring conventions of :mod:`tplower.core.language.transitions`
 (``all_reduce`` ``2(n-1)/n`` of the tensor, ``all_gather`` and
 ``reduce_scatter`` ``n-1`` pieces, ``all_to_all`` every row bound for another
 rank), so they compare across libraries. The compiled expert dispatch's

@@ -107,7 +107,7 @@ def explain_moe(tokens: int, hidden: int, top_k: int, num_experts: int, tp: int,
     the rank, all of them at worst), and gathers the block's output; in
     backward the hidden states' and routing weights' gradients are gathered.
     Transitions are planned by :func:`explain_transition` (ring conventions of
-    :mod:`tplower.core.transitions`); the all-to-all bytes are expectations.
+    :mod:`tplower.core.language.transitions`); the all-to-all bytes are expectations.
 
     Args:
         tokens: ``T``, tokens per step entering the block (batch x sequence), replicated over tp.

@@ -28,14 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..language.placements import REDUCE_OPS, PlacementsLike, parse_placements
+from ..language.transitions import classify_axis, global_shape_from_local, plan_transition
+from ..support.argcheck import check_int, check_local_tensor, check_mesh, check_names, describe
+from ..support.errors import TPLowerError
 from . import collectives as C
-from .argcheck import check_int, check_local_tensor, check_mesh, check_names, describe
 from .binding import bind_step
 from .cache import CacheInfo, LRUCache
-from .errors import TPLowerError
-from .placements import REDUCE_OPS, PlacementsLike, parse_placements
 from .program import Program
-from .transitions import classify_axis, global_shape_from_local, plan_transition
 
 __all__ = [
     "EXECUTION_KINDS",
@@ -232,7 +232,8 @@ class TPExecutionOp:
         return prog(tensor)
 
     def cache_info(self) -> CacheInfo:
-        """Hits, misses, size, bound and evictions of this op's per-shape program cache (:mod:`tplower.core.cache`)."""
+        """Hits, misses, size, bound and evictions of this op's per-shape program cache
+        (:mod:`tplower.core.lower.cache`)."""
         return self._programs.cache_info()
 
     def _build(self, shape: tuple[int, ...], device_type: str) -> Program:

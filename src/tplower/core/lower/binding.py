@@ -1,9 +1,9 @@
 """A planned step bound to a process group: the collective that carries it, arguments bound, remaps chosen once.
 
-:func:`bind_step` is where a backend's capabilities (:func:`tplower.core.collectives.backend_caps`)
+:func:`bind_step` is where a backend's capabilities (:func:`tplower.core.lower.collectives.backend_caps`)
 decide how a step runs: natively, or remapped (``reduce_scatter`` as ``all_reduce`` + chunk, ``all_to_all``
-as ``all_gather`` + chunk, ``avg`` as sum + divide). :class:`~tplower.core.redistribute.MeshLowerer` and
-:class:`~tplower.core.lowering.TPExecutionOp` bind every step through it.
+as ``all_gather`` + chunk, ``avg`` as sum + divide). :class:`~tplower.core.lower.redistribute.MeshLowerer` and
+:class:`~tplower.core.lower.lowering.TPExecutionOp` bind every step through it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import functools
 
 from torch.distributed import ProcessGroup
 
+from ..language.transitions import Step
 from . import collectives as C
-from .transitions import Step
 
 __all__ = ["bind_step"]
 
