@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.support.errors import TPLowerError
 from ..core.lower.redistribute import redistribute_local
+from ..core.support.errors import TPLowerError
 from ..state.full_state import placed_by_tplower
 from .batches import dp_data_loader
 from .layout import DataLayout

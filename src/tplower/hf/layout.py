@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core.lower.redistribute import redistribute_local
 from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
-from ..core.lower.redistribute import redistribute_local
 
 __all__ = ["AXES", "DataLayout"]
 
