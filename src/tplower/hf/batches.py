@@ -28,9 +28,6 @@ from .layout import DataLayout
 
 __all__ = ["SequenceSplit", "dp_data_loader", "global_count", "whole_predictions"]
 
-#: batch entries :func:`tplower.shard_sequence` reads (every other entry passes through as it is)
-_SEQUENCE = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids", "labels")
-
 
 def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader[Any],
                    device_placement: bool | None = None,
@@ -77,17 +74,14 @@ def global_count(local: torch.Tensor | int | None, layout: DataLayout) -> torch.
 
 
 def _split(kwargs: Mapping[str, Any], layout: DataLayout) -> dict[str, Any]:
-    """``kwargs`` with its sequence entries cut to this rank's tokens over ``cp`` (and ``context_split`` added)."""
+    """``kwargs`` through :func:`tplower.shard_sequence` over ``cp`` (a given ``num_items_in_batch`` is kept);
+    labels the collator shifted already (``shift_labels``) are cut too, never shifted again."""
     assert layout.cp is not None
-    whole = {k: v for k, v in kwargs.items() if k in _SEQUENCE and isinstance(v, torch.Tensor)}
-    part = shard_sequence(whole, layout.mesh, layout.cp)
-    out = {**kwargs, **part}
-    split: ContextSplit = part[SPLIT_KEY]
+    out = shard_sequence(kwargs, layout.mesh, layout.cp)
     given = kwargs.get("shift_labels")
-    if isinstance(given, torch.Tensor):  # labels the collator shifted already: cut, never shifted again
+    if isinstance(given, torch.Tensor):
+        split: ContextSplit = out[SPLIT_KEY]
         out["labels"] = out["shift_labels"] = given.index_select(1, split.local_index.to(given.device))
-    if "num_items_in_batch" in kwargs:  # the caller's count (the whole global batch's) wins over this batch's
-        out["num_items_in_batch"] = kwargs["num_items_in_batch"]
     return out
 
 
