@@ -114,7 +114,7 @@ def announce(rank: int, world: int) -> None:
 
 
 def _args(sc: Scenario, out: str, batch: int, accumulation: int, **extra: Any) -> Any:
-    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=ROWS // sc.dp,
+    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch * accumulation,
                   gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=1.0,
                   report_to=[], use_cpu=True, logging_steps=1, seed=0, disable_tqdm=True, save_strategy="no",
                   **dict(sc.trainer_args))
