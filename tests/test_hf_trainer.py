@@ -61,7 +61,7 @@ def _refused(run: Any) -> str:
 def _naive(rank: int, world: int, slow: bool) -> dict[str, str]:
     """A parallelized model where DDP would take it, without prepare_trainer: each route's error line."""
     from torch.nn.parallel import DistributedDataParallel
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
 
     import tplower
 
@@ -92,6 +92,46 @@ def _naive(rank: int, world: int, slow: bool) -> dict[str, str]:
     return out
 
 
+def _refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
+    """prepare_trainer's refusals: each one's error line, and whether the model was left as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import Trainer
+
+    import tplower
+    import tplower.hf
+
+    class PerSequence(Trainer):  # type: ignore[misc]
+        """A user's own loss (here the same one, but tplower cannot know it is a sum over tokens)."""
+
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(*args, **kwargs)
+
+    sc = DEFAULT[0]
+    tp, cp = mesh_of(sc), mesh_of(DEFAULT[1])
+
+    def refused(trainer: Any, mesh: Any, **kw: Any) -> tuple[str, bool]:
+        line = _refused(lambda: tplower.hf.prepare_trainer(trainer, mesh, **kw))
+        untouched = not any(isinstance(p, DTensor) for p in trainer.model.parameters()) or kw.get("already")
+        return line, bool(untouched)
+
+    with_optimizer = build(sc, tempfile.mkdtemp(), 4, 1, {})
+    with_optimizer.create_optimizer()
+    smoothing = build(sc, tempfile.mkdtemp(), 4, 1, {}, label_smoothing_factor=0.1)
+    own = build(sc, tempfile.mkdtemp(), 4, 1, {})
+    own = PerSequence(model=own.model, args=own.args, train_dataset=own.train_dataset)
+    twice = build(sc, tempfile.mkdtemp(), 4, 1, {})
+    tplower.parallelize(twice.model, tp, "auto")
+    return {"optimizer exists": refused(with_optimizer, tp),
+            "label smoothing under cp": refused(smoothing, cp, context="cp"),
+            "own compute_loss under cp": refused(own, cp, context="cp"),
+            "tp and ep axes": refused(build(sc, tempfile.mkdtemp(), 4, 1, {}),
+                                      init_device_mesh("cpu", (1, 2), mesh_dim_names=("tp", "ep"))),
+            "unknown axis": refused(build(sc, tempfile.mkdtemp(), 4, 1, {}),
+                                    init_device_mesh("cpu", (2,), mesh_dim_names=("model",))),
+            "parallelized already": (_refused(lambda: tplower.hf.prepare_trainer(twice, tp)), True)}
+
+
 def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: bool,
           slow: bool) -> dict[str, Any]:
     wants = {sc.name: oracle(sc) for sc in scenarios}
@@ -115,6 +155,7 @@ def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: 
                                             for n, p in again.model.named_parameters())
     if naive:
         out["naive"] = _naive(rank, world, slow)
+        out["refusals"] = _refusals(rank, world)
     return out
 
 
@@ -160,6 +201,23 @@ def test_naive_routes_raise_one_line_naming_prepare_trainer(ranks: list[dict[str
         got = res["naive"][route]
         assert got.startswith(REFUSED), got
         assert "tplower.hf.prepare_trainer(trainer, mesh, plan)" in got
+
+
+#: each refusal's words: what is wrong and the fix
+REFUSALS = {"optimizer exists": "holds an optimizer or scheduler already",
+            "label smoothing under cp": "label_smoothing_factor and compute_loss_func",
+            "own compute_loss under cp": "PerSequence.compute_loss is not a loss tplower knows",
+            "tp and ep axes": "have both 'tp' and 'ep'",
+            "unknown axis": "must be named among ['dp', 'cp', 'tp', 'ep']",
+            "parallelized already": "the model is parallelized already"}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_refusals_name_the_fix_and_change_nothing(ranks: list[dict[str, Any]], name: str) -> None:
+    for res in ranks:
+        line, untouched = res["refusals"][name]
+        assert line.startswith("TPLowerError: prepare_trainer: ") and REFUSALS[name] in line, line
+        assert untouched, f"{name}: the model was parallelized before the refusal"
 
 
 @pytest.mark.slow

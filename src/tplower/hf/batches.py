@@ -7,15 +7,13 @@ takes them, counted over the whole global batch, and predictions made whole.
   every rank (never dispatched from rank 0, which would slice them per process).
 * :class:`SequenceSplit`: a forward pre-hook that passes a whole batch through :func:`tplower.shard_sequence`
   (padded, packed with ``position_ids``, TRL's padding-free batches alike), so a trainer's own code, its
-  collators and its metrics see the batch one process would.
+  collators and its metrics see the batch one process would; in evaluation the logits come back whole.
 * :func:`global_count`: the number of label tokens a step's loss is divided by, summed over ``dp``, as one
   process counts its whole batch (transformers' ``num_items_in_batch``).
-* :func:`whole_predictions`: logits (any output with a sequence dim 1) gathered whole over ``cp``.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -26,7 +24,7 @@ from torch.utils.data import DataLoader
 from ..context.sequence import SPLIT_KEY, ContextSplit, gather_sequence, shard_sequence
 from .layout import DataLayout
 
-__all__ = ["SequenceSplit", "dp_data_loader", "global_count", "whole_predictions"]
+__all__ = ["SequenceSplit", "dp_data_loader", "global_count"]
 
 
 def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader[Any],
@@ -86,47 +84,50 @@ def _split(kwargs: Mapping[str, Any], layout: DataLayout) -> dict[str, Any]:
 
 
 class SequenceSplit:
-    """A model's forward pre-hook: a whole batch given as keywords is cut over ``cp`` before the model sees it.
+    """Hooks on a model: a whole batch given as keywords is cut over ``cp`` before the model sees it, and in
+    evaluation (``model.eval()``) the ``logits`` of such a call come back whole.
 
-    A call that carries ``context_split`` already (a batch from :func:`tplower.shard_sequence`), or no
-    ``input_ids``/``inputs_embeds``, passes unchanged. Registered first (``prepend``), so the context
-    install's own pre-hook sees the cut batch. :meth:`remove` takes it off again.
+    The forward pre-hook passes a call that carries ``context_split`` already (a batch from
+    :func:`tplower.shard_sequence`: its caller gathers what it needs), or has no ``input_ids``/``inputs_embeds``,
+    unchanged; it is registered first (``prepend``), so the context install's own pre-hook sees the cut batch.
+    The forward hook gathers ``logits`` (:func:`tplower.gather_sequence`, collective over ``cp``) of the calls the
+    pre-hook cut, in evaluation only: a training step keeps each rank's own rows (the loss is computed there;
+    whole logits would cost ``cp`` times their memory). :meth:`remove` takes both off again.
     """
 
     def __init__(self, model: nn.Module, layout: DataLayout) -> None:
         if layout.cp is None:
             raise ValueError("SequenceSplit needs a layout with a context-parallel axis")
         self.layout = layout
-        self.handle = model.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+        self.ours: ContextSplit | None = None
+        self.handles = (model.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True),
+                        model.register_forward_hook(self.after, with_kwargs=True))
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def before(self, module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The pre-hook: ``kwargs`` cut by :func:`tplower.shard_sequence` (see the class docstring)."""
         if SPLIT_KEY in kwargs or not any(isinstance(kwargs.get(k), torch.Tensor)
                                           for k in ("input_ids", "inputs_embeds")):
             return args, kwargs
-        return args, _split(kwargs, self.layout)
+        out = _split(kwargs, self.layout)
+        self.ours = out[SPLIT_KEY]
+        return args, out
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        """The hook: in evaluation, ``output["logits"]`` whole over ``cp`` for a call :meth:`before` cut."""
+        ours = self.ours
+        self.ours = None
+        cut_here = ours is not None and kwargs.get(SPLIT_KEY) is ours
+        if ours is None or not cut_here or module.training:
+            return output
+        balance = ours.layout.balance
+        logits = output.get("logits") if isinstance(output, MutableMapping) else None
+        if isinstance(logits, torch.Tensor) and logits.dim() >= 2:
+            assert self.layout.cp is not None
+            output["logits"] = gather_sequence(logits, self.layout.mesh, self.layout.cp, dim=1, balance=balance)
+        return output
 
     def remove(self) -> None:
-        """Take the hook off the model."""
-        self.handle.remove()
-
-
-def whole_predictions(value: Any, layout: DataLayout) -> Any:
-    """``value`` (a tensor or nested tuples/lists/dicts of them) with every tensor of 2 dims or more gathered
-    whole over ``cp`` on dim 1 (:func:`tplower.gather_sequence`); collective over ``cp``, on every rank alike.
-
-    Returns:
-        The same structure; unchanged without ``cp``.
-    """
-    if layout.cp is None or value is None:
-        return value
-    if isinstance(value, torch.Tensor):
-        return gather_sequence(value, layout.mesh, layout.cp, dim=1) if value.dim() >= 2 else value
-    if isinstance(value, MutableMapping):  # a dict or a transformers ModelOutput: a copy, entries replaced
-        out = copy.copy(value)
-        for key in list(value.keys()):
-            out[key] = whole_predictions(value[key], layout)
-        return out
-    if isinstance(value, (tuple, list)):
-        return type(value)(whole_predictions(v, layout) for v in value)
-    return value
+        """Take both hooks off the model."""
+        for handle in self.handles:
+            handle.remove()

@@ -12,8 +12,8 @@ inside):
 * ``compute_loss``: in evaluation the same global count of the batch; in training without a count (a model that
   takes none) the loss divided by the ``dp`` size, DDP's average.
 * ``training_step``, ``prediction_step``: the loss each returns summed over ``dp`` (and ``cp`` for a loss built
-  from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's; predictions (logits)
-  gathered whole over ``cp``.
+  from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's (the model's logits
+  come back whole over ``cp`` in evaluation: :class:`tplower.hf.batches.SequenceSplit`).
 * ``gather_function``: evaluation gathers over ``dp`` only.
 * ``save_model``: every rank gathers the whole weights, rank 0 writes them (``from_pretrained`` loads the
   folder in one process).
@@ -25,6 +25,7 @@ The accelerator is patched by :func:`tplower.hf.accelerator.patch_accelerator` (
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
 from .accelerator import check_accelerator, patch_accelerator
-from .batches import global_count, whole_predictions
+from .batches import global_count
 from .model import TrainingModel, parallelize_for_training
 from .saving import (
     OPTIMIZER_FOLDER,
@@ -67,10 +68,28 @@ def _check_trainer(trainer: Any, context: str | None) -> None:
         raise TPLowerError(f"prepare_trainer: this transformers release has no Trainer.{missing[0]}, through which "
                            "tplower checkpoints the optimizer's shards; use the transformers version tplower is "
                            "tested with (5.24)")
+    if context is not None:
+        _check_token_loss(trainer)
     if context is not None and (trainer.label_smoother is not None or trainer.compute_loss_func is not None):
         raise TPLowerError("prepare_trainer: context parallelism leaves each rank the logits of its own tokens; "
                            "label_smoothing_factor and compute_loss_func compute the loss from logits against the "
                            "whole batch's labels: drop them, or pass context=None")
+
+
+def _check_token_loss(trainer: Any) -> None:
+    """Under ``cp`` each rank's loss must be its tokens' part of a sum over tokens (divided by the global count):
+    transformers' own ``compute_loss`` and TRL's ``SFTTrainer``'s are; a loss of per-sequence sums (DPO's, KTO's,
+    GRPO's log-probabilities summed over each completion) taken on a piece of each sequence is not, and would be
+    silently wrong."""
+    from transformers import Trainer
+
+    sft = getattr(sys.modules.get("trl.trainer.sft_trainer"), "SFTTrainer", None)  # loaded when the trainer is one
+    known = {Trainer.compute_loss, getattr(sft, "compute_loss", Trainer.compute_loss)}
+    if type(trainer).compute_loss not in known:
+        raise TPLowerError(f"prepare_trainer: context parallelism gives each rank a piece of every sequence; "
+                           f"{type(trainer).__name__}.compute_loss is not a loss tplower knows to be a sum over "
+                           "tokens (Trainer's, TRL's SFTTrainer's), and one built from per-sequence sums (DPO, KTO, "
+                           "GRPO) would be silently wrong on pieces: pass context=None (tp, ep and dp work with it)")
 
 
 def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
@@ -132,7 +151,7 @@ def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
         if loss is not None and "loss" in last:
             loss = layout.sum_over(tm.part(last["loss"], loss).detach(), layout.split)
         tm.forget()
-        return loss, whole_predictions(logits, layout), labels
+        return loss, logits, labels
 
     trainer.get_batch_samples = batch_samples
     trainer.compute_loss = loss_of
@@ -184,8 +203,9 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
         TypeError: ``trainer`` is not a ``transformers.Trainer``; ``mesh`` not a ``DeviceMesh``.
         TPLowerError: before anything is changed: the trainer already holds an optimizer or scheduler; its
             accelerator has a ``ParallelismConfig``, FSDP or DeepSpeed; the mesh's axes, or a mesh smaller than
-            the job; a model already parallelized; with ``context``, label smoothing or a ``compute_loss_func``;
-            and every refusal of :func:`tplower.parallelize`.
+            the job; a model already parallelized; with ``context``, a ``compute_loss`` other than
+            ``Trainer``'s or ``SFTTrainer``'s (a per-sequence loss such as DPO's would be wrong on pieces of each
+            sequence), label smoothing or a ``compute_loss_func``; and every refusal of :func:`tplower.parallelize`.
     """
     _check_trainer(trainer, context)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
