@@ -231,3 +231,48 @@ def reloaded(folder: str, want: dict[str, torch.Tensor]) -> float:
     got = dict(model.named_parameters())
     assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
     return max(float((got[k].detach() - want[k]).abs().max()) for k in want)
+
+
+def loop(sc: Scenario, *, prepare: bool, save: str | None = None, resume: str | None = None) -> Run:
+    """A plain accelerate loop: ``STEPS`` AdamW steps (a linear schedule, clipping at 1.0) over the rows in order,
+    the state saved after step 3 into ``save``, or the run resumed from ``resume`` (its last 2 steps);
+    predictions of 8 rows gathered with ``gather_for_metrics``. ``prepare``: through ``prepare_accelerator`` on
+    the scenario's mesh (after :func:`announce`); else one process's loop."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    import tplower.hf
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny(sc.model, "sdpa")
+    if prepare:
+        tplower.hf.prepare_accelerator(accelerator, model, mesh_of(sc), **dict(sc.options))
+    batch = ROWS // sc.dp if prepare else ROWS
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.2, total_iters=STEPS)
+    loader = DataLoader(rows(ROWS * STEPS, sc.data, 1), batch_size=batch, collate_fn=default_data_collator)
+    evals = DataLoader(rows(8, sc.data, 2), batch_size=batch, collate_fn=default_data_collator)
+    model, opt, loader, evals, sched = accelerator.prepare(model, opt, loader, evals, sched)
+    start = 0
+    if resume is not None:
+        accelerator.load_state(resume)
+        loader, start = accelerator.skip_first_batches(loader, 3), 3
+    run = Run([], [], float("nan"))
+    for step, inputs in enumerate(loader, start):
+        loss = model(**inputs).loss
+        accelerator.backward(loss)
+        run.grad_norm.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+        if step == 0:
+            run.grads = {n: whole(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        run.loss.append(float(accelerator.reduce(loss.detach(), "mean")))
+        if step == 2 and save is not None:
+            accelerator.save_state(save)
+    model.eval()
+    with torch.no_grad():
+        run.predictions = torch.cat([accelerator.gather_for_metrics(model(**b).logits) for b in evals])
+    run.params = {n: whole(p) for n, p in model.named_parameters()}
+    return run

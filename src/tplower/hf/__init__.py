@@ -2,6 +2,8 @@
 
 * :func:`prepare_trainer`: any ``Trainer`` (``SFTTrainer``, ``DPOTrainer``, a user's own) trains a tplower
   model as one process trains the whole model (:mod:`tplower.hf.trainer`).
+* :func:`prepare_accelerator`: a user's own ``accelerate`` loop does the same, ``save_state``/``load_state``
+  included (:mod:`tplower.hf.loop`).
 
 The pieces they share: :mod:`~tplower.hf.layout` (which ranks share data), :mod:`~tplower.hf.batches` (batches
 cut over ``dp`` and ``cp``, the global token count, predictions made whole), :mod:`~tplower.hf.model`
@@ -18,10 +20,11 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from .loop import prepare_accelerator
     from .trainer import prepare_trainer
 
-_HOMES = {"prepare_trainer": ".trainer"}
+_HOMES = {"prepare_accelerator": ".loop", "prepare_trainer": ".trainer"}
 
-__all__ = ["prepare_trainer"]
+__all__ = ["prepare_accelerator", "prepare_trainer"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals(), subpackages=True)

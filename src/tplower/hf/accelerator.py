@@ -32,8 +32,10 @@ from .layout import DataLayout
 
 __all__ = ["PATCHED", "check_accelerator", "dp_gather", "patch_accelerator", "unpatch_accelerator"]
 
-#: the Accelerator methods :func:`patch_accelerator` replaces on the instance
-PATCHED = ("prepare_model", "prepare_data_loader", "gather_for_metrics")
+#: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first three; the last four
+#: :func:`tplower.hf.prepare_accelerator` replaces too)
+PATCHED = ("prepare_model", "prepare_data_loader", "gather_for_metrics", "prepare_optimizer", "prepare_scheduler",
+           "save_state", "load_state")
 
 
 def check_accelerator(accelerator: Any, where: str) -> None:
@@ -134,6 +136,7 @@ def patch_accelerator(accelerator: Any, layout: DataLayout) -> None:
 
 
 def unpatch_accelerator(accelerator: Any) -> None:
-    """Undo :func:`patch_accelerator`: the class's methods apply again (a no-op on an unpatched accelerator)."""
+    """Undo :func:`patch_accelerator` (and :func:`tplower.hf.prepare_accelerator`): the class's methods apply again
+    (a no-op on an unpatched accelerator)."""
     for name in PATCHED:
         accelerator.__dict__.pop(name, None)

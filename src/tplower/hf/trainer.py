@@ -97,7 +97,7 @@ def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
 
     transformers (checked on 5.24) saves the optimizer with ``torch.save`` on the main process only and loads
     that one file on every rank, through the private methods :data:`CHECKPOINT_METHODS`; there is no public hook
-    for it. They are replaced on the instance here, and ``tests/test_hf_trainer.py`` fails loudly when a release
+    for it. They are replaced on the instance here, and ``tests/test_hf_stacks.py`` fails loudly when a release
     renames them.
     """
     def save(output_dir: str) -> None:

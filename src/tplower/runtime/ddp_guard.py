@@ -13,7 +13,7 @@ one tp/cp group share, so none of that holds. The two routes by which DDP meets 
   :func:`refuse_ddp`'s forward pre-hook raises :data:`MESSAGE` at the first call under DDP's forward.
 
 Both hooks read DDP attributes that have no public name (:func:`_ddp_reads_ignore_list`,
-:func:`_under_ddp_forward`); ``tests/test_hf_trainer.py`` fails loudly if a torch release renames them.
+:func:`_under_ddp_forward`); ``tests/test_hf_stacks.py`` fails loudly if a torch release renames them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""``tplower.hf.prepare_trainer``: transformers' and TRL's trainers on gloo ranks against one process's plain trainer.
+"""``tplower.hf``: transformers' and TRL's trainers and accelerate loops on gloo ranks against one process's own.
 
 One spawn of 2 ranks runs the default scenarios (a process start and transformers' imports are the dearest things
-here): tp=2 with the model's own plan (gradient accumulation 2 x 2 rows, checkpoints every 3 steps, then a resume
-from step 3), cp=2 in both modes (a packed and a padded batch, predictions made whole), the naive routes a user
-takes without the call (DDP's constructor and DDP's forward over a parallelized model, the plain ``Trainer``).
+here): ``prepare_trainer`` at tp=2 with the model's own plan (gradient accumulation 2 x 2 rows, checkpoints every
+3 steps, then a resume from step 3) and at cp=2 in both modes (a packed and a padded batch, predictions made
+whole); an accelerate loop through ``prepare_accelerator`` at tp=2 (``save_state`` after step 3, a fresh loop's
+``load_state`` ending where the uninterrupted one ended); the naive routes a user takes without the call (DDP's
+constructor and DDP's forward over a parallelized model, the plain ``Trainer``) and ``prepare_trainer``'s
+refusals.
 Each scenario is compared with :mod:`hf_cases`: 5 steps of 4 rows x 32 tokens, AdamW 1e-3, clipping at 1.0:
 losses and gradient norms (1e-4 relative), every first-step gradient, the final parameters, ``eval_loss``, the
 ``save_model`` folder loaded by ``from_pretrained`` in one process. With ``TPLOWER_SLOW=1``: TRL's ``SFTTrainer``
@@ -21,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_cases import Scenario, announce, build, candidate, differences, mesh_of, oracle, reloaded, whole
+from hf_cases import Scenario, announce, build, candidate, differences, loop, mesh_of, oracle, reloaded, whole
 
 from tplower.testing import run_processes
 
@@ -45,6 +48,7 @@ SLOW_4 = [
     Scenario("dp2-tp2", (("dp", 2), ("tp", 2)), predict=True),
     Scenario("dp2-cp2", (("dp", 2), ("cp", 2)), (CP,), accumulation=2, predict=True),
 ]
+LOOP = Scenario("accelerate-tp2", (("tp", 2),))
 #: the naive routes each raise this error's first words (the message names prepare_trainer)
 REFUSED = "TPLowerError: tplower: DistributedDataParallel cannot train a model tplower.parallelize placed"
 
@@ -135,6 +139,7 @@ def _refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
 def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: bool,
           slow: bool) -> dict[str, Any]:
     wants = {sc.name: oracle(sc) for sc in scenarios}
+    loop_want = loop(LOOP, prepare=False) if naive else None
     announce(rank, world)
     out: dict[str, Any] = {}
     for sc in scenarios:
@@ -154,8 +159,20 @@ def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: 
             out[sc.name + "/resumed"] = max(float((whole(p) - got.params[n]).abs().max())
                                             for n, p in again.model.named_parameters())
     if naive:
+        out[LOOP.name] = _loop(folder, loop_want)
         out["naive"] = _naive(rank, world, slow)
         out["refusals"] = _refusals(rank, world)
+    return out
+
+
+def _loop(folder: str, want: Any) -> dict[str, float]:
+    """The accelerate loop at tp=2 against one process's (``want``), then resumed from its step-3 state."""
+    state = os.path.join(folder, "loop-state")
+    got = loop(LOOP, prepare=True, save=state)
+    resumed = loop(LOOP, prepare=True, resume=state)
+    out = differences(got, want)
+    assert resumed.loss == got.loss[3:] and resumed.grad_norm == got.grad_norm[3:], (resumed.loss, got.loss)
+    out["resumed"] = max(float((resumed.params[n] - p).abs().max()) for n, p in got.params.items())
     return out
 
 
@@ -192,6 +209,14 @@ def test_matches_one_process(ranks: list[dict[str, Any]], name: str) -> None:
 def test_resume_from_step_3_ends_where_the_uninterrupted_run_ended(ranks: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(ranks):
         assert res["tp2/resumed"] <= 1e-6, f"rank {rank}: resumed parameters differ by {res['tp2/resumed']:.3g}"
+
+
+def test_accelerate_loop_matches_one_process_and_resumes(ranks: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(ranks):
+        got = dict(res[LOOP.name])
+        assert got.pop("resumed") <= 1e-6, f"rank {rank}: the resumed loop's parameters differ"
+        for key, value in got.items():
+            assert value <= TOL[key], f"{LOOP.name} rank {rank}: {key} differs from one process's by {value:.3g}"
 
 
 @pytest.mark.parametrize("route", ["ddp_constructor", "ddp_forward", "trainer"]
