@@ -21,9 +21,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from hf_cases import Scenario, announce, build, candidate, differences, oracle  # noqa: E402
+from hf_cases import Scenario, announce, build, candidate, differences, oracle
 
-from tplower.testing import run_processes  # noqa: E402
+from tplower.testing import run_processes
 
 ROWS = [  # (what the user runs, tplower's scenario, the stack's own ParallelismConfig)
     ("Trainer, tp=2, the model's plan", Scenario("tp2", (("tp", 2),)), {"tp_size": 2}),
