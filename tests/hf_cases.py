@@ -28,7 +28,8 @@ ROWS, SEQ, STEPS = 4, 32, 5
 class Scenario:
     """One comparison: ``mesh`` as ``((axis, size), ...)``; ``data`` ``padded`` (left padding, an
     ``attention_mask``, uneven label counts) or ``packed`` (documents restarting ``position_ids``, no mask);
-    ``trainer`` ``trainer`` or ``sft`` (TRL, packing texts to 32 tokens)."""
+    ``trainer`` ``trainer``, ``sft`` (TRL, packing texts to 32 tokens) or ``dpo`` (TRL, pairs of texts, the
+    reference model a second copy)."""
 
     name: str
     mesh: tuple[tuple[str, int], ...]
@@ -123,6 +124,10 @@ def _args(sc: Scenario, out: str, batch: int, accumulation: int, **extra: Any) -
         from trl import SFTConfig
 
         return SFTConfig(**common, packing=True, max_length=SEQ, bf16=False)  # bf16 autocast: not one answer
+    if sc.trainer == "dpo":
+        from trl import DPOConfig
+
+        return DPOConfig(**common, max_length=SEQ, bf16=False)
     from transformers import TrainingArguments
 
     return TrainingArguments(**common)
@@ -159,6 +164,15 @@ def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str
 
         return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts()}),
                           processing_class=tokenizer(), callbacks=[_first_grads(grads)])
+    if sc.trainer == "dpo":
+        from datasets import Dataset
+        from trl import DPOTrainer
+
+        every = texts(3 * ROWS * STEPS, seed=7)
+        pairs = {"prompt": every[0::3], "chosen": every[1::3], "rejected": every[2::3]}
+        return DPOTrainer(model=model, ref_model=tiny(sc.model, "sdpa"), args=args,
+                          train_dataset=Dataset.from_dict(pairs), processing_class=tokenizer(),
+                          callbacks=[_first_grads(grads)])
     from transformers import Trainer
 
     return Trainer(model=model, args=args, train_dataset=rows(ROWS * STEPS, sc.data, 1),

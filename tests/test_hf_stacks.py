@@ -10,7 +10,8 @@ refusals.
 Each scenario is compared with :mod:`hf_cases`: 5 steps of 4 rows x 32 tokens, AdamW 1e-3, clipping at 1.0:
 losses and gradient norms (1e-4 relative), every first-step gradient, the final parameters, ``eval_loss``, the
 ``save_model`` folder loaded by ``from_pretrained`` in one process. With ``TPLOWER_SLOW=1``: TRL's ``SFTTrainer``
-packing at cp=2 (both modes) and padding-free at tp=2, Qwen3-MoE with expert parallelism, the naive routes through
+packing at cp=2 (both modes) and padding-free at tp=2, TRL's ``DPOTrainer`` at tp=2, Qwen3-MoE with expert
+parallelism, the naive routes through
 a ``TrainerCallback`` and ``Accelerator.prepare``, and on 4 ranks dp=2 x tp=2 and dp=2 x cp=2 (FSDP2 over dp).
 """
 
@@ -41,6 +42,7 @@ SLOW_2 = [
     Scenario("sft-cp2-ulysses", (("cp", 2),), (CP, ULYSSES), trainer="sft"),
     Scenario("sft-cp2-allgather", (("cp", 2),), (CP, ALLGATHER), trainer="sft"),
     Scenario("sft-tp2", (("tp", 2),), trainer="sft"),
+    Scenario("dpo-tp2", (("tp", 2),), trainer="dpo"),
     Scenario("qwen3moe-ep2", (("ep", 2),), model="qwen3_moe"),
     Scenario("qwen3moe-tp2-experts-ep", (("tp", 2),), (("experts", "ep"),), model="qwen3_moe"),
 ]
