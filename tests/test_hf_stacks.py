@@ -11,8 +11,8 @@ Each scenario is compared with :mod:`hf_cases`: 5 steps of 4 rows x 32 tokens, A
 losses and gradient norms (1e-4 relative), every first-step gradient, the final parameters, ``eval_loss``, the
 ``save_model`` folder loaded by ``from_pretrained`` in one process. With ``TPLOWER_SLOW=1``: TRL's ``SFTTrainer``
 packing at cp=2 (both modes) and padding-free at tp=2, TRL's ``DPOTrainer`` at tp=2, Qwen3-MoE with expert
-parallelism, the naive routes through
-a ``TrainerCallback`` and ``Accelerator.prepare``, and on 4 ranks dp=2 x tp=2 and dp=2 x cp=2 (FSDP2 over dp).
+parallelism, the naive routes through a ``TrainerCallback`` and ``Accelerator.prepare``, and on 4 ranks dp=2 x tp=2
+and dp=2 x cp=2 (FSDP2 over dp), each resumed from its step-3 checkpoint.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ SLOW_2 = [
     Scenario("qwen3moe-tp2-experts-ep", (("tp", 2),), (("experts", "ep"),), model="qwen3_moe"),
 ]
 SLOW_4 = [
-    Scenario("dp2-tp2", (("dp", 2), ("tp", 2)), predict=True),
-    Scenario("dp2-cp2", (("dp", 2), ("cp", 2)), (CP,), accumulation=2, predict=True),
+    Scenario("dp2-tp2", (("dp", 2), ("tp", 2)), predict=True, checkpoint=True),
+    Scenario("dp2-cp2", (("dp", 2), ("cp", 2)), (CP,), accumulation=2, predict=True, checkpoint=True),
 ]
 LOOP = Scenario("accelerate-tp2", (("tp", 2),))
 #: the naive routes each raise this error's first words (the message names prepare_trainer)
@@ -255,5 +255,7 @@ def test_trl_and_experts_match_one_process(ranks: list[dict[str, Any]], name: st
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [sc.name for sc in SLOW_4])
-def test_data_parallel_with_fsdp2_matches_one_process(ranks4: list[dict[str, Any]], name: str) -> None:
+def test_data_parallel_with_fsdp2_matches_one_process_and_resumes(ranks4: list[dict[str, Any]], name: str) -> None:
     _check(ranks4, name)
+    for rank, res in enumerate(ranks4):
+        assert res[name + "/resumed"] <= 1e-6, f"{name} rank {rank}: resumed parameters differ"
