@@ -2,11 +2,11 @@
 
 One spawn of 2 ranks runs the default scenarios (a process start and transformers' imports are the dearest things
 here): ``prepare_trainer`` at tp=2 with the model's own plan (gradient accumulation 2 x 2 rows, checkpoints every
-3 steps, then a resume from step 3) and at cp=2 in both modes (a packed and a padded batch, predictions made
-whole); an accelerate loop through ``prepare_accelerator`` at tp=2 (``save_state`` after step 3, a fresh loop's
-``load_state`` ending where the uninterrupted one ended); the naive routes a user takes without the call (DDP's
-constructor and DDP's forward over a parallelized model, the plain ``Trainer``) and ``prepare_trainer``'s
-refusals.
+3 steps, then a resume from step 3), at cp=2 in both modes (a packed and a padded batch, predictions made
+whole) and at dp=2 (FSDP2, unequal token counts per rank); an accelerate loop through ``prepare_accelerator`` at
+tp=2 (``save_state`` after step 3, a fresh loop's ``load_state`` ending where the uninterrupted one ended); the
+naive routes a user takes without the call (DDP's constructor and DDP's forward over a parallelized model, the
+plain ``Trainer``) and ``prepare_trainer``'s refusals.
 Each scenario is compared with :mod:`hf_cases`: 5 steps of 4 rows x 32 tokens, AdamW 1e-3, clipping at 1.0:
 losses and gradient norms (1e-4 relative), every first-step gradient, the final parameters, ``eval_loss``, the
 ``save_model`` folder loaded by ``from_pretrained`` in one process. With ``TPLOWER_SLOW=1``: TRL's ``SFTTrainer``
@@ -37,6 +37,7 @@ DEFAULT = [
     Scenario("tp2", (("tp", 2),), accumulation=2, checkpoint=True),
     Scenario("cp2-ulysses-packed", (("cp", 2),), (CP, ULYSSES), data="packed", predict=True),
     Scenario("cp2-allgather-padded", (("cp", 2),), (CP, ALLGATHER), predict=True),
+    Scenario("dp2", (("dp", 2),), predict=True),  # FSDP2 alone; the rows' label counts differ between the ranks
 ]
 SLOW_2 = [
     Scenario("sft-cp2-ulysses", (("cp", 2),), (CP, ULYSSES), trainer="sft"),

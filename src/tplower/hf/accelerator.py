@@ -104,8 +104,11 @@ def _gather_for_metrics(accelerator: Any, layout: DataLayout) -> Any:
     return gather_for_metrics
 
 
-def patch_accelerator(accelerator: Any, layout: DataLayout) -> None:
+def patch_accelerator(accelerator: Any, layout: DataLayout, model: nn.Module | None = None) -> None:
     """Make ``accelerator`` prepare tplower models without DDP and read batches over ``layout``'s ``dp`` axis.
+
+    ``model``: the model parallelized for it (one with nothing placed by a plan, data parallelism alone, is
+    recognized by identity; any model :func:`tplower.parallelize` placed is recognized by its parameters).
 
     Replaces :data:`PATCHED` on the instance (see the module docstring); calling it again re-patches with the
     new layout.
@@ -117,11 +120,11 @@ def patch_accelerator(accelerator: Any, layout: DataLayout) -> None:
     unpatch_accelerator(accelerator)
     prepare_model = accelerator.prepare_model
 
-    def prepare_tplower_model(model: nn.Module, device_placement: bool | None = None,
+    def prepare_tplower_model(candidate: nn.Module, device_placement: bool | None = None,
                               evaluation_mode: bool = False) -> nn.Module:
         """``Accelerator.prepare_model``; a tplower model is never wrapped in DDP (``evaluation_mode=True``)."""
-        ours = placed_by_tplower(model)
-        prepared: nn.Module = prepare_model(model, device_placement=device_placement,
+        ours = placed_by_tplower(candidate) or candidate is model
+        prepared: nn.Module = prepare_model(candidate, device_placement=device_placement,
                                             evaluation_mode=evaluation_mode or ours)
         return prepared
 

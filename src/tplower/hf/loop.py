@@ -165,7 +165,7 @@ def prepare_accelerator(accelerator: Any, model: nn.Module, mesh: DeviceMesh, pl
     check_accelerator(accelerator, "prepare_accelerator")
     tm = parallelize_for_training(model, mesh, plan, context=context, context_mode=context_mode, experts=experts,
                                   sum_gradients=False, where="prepare_accelerator", **options)
-    patch_accelerator(accelerator, tm.layout)
+    patch_accelerator(accelerator, tm.layout, tm.model)
     prepared = _Prepared(tm)
     _remember(accelerator, "prepare_optimizer", prepared.optimizers)
     _remember(accelerator, "prepare_scheduler", prepared.schedulers, lambda s: _dp_steps(s, tm.layout.dp_size))

@@ -9,8 +9,8 @@ inside):
   of the step, summed over ``dp``: the whole global batch's count, as one process counts it. (The trainer's own
   cross-process sum is turned off: ``args.average_tokens_across_devices = False``; it would count each tp/cp
   group once per rank.)
-* ``compute_loss``: in evaluation the same global count of the batch; in training without a count (a model that
-  takes none) the loss divided by the ``dp`` size, DDP's average.
+* ``compute_loss``: in evaluation the same global count of the batch; without a count (a model that takes none)
+  the loss divided by the ``dp`` size, so the sums over ``dp`` give DDP's average of the ranks' means.
 * ``training_step``, ``prediction_step``: the loss each returns summed over ``dp`` (and ``cp`` for a loss built
   from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's (the model's logits
   come back whole over ``cp`` in evaluation: :class:`tplower.hf.batches.SequenceSplit`).
@@ -132,8 +132,8 @@ def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
         tm.forget()
         result = compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
-        if model.training and num_items_in_batch is None and layout.dp_size > 1:
-            loss = loss / layout.dp_size  # each rank's own mean: FSDP2 sums over dp, so this is their average
+        if num_items_in_batch is None and layout.dp_size > 1:  # no count: each rank's loss is its own mean,
+            loss = loss / layout.dp_size  # and the sums over dp (FSDP2's, the logged loss's) give their average
             result = (loss, result[1]) if return_outputs else loss
         last["loss"] = loss
         return result
@@ -210,7 +210,7 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     _check_trainer(trainer, context)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
                                   experts=experts, sum_gradients=True, where="prepare_trainer", **options)
-    patch_accelerator(trainer.accelerator, tm.layout)
+    patch_accelerator(trainer.accelerator, tm.layout, tm.model)
     trainer.args.average_tokens_across_devices = False
     _loss_methods(trainer, tm)
     trainer.gather_function = lambda value, **_: trainer.accelerator.gather_for_metrics(value)
