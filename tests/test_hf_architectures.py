@@ -134,3 +134,26 @@ def test_full_table_tplower_passes_what_transformers_passes() -> None:
     # context parallelism passes or refuses by layer type: never a wrong answer
     wrong = [r for r in rows if r.context.status not in ("pass", "refused")]
     assert not wrong, "\n".join(f"{r.arch.model_type}: {r.context}" for r in wrong)
+
+
+def test_context_rows_count_what_their_row_does_not_expect_as_wrong() -> None:
+    from tplower.run.hf_context_rows import ROWS, markdown, totals
+
+    outcomes = {"gpt2": Outcome("pass", 1e-7, grad_diff=2e-8), "bart": Outcome("refused", detail="encoder-decoder"),
+                "bert-mlm": Outcome("fail", 1e-2, "loss/output 1.0e-02"), "t5": Outcome("pass", 0.0)}
+    assert ROWS["bart"].expect == "refused" and ROWS["gpt2"].expect == "pass"
+    assert totals(outcomes) == {"pass": 1, "refused": 1, "wrong": 2}  # a fail, and a pass where a refusal is due
+    table = markdown(outcomes)
+    assert "| `bart` | encoder-decoder (cross-attention) | refused | encoder-decoder |" in table
+    assert "4 rows: 1 match one process, 1 refused, 2 otherwise" in table
+
+
+@pytest.mark.skipif(not FULL, reason="the context-parallel rows run with TPLOWER_HF_TABLE=1")
+def test_context_rows_beyond_the_decoders_match_one_process_or_are_refused() -> None:
+    from tplower.run.hf_context_rows import ROWS, run_rows
+
+    outcomes = run_rows()
+    # every rope type on Llama, encoders with masked-LM and token heads, GPT-2: one process's answer in both modes;
+    # encoder-decoders, a CLS head, ALiBi and mask-numbered positions: refused naming the cause
+    wrong = {name: o for name, o in outcomes.items() if o.status != ROWS[name].expect}
+    assert not wrong, wrong

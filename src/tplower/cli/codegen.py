@@ -27,10 +27,17 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+#: ``--mesh`` by default: ``tplower run``'s mesh (it always builds ``dp`` x ``tp``, ``--dp`` 1 and ``--tp`` 2 unless
+#: given) for a ``--model``; one ``tp`` axis for a ``--module``
+RUN_MESH, MODULE_MESH = "dp=1,tp=2", "tp=2"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tplower codegen``."""
     add_model_arguments(parser, "a model tplower run knows (built without weights)")
-    parser.add_argument("--mesh", default="tp=2", help="mesh axes, e.g. tp=4 or dp=2,tp=2 (default tp=2)")
+    parser.add_argument("--mesh", default=None,
+                        help=f"mesh axes, e.g. tp=4 or dp=2,tp=2 (default: {RUN_MESH} with --model, the mesh tplower "
+                             f"run builds, so that run --codegen takes the file; {MODULE_MESH} with --module)")
     parser.add_argument("--axis", default="tp", help="the tensor-parallel mesh axis HF styles shard on (default tp)")
     parser.add_argument("-o", "--out", "--output", dest="out", metavar="FILE.py",
                         help="where to write the file (default: standard output)")
@@ -55,9 +62,10 @@ def emit_file(args: argparse.Namespace) -> str:
         TPLowerError: a bad ``--mesh``, ``--plan`` (a key naming no module is named with the closest module
             names) or ``--module``, or as :func:`tplower.codegen.emit`.
     """
-    names, sizes = parse_mesh(args.mesh)  # before torch is imported: a bad --mesh is refused at once
+    mesh_text = args.mesh or (RUN_MESH if args.model is not None else MODULE_MESH)
+    names, sizes = parse_mesh(mesh_text)  # before torch is imported: a bad --mesh is refused at once
     if args.axis not in names:
-        raise TPLowerError(f"--axis {args.axis!r} is not an axis of --mesh {args.mesh} (axes: {', '.join(names)})")
+        raise TPLowerError(f"--axis {args.axis!r} is not an axis of --mesh {mesh_text} (axes: {', '.join(names)})")
     from ..codegen.emit import emit
 
     model, plan = _model_and_plan(args, sizes[names.index(args.axis)])

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import math
 import os
 import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 
 __all__ = ["Parser", "Terminated", "axis_name", "closest", "error_line", "fail", "non_negative_float", "plan_keyword",
            "positive_float", "positive_int", "run_command", "run_interruptible", "signals_raise"]
@@ -141,12 +141,6 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0 (e.g. 600)")
     return value
-
-
-def closest(word: str, choices: Iterable[str], n: int = 1) -> str:
-    """``" (did you mean 'x'?)"`` for the (up to ``n``) choices nearest ``word``, or ``""`` when none is near."""
-    near = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
-    return f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
 
 
 def plan_keyword(value: str | None) -> str | None:

@@ -77,6 +77,14 @@ def _with_command(args: list[str]) -> list[str] | str:
             f"{', '.join(SUBCOMMANDS)} (tplower --help)")
 
 
+def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's ``unrecognized arguments: ...``, with the option of ``parser`` the first unknown ``--option``
+    most likely means (``--nprocs`` -> ``--nproc``)."""
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    first = next((w.split("=", 1)[0] for w in extra if w.startswith("--")), None)
+    return f"unrecognized arguments: {' '.join(extra)}{closest(first, options) if first else ''}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code.
 
@@ -90,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(args_list)
     if extra:  # named by the subcommand, as its other errors are
-        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        own = parser.subcommands[args.command]
+        own.error(_unrecognized(extra, own))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     for noisy in ("torch.distributed.tensor", "torch.distributed.tensor._redistribute"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.support.errors import TPLowerError
-from ..core.support.words import count
+from ..core.support.words import closest, count
 from .errors import axis_name, positive_float, positive_int
 
 __all__ = ["add_arguments", "derive_for", "main"]
@@ -64,7 +64,7 @@ def skeleton_for(name: str) -> Any:
         if name in FAMILIES:
             return tiny_family(name)[0]
     raise TPLowerError(f"--model {name!r} is neither a model of tplower run ({', '.join(sorted(MODELS))}) "
-                       f"nor a family ({', '.join(FAMILIES)})")
+                       f"nor a family ({', '.join(FAMILIES)}){closest(name, [*MODELS, *FAMILIES])}")
 
 
 def derive_for(name: str, *, embeddings: bool = False, axis: str = "tp") -> Any:

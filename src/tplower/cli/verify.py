@@ -40,6 +40,9 @@ __all__ = ["add_arguments", "main"]
 
 _DEFAULT_TEXTS = 4  # sentences of the built-in list verify embeds
 _LLAMA_TOKENS = 16  # bytes of each sentence llama-tiny reads
+#: ``--context-mode``'s choices, the first the default: :data:`tplower.context.attention.MODES`, named here without
+#: importing torch
+_MODES = ("ulysses", "allgather")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=non_negative_float, default=None, help="relative tolerance (default by dtype)")
     parser.add_argument("--context", type=positive_int, default=None, metavar="CP",
                         help="also split the sequence over CP ranks (context parallelism; CP x --nproc processes)")
-    parser.add_argument("--context-mode", default="ulysses", choices=("ulysses", "allgather"),
+    parser.add_argument("--context-mode", default=None, choices=_MODES,
                         help="with --context: all_to_all of heads (ulysses, default) or gathered keys and values")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the run is ended")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
@@ -301,13 +304,14 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     """
     plan: Any = plan_value(args.plan)
     mesh: tuple[tuple[str, ...], tuple[int, ...]] = (("tp",), (args.nproc,))
-    context = {"context": None, "context_mode": args.context_mode}
+    mode: str = args.context_mode or _MODES[0]
+    context: dict[str, Any] = {"context": None, "context_mode": mode}
     if args.context is not None:
         if args.input_placement or args.output_placement is not None or args.steps != 1:
             raise TPLowerError("--context checks the model's own loss on one pass of the whole batch; drop "
                                "--input-placement, --output-placement and --steps")
         mesh = (("cp", "tp"), (args.context, args.nproc))
-        context = {"context": "cp", "context_mode": args.context_mode}
+        context = {"context": "cp", "context_mode": mode}
     if args.output_placement is not None:
         _placement("--output-placement", args.output_placement)
     placements = _placements(args.input_placement)
@@ -349,7 +353,7 @@ def _common(args: argparse.Namespace, plan: Any, placements: dict[int | str, str
         pad = LLAMA_TINY_CONFIG["pad_token_id"] if args.model == LLAMA_TINY else None
         causal_lm = model_spec(args.model).task == "causal_lm"
     return {"plan": plan, "experts": args.experts, "steps": args.steps, "atol": args.atol, "rtol": args.rtol,
-            "context": args.context, "context_mode": args.context_mode, "pad": pad, "causal_lm": causal_lm,
+            "context": args.context, "context_mode": args.context_mode or _MODES[0], "pad": pad, "causal_lm": causal_lm,
             "input_placements": placements, "output_placement": args.output_placement,
             "progress": not args.no_progress and not args.json}
 
@@ -361,6 +365,10 @@ def main(args: argparse.Namespace) -> int:
         TPLowerError: bad input, found before any rank starts (printed as one line by :mod:`tplower.cli.errors`).
         tplower.testing.RankFailure: a rank died or raised (printed as one line naming the cause).
     """
+    if args.context is None and args.context_mode is not None:
+        raise TPLowerError(f"--context-mode {args.context_mode} chooses how context parallelism exchanges, but "
+                           "--context is not given (without it the plan is verified with tensor parallelism alone); "
+                           "add --context CP, e.g. --context 2")
     from ..run.checks import check_local_world
 
     world = args.nproc * (args.context or 1)

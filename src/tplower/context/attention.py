@@ -126,10 +126,8 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
     if key not in split.cache:
         b, s = split.position_ids.shape[0], split.layout.length
         embeds = torch.empty((b, s, 1), dtype=like.dtype, device=like.device)
-        config = ca.config
-        if window is not None and getattr(config, "sliding_window", None) != window:  # the layer's own window
-            config = copy.copy(config)
-            config.__dict__["sliding_window"] = window
+        # the layer's own window as its attention call passes it: a key within window - 1 positions of the query
+        config = ca.config if window is None else _Windowed(ca.config, window if ca.causal else window - 1)
         mask = split.attention_mask.to(like.device) if split.attention_mask is not None else None
         if ca.causal:
             make = create_sliding_window_causal_mask if window is not None else create_causal_mask
@@ -151,6 +149,28 @@ def _mask(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, window:
                 whole = whole.new_zeros((*whole.shape[:2], 1, whole.shape[3]))
         split.cache[key] = whole
     return split.cache[key]
+
+
+class _Windowed:
+    """A model's config as transformers' mask functions read it, but for ``sliding_window``.
+
+    A layer passes its window to the attention call as the flash-attention
+    path reads it, ``window_size=(w - 1, w - 1)``: a key is seen within
+    ``w - 1`` positions of its query (Mistral's and Gemma's causal layers,
+    Gemma 3's bidirectional ones, ModernBERT's ``sliding_window + 1``). That
+    is the model's own mask rule for every window kind: transformers'
+    causal sliding mask keeps ``q - k < window`` and its bidirectional one
+    ``|q - k| <= window``, so the latter takes ``w - 1``. A view, not a
+    copy: a config whose ``sliding_window`` is a property (ModernBERT's reads
+    ``local_attention``) would ignore a value written into a copy.
+    """
+
+    def __init__(self, config: Any, sliding_window: int) -> None:
+        self._config = config
+        self.sliding_window = sliding_window
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
 
 
 class _KernelView:

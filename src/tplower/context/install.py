@@ -24,7 +24,11 @@ process's answer:
   sum (transformers' causal-LM loss divides by ``num_items_in_batch``, the
   whole batch's count, which ``shard_sequence`` passes), so it moves
   ``P(sum) -> R`` over the axis (an ``all_reduce``; gradient ``R``: each
-  rank's local loss keeps gradient 1, as one process's per-token terms do).
+  rank's local loss keeps gradient 1, as one process's per-token terms do);
+* the model-specific rules one process applies to the whole sequence
+  (:class:`~tplower.context.rules.ModelRules`: rope, positions, labels, a
+  token head's loss, poolers; encoder-decoders and sequence-level heads
+  refused).
 
 Parameters stay as they are: their gradients are this rank's tokens' part
 (partial over the axis); whoever replicates them over the axis reduces them
@@ -45,8 +49,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
 from .discover import attention_modules, check_mixers, eager_kernel, text_config
+from .rules import ModelRules
 from .sequence import SPLIT_KEY, ContextSplit, _axis
 
 __all__ = ["INNER", "INSTALL_ATTR", "ContextInstall", "install_context", "installed_context"]
@@ -203,9 +209,9 @@ class _Hooks:
     """The model's forward pre-hook (refusals, no cache) and forward hook (the whole loss)."""
 
     def __init__(self, mesh: DeviceMesh, axis: str, size: int, no_cache: bool, live: dict[str, Any],
-                 grad_scale: int) -> None:
+                 grad_scale: int, rules: ModelRules | None = None) -> None:
         self.mesh, self.axis, self.size, self.no_cache, self.live = mesh, axis, size, no_cache, live
-        self.grad_scale = grad_scale
+        self.grad_scale, self.rules = grad_scale, rules
 
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -219,6 +225,8 @@ class _Hooks:
             raise TPLowerError(f"{type(module).__name__}: the batch was split over axis {split.axis!r} "
                                f"({split.layout.size} ranks); the model runs over {self.axis!r} ({self.size}); "
                                f"call shard_sequence(batch, mesh, {self.axis!r})")
+        if self.rules is not None:
+            kwargs = self.rules.before(module, kwargs, split)
         if not split.layout.local_length(split.rank):
             kwargs = _placeholder(kwargs)
         self.live[SPLIT_KEY] = split
@@ -227,6 +235,8 @@ class _Hooks:
         return args, kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        # before the live batch is cleared: the rules read what the call left there
+        output, weigh = self.rules.after(output, kwargs.get("labels")) if self.rules else (output, None)
         self.live.clear()
         split = kwargs.get(SPLIT_KEY)
         if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
@@ -238,11 +248,11 @@ class _Hooks:
                                    "call the model without output_router_logits under context parallelism")
             loss = output.get("loss")
             if isinstance(loss, torch.Tensor):
-                output["loss"] = self.whole(loss)
+                output["loss"] = self.whole(weigh(loss) if weigh else loss)
             return output
         if isinstance(output, tuple) and output and kwargs.get("labels") is not None \
                 and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
-            return (self.whole(output[0]), *output[1:])
+            return (self.whole(weigh(output[0]) if weigh else output[0]), *output[1:])
         return output
 
     def whole(self, loss: torch.Tensor) -> torch.Tensor:
@@ -288,7 +298,9 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             :data:`INNER` (``flex_attention``: no backward on CPU); a model with
             no attention module, or with a token mixer that is not softmax
             attention (naming the layer and its type); a model whose config
-            asks for the router's auxiliary loss; a model already installed.
+            asks for the router's auxiliary loss; an encoder-decoder model or
+            a sequence-level head (:func:`~tplower.context.rules.head_kind`);
+            a model already installed.
         TypeError: ``model`` is not an ``nn.Module``, ``axis`` not a string.
     """
     if not isinstance(model, nn.Module):
@@ -296,7 +308,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     if not isinstance(axis, str):
         raise TypeError(f"install_context: axis must be a mesh axis name (str), got {type(axis).__name__}")
     if mode not in MODES:
-        raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}")
+        raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}"
+                           f"{closest(str(mode), MODES)}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise TPLowerError(f"install_context: tp_size={tp_size!r} must be an int >= 1")
     if not isinstance(grad_scale, int) or grad_scale < 1:
@@ -304,6 +317,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     n, _ = _axis(mesh, axis, "install_context")
     if installed_context(model) is not None:
         raise TPLowerError("install_context: context parallelism is already installed on this model")
+    live: dict[str, Any] = {}
+    rules = ModelRules(model, live, axis)  # refuses encoder-decoders and sequence-level heads
     found = attention_modules(model)
     check_mixers(model, found)
     if not found:
@@ -321,7 +336,6 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             _check_ulysses(path, m, n, axis, tp_size)
     register()
     configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its copy for the inner implementation)
-    live: dict[str, Any] = {}
     attached = []
     for path, m in found:
         own = getattr(m, "config", None) or config
@@ -334,8 +348,8 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
         m.__dict__[ATTR] = ca
     for own, _ in configs.values():
         own._attn_implementation = IMPLEMENTATION
-    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale)
+    hooks = _Hooks(mesh, axis, n, _accepts(model, "use_cache"), live, grad_scale, rules)
     handles = (model.register_forward_pre_hook(hooks.before, with_kwargs=True),
-               model.register_forward_hook(hooks.after, with_kwargs=True))
+               model.register_forward_hook(hooks.after, with_kwargs=True), *rules.hooks(model))
     model.__dict__[INSTALL_ATTR] = ContextInstall(mesh, axis, mode, tuple(p for p, _ in found),
                                                   "/".join(sorted(set(inners.values()))), handles)

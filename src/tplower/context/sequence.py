@@ -8,7 +8,9 @@ with what a parallelized model needs to give one process's answer:
   rotary embeddings and masks follow the whole sequence;
 * ``labels``/``shift_labels``: the labels shifted by one over the whole
   sequence *before* the split (the last token of a piece predicts the first
-  token of the next piece), and ``num_items_in_batch``, the count of labels
+  token of the next piece; a masked LM's or a token classifier's labels,
+  one per token, are cut as they are with ``shift_labels=False``), and
+  ``num_items_in_batch``, the count of labels
   that are not ``ignore_index`` in the whole batch: transformers' causal-LM
   loss then sums this rank's token losses and divides by the whole count, so
   the model's loss, summed over the axis, is one process's mean. A
@@ -19,7 +21,13 @@ with what a parallelized model needs to give one process's answer:
 * ``context_split``: a :class:`ContextSplit` (the layout and the whole
   ``attention_mask`` and ``position_ids``, small ``[batch, S]`` integers),
   which the model's attention reads to build each rank's mask rows from the
-  global positions.
+  global positions, and which says what cut the batch (axis, ranks, balance):
+  :func:`gather_sequence` reads the balance from it, and a model
+  parallelized without context parallelism refuses a part that carries it
+  (:mod:`tplower.nn.calls`). A transformers model never parallelized cannot
+  refuse it: its forward passes unknown keywords on to its attention and loss
+  functions, which ignore them, so it runs this rank's tokens as a whole
+  sequence; give a part only to a model parallelized with ``context=axis``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from ..core.lower.collectives import _all_gather_base
 from ..core.lower.redistribute import redistribute_local
 from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 from .layout import SequenceLayout
 
 __all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
@@ -59,6 +68,15 @@ class ContextSplit:
             packed documents start).
         cache: masks built from these, per kind of attention (filled by the
             attention as it runs; one batch's lifetime).
+        shifted: whether the batch's labels were shifted as next-token
+            targets (``True``) or cut as they are (``False``); ``None``
+            without labels. The model's forward pre-hook refuses labels cut
+            for the other kind of head.
+        input_ids: ``[batch, S]`` the whole token ids (``None`` for
+            ``inputs_embeds``), and ``given_positions`` whether the batch
+            carried ``position_ids``: a model that numbers its tokens itself
+            when none are given (RoBERTa's from the pad token) gets its own
+            numbering of the whole sequence (:mod:`tplower.context.rules`).
     """
 
     layout: SequenceLayout
@@ -67,6 +85,9 @@ class ContextSplit:
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     cache: dict[Any, Any] = field(default_factory=dict)
+    shifted: bool | None = None
+    input_ids: torch.Tensor | None = None
+    given_positions: bool = True
 
     @property
     def local_index(self) -> torch.Tensor:
@@ -74,12 +95,20 @@ class ContextSplit:
         return self.layout.global_index(self.rank)
 
 
+def _hint(axis: str, names: tuple[str, ...]) -> str:
+    """The way out for a context axis the mesh lacks: the mesh's axis it most likely means (by spelling, else
+    ``'cp'``), or making the mesh with it."""
+    near = closest(axis, names, fallback="cp")
+    if near:
+        return f"{near}; pass the mesh's context-parallel axis by its name"
+    return (f"; make the mesh with a {axis!r} axis (init_device_mesh(..., mesh_dim_names=(..., {axis!r}, ...)))")
+
+
 def _axis(mesh: DeviceMesh, axis: str, where: str) -> tuple[int, int]:
     check_mesh(mesh, "mesh", where)
     names = tuple(mesh.mesh_dim_names or ())
     if axis not in names:
-        raise TPLowerError(f"{where}: axis={axis!r} is not an axis of the mesh {names}; make the mesh with a "
-                           f"{axis!r} axis (init_device_mesh(..., mesh_dim_names=(..., {axis!r}, ...)))")
+        raise TPLowerError(f"{where}: axis={axis!r} is not an axis of the mesh {names}{_hint(axis, names)}")
     return mesh.size(names.index(axis)), mesh.get_local_rank(axis)
 
 
@@ -101,7 +130,7 @@ def _agree(mesh: DeviceMesh, axis: str, batch: int, length: int, ids: torch.Tens
 
 
 def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp", *, balance: bool = True,
-                   ignore_index: int = -100) -> dict[str, Any]:
+                   ignore_index: int = -100, shift_labels: bool = True) -> dict[str, Any]:
     """This rank's part of a whole batch, cut on the sequence dim over ``mesh[axis]``; collective over the axis.
 
     Args:
@@ -119,15 +148,22 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
             ``2n-1-r`` of ``2n``), so causal attention costs the same on every
             rank; ``False``: one contiguous piece per rank.
         ignore_index: the label that counts for nothing (the shifted-in last label).
+        shift_labels: ``True`` for a causal LM (each token predicts the next
+            token's label: shifted over the whole sequence before the cut);
+            ``False`` for a head that scores each token against its own label
+            (masked LM, token classification: cut as they are). A model
+            parallelized with ``context=`` refuses labels cut for the other
+            kind of head.
 
     Returns:
         A new dict: the sequence entries cut to this rank's tokens
         (``torch.chunk`` pieces; a length that does not divide gives uneven
         pieces, down to none), ``position_ids`` of the tokens' global
         positions, with ``labels`` the globally shifted labels of this rank's
-        tokens (also as ``shift_labels``) and ``num_items_in_batch`` (the
-        given one, else this batch's count of shifted labels that are not
-        ``ignore_index``), and
+        tokens (also as ``shift_labels``; with ``shift_labels=False`` its
+        labels as they are) and ``num_items_in_batch`` (the given one, else
+        this batch's count of those labels that are not ``ignore_index``),
+        and
         ``context_split`` (:class:`ContextSplit`).
 
     Raises:
@@ -148,8 +184,11 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         t = batch.get(key)
         if isinstance(t, torch.Tensor) and tuple(t.shape[:2]) != (b, s) and not (key == "position_ids" and
                                                                                    tuple(t.shape) == (1, s)):
+            sections = (" (multimodal rope positions, one row per section: context parallelism cuts [batch, "
+                        "sequence] positions; give text positions as such, the model repeats them per section)"
+                        if key == "position_ids" and t.dim() == 3 else "")
             raise TPLowerError(f"shard_sequence: batch[{key!r}] has shape {tuple(t.shape)}; expected [{b}, {s}, ...] "
-                               "like input_ids")
+                               f"like input_ids{sections}")
     _agree(mesh, axis, b, s, main if main.dtype in (torch.int64, torch.int32) else main[..., 0].round())
     layout = SequenceLayout(s, n, balance)
     index = layout.global_index(rank).to(main.device)
@@ -165,35 +204,77 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
     out["position_ids"] = positions.index_select(1, index)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor):
-        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
-        out["labels"] = out["shift_labels"] = shifted.index_select(1, index)
+        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1) if shift_labels else labels
+        out["labels"] = shifted.index_select(1, index)
+        if shift_labels:
+            out["shift_labels"] = out["labels"]
         if batch.get("num_items_in_batch") is None:  # a given count (over every micro-batch) is the caller's
             out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     mask = batch.get("attention_mask")
-    out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions)
+    out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
+                                  shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
+                                  input_ids=batch.get("input_ids"),
+                                  given_positions=batch.get("position_ids") is not None)
     return out
 
 
+def _split_of(split: ContextSplit | Mapping[str, Any], axis: str, n: int) -> ContextSplit:
+    """The :class:`ContextSplit` of ``split`` (a :func:`shard_sequence` part or its split), refused unless it was
+    cut over ``axis`` of ``n`` ranks."""
+    found = split.get(SPLIT_KEY) if isinstance(split, Mapping) else split
+    if not isinstance(found, ContextSplit):
+        raise TPLowerError(f"gather_sequence: split must be the part shard_sequence returned (or its "
+                           f"{SPLIT_KEY!r}), got {type(split).__name__}" +
+                           (f" without {SPLIT_KEY!r}" if isinstance(split, Mapping) else ""))
+    if found.axis != axis or found.layout.size != n:
+        raise TPLowerError(f"gather_sequence: the split was cut over axis {found.axis!r} ({found.layout.size} "
+                           f"ranks); this gather runs over {axis!r} ({n}); gather over axis={found.axis!r}")
+    return found
+
+
+def _balance(split: ContextSplit | Mapping[str, Any] | None, balance: bool | None, axis: str, n: int) -> bool:
+    """The balance to gather with: the split's (a ``balance`` given beside it must agree), else ``balance``,
+    else ``True`` (:func:`shard_sequence`'s default)."""
+    if split is None:
+        return True if balance is None else bool(balance)
+    cut = _split_of(split, axis, n).layout.balance
+    if balance is not None and bool(balance) != cut:
+        raise TPLowerError(f"gather_sequence: balance={balance!r}, but shard_sequence cut this batch with "
+                           f"balance={cut}; drop balance= (the split gives it)")
+    return cut
+
+
 def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: int = 1, *,
-                    balance: bool = True) -> torch.Tensor:
+                    balance: bool | None = None,
+                    split: ContextSplit | Mapping[str, Any] | None = None) -> torch.Tensor:
     """The whole of a tensor cut on ``dim`` by :func:`shard_sequence`, in the original token order; collective.
 
     Args:
         t: this rank's part, e.g. logits ``[B, local S, V]``.
-        mesh, axis, balance: as given to :func:`shard_sequence`.
+        mesh, axis: as given to :func:`shard_sequence`.
         dim: the sequence dim of ``t``.
+        balance: as given to :func:`shard_sequence`; default: the ``split``'s,
+            else ``True`` (its default). At an even length both cuts give
+            every rank as many tokens, so a wrong ``balance`` cannot be told
+            from ``t``: pass ``split`` and the cut is read from it.
+        split: the part :func:`shard_sequence` returned (or its
+            ``context_split``): the balance is read from it.
 
     Returns:
         ``[..., S, ...]`` on every rank of the axis. Differentiable: the
         gradient of the whole goes back as this rank's tokens' rows.
 
     Raises:
-        TPLowerError: an axis the mesh lacks, or local lengths that are not
-            the pieces of one layout (alike on every rank).
+        TPLowerError: an axis the mesh lacks (naming the axis it most likely
+            means), a ``split`` cut over another axis, a ``balance`` that is
+            not the ``split``'s (all before any collective), or local lengths
+            that are not the pieces of one layout (alike on every rank).
+        TypeError: ``t`` is not a tensor.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"gather_sequence: t must be a torch.Tensor, got {type(t).__name__}")
     n, _ = _axis(mesh, axis, "gather_sequence")
+    balance = _balance(split, balance, axis, n)
     d = dim % t.dim()
     group = mesh.get_group(axis)
     mine = torch.tensor([t.shape[d]], dtype=torch.int64)

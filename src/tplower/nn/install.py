@@ -31,6 +31,7 @@ from ..runtime.experts import ExpertDispatch
 from ..runtime.fanout import link_fanouts
 from ..runtime.rest_params import RestParams
 from ..state.full_state import patch_save_pretrained, register_full_load
+from .calls import install_call_checks
 from .coverage import install_coverage
 from .moves import known_sizes
 from .place import place_module
@@ -105,3 +106,4 @@ def install_hooks(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh, re
         collective_peft_save()
     else:
         patch_save_pretrained(model)  # save_pretrained writes whole weights from rank 0
+    install_call_checks(model, resolved)  # ahead of every pre-hook: a part without context, labels on sharded logits

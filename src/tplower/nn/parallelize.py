@@ -49,7 +49,8 @@ from ..context.install import install_context
 from ..core.lower.redistribute import mesh_lowerer
 from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
-from ..plans.entries import PlanValue
+from ..core.support.words import closest
+from ..plans.entries import PlanValue, plan_name
 from ..runtime.boundary import InstalledBoundary, installed_boundary
 from .coverage import COVER_MODES
 from .install import install_boundaries, install_hooks
@@ -68,6 +69,39 @@ def attention_tp(model: nn.Module, resolved: ResolvedPlan) -> int:
     split = any(mp.qual.startswith(tuple(paths)) and any(
         not all(q.is_replicate() for q in lay.placements) for _, lay in mp.layouts) for mp in resolved)
     return resolved.shape[resolved.names.index(resolved.axis)] if split else 1
+
+
+def _check_something_to_do(plan: object, mesh: DeviceMesh, axis: str, context: str | None) -> None:
+    """Refuse a call that would parallelize nothing: no plan and no ``context``, or a plan named by keyword
+    (``"auto"``, ``"derive"``: styles that shard on ``axis``) on a mesh without ``axis``."""
+    if plan is None and context is None:
+        raise TPLowerError("parallelize: plan=None and context=None: nothing to parallelize (the model would run "
+                           "as one process on every rank, and a shard_sequence part would give a wrong loss); give "
+                           "a plan ('auto', 'derive', a mapping or a file) for tensor parallelism, or context='cp' "
+                           "for context parallelism (plan=None: context parallelism alone)")
+    names = tuple(mesh.mesh_dim_names or ())
+    keyword = plan_name(plan)
+    if keyword is None or axis in names:
+        return
+    if context is not None:
+        fix = (f"use plan=None for context parallelism alone, or add a {axis!r} axis to the mesh "
+               f"(init_device_mesh(device, (cp, tp), mesh_dim_names=({context!r}, {axis!r})))")
+    else:
+        fix = f"add a {axis!r} axis to the mesh, or name its tensor-parallel axis with axis="
+    raise TPLowerError(f"parallelize: plan={plan!r} shards modules over axis={axis!r}, but the mesh has no {axis!r} "
+                       f"axis (its axes: {names}){closest(axis, names)}: {fix}")
+
+
+def _check_context_words(context_mode: str, context_grads: str) -> None:
+    """Refuse a ``context_mode`` or ``context_grads`` that names no choice (with the closest one)."""
+    if context_mode not in MODES:
+        raise TPLowerError(f"parallelize: context_mode={context_mode!r}{closest(str(context_mode), MODES)}; "
+                           "allowed: 'ulysses' (all_to_all of sequence and heads) or 'allgather' (keys and values "
+                           "gathered)")
+    if context_grads not in ("sum", "mean"):
+        raise TPLowerError(f"parallelize: context_grads={context_grads!r}{closest(str(context_grads), ('sum', 'mean'))}"
+                           "; allowed: 'sum' (parallelize sums the gradients over the context axis) or 'mean' (the "
+                           "caller averages them over it, e.g. FSDP2 over dp and the context axis flattened)")
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue] | str | Path | None, *,
@@ -89,10 +123,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             (:func:`tplower.plans.derive.derive_plan`); both names in any
             case (``"Auto"``), and a file of either name is not read. A key
             may also name a parameter (``layers.*.self_attn.sinks``): it is
-            placed as the style places a parameter.
+            placed as the style places a parameter. ``None``: no module is
+            planned; with ``context``, context parallelism alone (without
+            it there is nothing to do: refused).
         axis: the tensor-parallel mesh axis HF styles shard on.
-            ``None``: no module is planned (with ``context``: context
-            parallelism alone).
         experts: how ``"auto"`` parallelizes mixture-of-experts blocks:
             ``"tp"`` (default; the model's ``tp_plan``: every rank holds a
             piece of every expert, the block's output is reduced once) or
@@ -110,8 +144,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             over it, the way the ``axis`` reductions are. ``None``: none.
         context_mode: ``"ulysses"`` (default: an ``all_to_all`` from sequence
             to heads before the model's own attention and back after it;
-            measured 0.52x one process's step time and 0.55x its peak memory
-            at 8192 tokens, cp=2, where ``"allgather"`` took 1.23x and 1.38x)
+            measured 0.58x one process's train step time and 0.55x its peak
+            memory at 8192 tokens, cp=2, where ``"allgather"`` took 1.40x and
+            1.40x: ``tplower bench --phases context``, docs/context.md)
             or ``"allgather"`` (keys and values gathered whole, the local
             queries attend to them; no condition on head counts).
         context_grads: who reduces the parameters' gradients over
@@ -173,11 +208,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
             ``DeviceMesh``, ``axis`` not a string or ``overlap`` not a bool
             (before any collective).
-        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, ``cover``
-            neither ``"reduce"`` nor ``"refuse"``, ``context_mode`` neither
-            ``"ulysses"`` nor ``"allgather"``, or ``context_grads`` neither
-            ``"sum"`` nor ``"mean"``.
-        TPLowerError: a plan error (naming the module, field and value), a
+        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, or ``cover``
+            neither ``"reduce"`` nor ``"refuse"``.
+        TPLowerError: ``plan=None`` without ``context`` (nothing to do);
+            ``"auto"``/``"derive"`` on a mesh without ``axis`` (naming
+            ``plan=None`` for context parallelism alone); ``context_mode``
+            neither ``"ulysses"`` nor ``"allgather"``, or ``context_grads``
+            neither ``"sum"`` nor ``"mean"`` (naming the closest); a plan
+            error (naming the module, field and value), a
             plan key that names nothing (with ``strict``), an attention's
             query/key/value projections split in part (some colwise, the
             others unplanned; :func:`tplower.nn.checks.check_qkv_siblings`), a
@@ -198,11 +236,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             boundary moves disagree (undeclared uneven local sizes: the
             message names the module, the input or output and the dim);
             for an ``uneven`` tensor, local sizes that are not
-            ``torch.chunk`` pieces.
+            ``torch.chunk`` pieces; before any collective
+            (:mod:`tplower.nn.calls`), a :func:`tplower.shard_sequence` part
+            given to a model parallelized without ``context`` (naming
+            ``context=``), and ``labels`` given to a model whose plan leaves
+            the logits sharded (naming
+            :func:`tplower.vocab_parallel_cross_entropy`).
 
     Warns:
         UserWarning: per module whose boundary runs on DTensor because the
-            live mesh runs a moved axis on a backend tplower does not know.
+            live mesh runs a moved axis on a backend tplower does not know; at
+            call time, without ``context``, packed documents (position ids
+            that restart) run with a KV cache, which lets them attend across
+            each other (:mod:`tplower.nn.calls`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -216,17 +262,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         raise TypeError(f"parallelize: overlap must be True or False, got {overlap!r}")
     if cover not in COVER_MODES:
         raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
+    _check_something_to_do(plan, mesh, axis, context)
     if plan is not None and axis not in mesh_lowerer(mesh).names:
         warnings.warn(f"tplower: mesh axes {mesh_lowerer(mesh).names} have no {axis!r}; HF styles shard nothing",
                       stacklevel=2)
     if context is not None:
-        if context_mode not in MODES:
-            raise ValueError(f"parallelize: context_mode={context_mode!r}; allowed: 'ulysses' (all_to_all of "
-                             "sequence and heads) or 'allgather' (keys and values gathered)")
-        if context_grads not in ("sum", "mean"):
-            raise ValueError(f"parallelize: context_grads={context_grads!r}; allowed: 'sum' (parallelize sums the "
-                             "gradients over the context axis) or 'mean' (the caller averages them over it, e.g. "
-                             "FSDP2 over dp and the context axis flattened)")
+        _check_context_words(context_mode, context_grads)
         if not replicate_rest and context_grads == "sum":
             raise TPLowerError("parallelize: context= sums every parameter's gradient over the context axis, which "
                                "replicate_rest=False would leave plain (and unsummed) for the parameters the plan "

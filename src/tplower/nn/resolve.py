@@ -30,6 +30,7 @@ from ..adapters.lora import redirect_to_base
 from ..core.language.placements import format_placement, format_placements
 from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 from ..plans.entries import BoundaryEntry, PlanValue, match_plan, resolve_entry
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad
@@ -253,9 +254,11 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
     """
     names_ = tuple(mesh.mesh_dim_names or ())
     if context is not None and context not in names_:
-        raise TPLowerError(f"parallelize: context={context!r} is not an axis of the mesh {names_}; make the mesh "
-                           f"with a {context!r} axis, e.g. init_device_mesh(device, (cp, tp), "
-                           f"mesh_dim_names=({context!r}, 'tp'))")
+        near = closest(context, names_, fallback="cp")
+        raise TPLowerError(f"parallelize: context={context!r} is not an axis of the mesh {names_}{near}; " + (
+            "pass the mesh's context-parallel axis by its name" if near else
+            f"make the mesh with a {context!r} axis, e.g. init_device_mesh(device, (cp, tp), "
+            f"mesh_dim_names=({context!r}, 'tp'))"))
     if context is not None and context == axis:
         raise TPLowerError(f"parallelize: context={context!r} is the tensor-parallel axis too; give the sequence "
                            "its own mesh axis")

@@ -55,6 +55,9 @@ from ..core.support.words import count
 from .compare import TOL, Outcome, compare_logits, compare_training, describe, eval_logits, guarded, merge
 from .hf_configs import _SIZES, Arch, architectures, tiny_config, tiny_model
 from .hf_context import context_side
+from .hf_context_rows import markdown as context_markdown
+from .hf_context_rows import run_rows
+from .hf_context_rows import totals as context_totals
 from .hf_derive import byte_counts, derive_cell, derive_side
 from .quiet import quiet_transformers
 
@@ -304,13 +307,15 @@ def markdown(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tplower.run.hf_table [--only a,b] [--no-hf] [--no-derive] [--markdown] [--json FILE]``; 1 if
-    :func:`gaps`."""
+    :func:`gaps`, or a context-parallel row beyond the decoders is not as expected."""
     parser = argparse.ArgumentParser(prog="python -m tplower.run.hf_table",
                                      description="tplower's and transformers' TP on every HF decoder, tiny, at tp=2")
     parser.add_argument("--only", default="", help="comma list of model_types (default: every architecture)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own TP")
     parser.add_argument("--no-derive", action="store_true", help="skip the derived plan's column (and byte counts)")
-    parser.add_argument("--no-context", action="store_true", help="skip the context-parallel column (cp=2, both modes)")
+    parser.add_argument("--no-context", action="store_true",
+                        help="skip the context-parallel column (cp=2, both modes) and its rows beyond the decoders "
+                             "(those run without --only: rope types, encoders, GPT-2, refusals)")
     parser.add_argument("--markdown", action="store_true", help="print the README table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
     parser.add_argument("--vocab", type=int, default=None,
@@ -319,21 +324,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     rows = run_table([m for m in args.only.split(",") if m] or None, with_hf=not args.no_hf, vocab_size=args.vocab,
                      with_derive=not args.no_derive, with_context=not args.no_context)
+    beyond = None if args.no_context or args.only else run_rows()  # the cp rows beyond the decoders (all of them)
     seconds = time.perf_counter() - start
     if args.markdown:
         print(markdown(rows))
+        if beyond is not None:
+            print(f"\n{context_markdown(beyond)}")
     else:
         for row in rows:
             print(f"{row.arch.model_type:24} {row.tplower.cell():18} {row.hf.cell():18} {row.tplower_ep.cell():18} "
                   f"{row.hf_ep.cell():18} {derive_cell(row.derive, row.tplower):18} {row.context.cell():18} "
                   f"{row.note()}")
+    if beyond is not None and not args.markdown:
+        print("\n" + "\n".join(f"{name:32} {o.cell():18} {o.detail}" for name, o in beyond.items()))
     print(f"\n{len(rows)} architectures in {seconds:.0f} s", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     missing = gaps(rows, allow_by_design=False)
     for row in missing:
         print(f"tplower misses {row.arch.model_type}, which transformers passes: {row.note()}", file=sys.stderr)
-    return 1 if missing else 0
+    return 1 if missing or (beyond is not None and context_totals(beyond)["wrong"]) else 0
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ def _tolerances(model: nn.Module, atol: float | None, rtol: float | None) -> tup
     return (a if atol is None else float(atol)), (r if rtol is None else float(rtol))
 
 
-def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] | str | Path, mesh: DeviceMesh,
+def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] | str | Path | None, mesh: DeviceMesh,
            example_inputs: Any, *, loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, steps: int = 1,
            atol: float | None = None, rtol: float | None = None,
            input_placements: Mapping[int | str, PlacementsLike] | None = None,
@@ -178,7 +178,8 @@ def verify(build_model: Callable[[], nn.Module], plan: Mapping[str, PlanValue] |
             process group the ranks share the global generator: return
             copies of one model built beforehand.
         plan: as :func:`tplower.parallelize` takes it (a mapping, a YAML/JSON
-            file, ``"auto"`` or ``"derive"``).
+            file, ``"auto"`` or ``"derive"``; ``None`` with ``context``:
+            context parallelism alone).
         mesh: the device mesh; every rank of it calls ``verify``.
         example_inputs: the whole inputs, the same on every rank: a tensor,
             a tuple/list of positional inputs or a mapping of keyword inputs.
