@@ -120,11 +120,10 @@ class SequenceSplit:
         cut_here = ours is not None and kwargs.get(SPLIT_KEY) is ours
         if ours is None or not cut_here or module.training:
             return output
-        balance = ours.layout.balance
         logits = output.get("logits") if isinstance(output, MutableMapping) else None
         if isinstance(logits, torch.Tensor) and logits.dim() >= 2:
             assert self.layout.cp is not None
-            output["logits"] = gather_sequence(logits, self.layout.mesh, self.layout.cp, dim=1, balance=balance)
+            output["logits"] = gather_sequence(logits, self.layout.mesh, self.layout.cp, dim=1, split=ours)
         return output
 
     def remove(self) -> None:

@@ -132,8 +132,9 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
                              **options: Any) -> TrainingModel:
     """Parallelize ``model`` in place for training on ``mesh``; refusals come before anything is changed.
 
-    :func:`tplower.parallelize` with the plan on the ``tp``/``ep`` axis (:func:`model_axis`) and ``context``,
-    then :func:`shard_over_dp`, then (with ``context``) the whole-batch splitter and the loss record.
+    :func:`tplower.parallelize` with the plan on the ``tp``/``ep`` axis (:func:`model_axis`) and ``context``
+    (skipped on a mesh with ``dp`` alone, where it would have nothing to do), then :func:`shard_over_dp`, then
+    (with ``context``) the whole-batch splitter and the loss record.
 
     Args:
         options: passed to :func:`tplower.parallelize` (``overlap``, ``strict``, ``cover``, ...).
@@ -147,7 +148,9 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
     if placed_by_tplower(model):
         raise TPLowerError(f"{where}: the model is parallelized already; build the trainer with the model as "
                            f"loaded and let {where} parallelize it (it takes plan, context and experts)")
-    parallelize(model, mesh, plan, axis=axis, experts=mode, context=context, context_mode=context_mode, **options)
+    if plan is not None or context is not None:  # a dp mesh alone: FSDP2 is all there is to do
+        parallelize(model, mesh, plan, axis=axis, experts=mode, context=context, context_mode=context_mode,
+                    **options)
     shard_over_dp(model, layout, sum_gradients=sum_gradients)
     split = SequenceSplit(model, layout) if context is not None else None
     record = TrainingModel(model, layout, split)
