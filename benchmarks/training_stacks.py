@@ -14,6 +14,7 @@ error each route ends with.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -42,16 +43,17 @@ def _first_line(run: Any) -> str:
     return "trains"
 
 
-def _body(rank: int, world: int) -> list[tuple[str, str, str]]:
+def _body(rank: int, world: int, folder: str) -> list[tuple[str, str, str]]:
     from accelerate import ParallelismConfig
 
+    tempfile.tempdir = folder  # every trainer's output folder goes where main() removes it
     import tplower
 
     wants = {sc.name: oracle(sc) for _, sc, _ in ROWS}
     announce(rank, world)
     out = []
     for label, sc, own in ROWS:
-        got, _ = candidate(sc, tempfile.mkdtemp(prefix="tplower-stacks-"))
+        got, _ = candidate(sc, tempfile.mkdtemp())
         d = differences(got, wants[sc.name])
         ours = f"losses {d['loss']:.1e}, grad norms {d['grad_norm']:.1e}, parameters {d['params']:.1e}"
 
@@ -71,7 +73,11 @@ def _body(rank: int, world: int) -> list[tuple[str, str, str]]:
 
 
 def main() -> None:
-    rows = run_processes(2, _body, timeout=900)[0]
+    folder = tempfile.mkdtemp(prefix="tplower-stacks-")
+    try:
+        rows = run_processes(2, _body, folder, timeout=900)[0]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     print("| what the user runs (2 gloo ranks, CPU) | tplower.hf.prepare_trainer: largest difference from one "
           "process | the stack's own parallelism |")
     print("|---|---|---|")

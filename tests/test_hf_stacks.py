@@ -141,6 +141,7 @@ def _refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
 
 def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: bool,
           slow: bool) -> dict[str, Any]:
+    tempfile.tempdir = folder  # every trainer's output folder in this rank goes where the fixture removes it
     wants = {sc.name: oracle(sc) for sc in scenarios}
     loop_want = loop(LOOP, prepare=False) if naive else None
     announce(rank, world)
