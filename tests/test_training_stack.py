@@ -259,6 +259,9 @@ def _fsdp_body(rank: int, world: int, sp: bool) -> None:
             assert p.grad is not None, (label, name)
             torch.testing.assert_close(_full(p.grad), ref_params[name].grad / 2, atol=1e-4, rtol=1e-4,
                                        msg=lambda m, n=name, lb=label: f"FSDP2 {lb} {n} grad: {m}")
+    # whole tensors into FSDP2's dp shards of tensor-parallel shards (_StridedShard over dp, Shard over tp): a resume
+    models["tplower"].load_state_dict(_make(seed=5).state_dict())
+    _assert_params_equal(models["tplower"], _make(seed=5), "load_state_dict of whole tensors under FSDP2")
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["plain", "sequence_parallel"])

@@ -10,7 +10,8 @@ around it), moves the declared outputs and adds a deferred bias. Then the
 model-wide pieces: siblings that read one tensor share its move
 (:mod:`tplower.runtime.fanout`), LoRA adapters are placed and watched for
 (:mod:`tplower.adapters.lora`), dropout streams, the coverage probe, whole
-``load_state_dict`` and ``save_pretrained``.
+``load_state_dict`` and ``save_pretrained``, the refusal of DistributedDataParallel
+(:mod:`tplower.runtime.ddp_guard`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..adapters.peft_save import collective_peft_save, is_peft_model
 from ..core.lower.redistribute import MeshLowerer, mesh_lowerer
 from ..plans.entries import BoundaryEntry
 from ..runtime.boundary import _Boundary
+from ..runtime.ddp_guard import refuse_ddp
 from ..runtime.dropout import install_dropout_streams
 from ..runtime.experts import ExpertDispatch
 from ..runtime.fanout import link_fanouts
@@ -90,7 +92,8 @@ def install_boundaries(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMes
 
 def install_hooks(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh, rest: RestParams | None,
                   cover: str) -> None:
-    """The model-wide hooks: dropout streams, the coverage probe, whole ``load_state_dict`` and ``save_pretrained``."""
+    """The model-wide hooks: dropout streams, the coverage probe, whole ``load_state_dict`` and ``save_pretrained``,
+    the refusal of DistributedDataParallel."""
     lowerer, axis = mesh_lowerer(mesh), resolved.axis
     modules = dict(model.named_modules())
     if axis in lowerer.names:
@@ -98,6 +101,7 @@ def install_hooks(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh, re
         install_dropout_streams(model, boundaries, mesh.device_type, lowerer.coord[lowerer.names.index(axis)])
         install_coverage(model, mesh, axis, rest, cover)
     register_full_load(model)  # load_state_dict of whole tensors: each rank takes its boxes
+    refuse_ddp(model)  # DistributedDataParallel: one TPLowerError line, not a crash or frozen weights
     if is_peft_model(model):  # PeftModel.save_pretrained writes whole adapters
         collective_peft_save()
     else:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..core.support.errors import TPLowerError
@@ -108,7 +108,10 @@ def shard_of(full: torch.Tensor, like: DTensor) -> DTensor:
         like: the DTensor whose layout to take (a parallelized parameter).
 
     Returns:
-        A DTensor whose local tensor is a fresh copy of this rank's boxes (no collective runs).
+        A DTensor whose local tensor is a fresh copy of this rank's boxes (no collective runs). A parameter
+        FSDP2 sharded over ``dp`` on top of a tensor-parallel ``Shard`` of the same dim (placements
+        ``_StridedShard`` over ``dp``, ``Shard`` over ``tp``) takes DTensor's own local cut of ``full``
+        (``distribute_tensor`` with ``src_data_rank=None``: no collective either).
 
     Raises:
         TPLowerError: ``full``'s shape is not ``like``'s global shape.
@@ -117,8 +120,12 @@ def shard_of(full: torch.Tensor, like: DTensor) -> DTensor:
         raise TPLowerError(f"shard_of: a whole tensor of shape {tuple(full.shape)} for a parameter of global "
                            f"shape {tuple(like.shape)}")
     ref = like._local_tensor
-    local = torch.empty(ref.shape, dtype=ref.dtype, device=ref.device)
-    fill_local(local, local_boxes(like), lambda off, size: _box(full, off, size))
+    if packed_boxes(like) is None and any(type(p).__name__ == "_StridedShard" for p in like.placements):
+        cut = distribute_tensor(full.to(ref.device), like.device_mesh, like.placements, src_data_rank=None)
+        local = cut.to_local().to(ref.dtype).contiguous()
+    else:
+        local = torch.empty(ref.shape, dtype=ref.dtype, device=ref.device)
+        fill_local(local, local_boxes(like), lambda off, size: _box(full, off, size))
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
 

@@ -1,0 +1,145 @@
+"""An ``accelerate.Accelerator`` that treats a tplower model as one model: no DDP, batches cut over ``dp``.
+
+:func:`patch_accelerator` replaces three public methods on the accelerator *instance* (its class is not
+touched; :func:`unpatch_accelerator` deletes the instance attributes and the class's methods apply again):
+
+* ``prepare_model``: a model :func:`tplower.parallelize` placed is prepared as accelerate prepares a model for
+  evaluation (``evaluation_mode=True``: mixed precision and ``torch.compile`` as configured, never the
+  ``DistributedDataParallel`` wrap); its parameters' gradients are reduced by tplower over tp/cp and by FSDP2 over
+  ``dp``. Any other model is prepared as before.
+* ``prepare_data_loader``: :func:`tplower.hf.batches.dp_data_loader`, the ``dp`` axis as accelerate's processes.
+* ``gather_for_metrics``: gathers over ``dp`` only (the ranks of one tp/cp group hold the same samples, so a
+  world-wide gather would repeat each one) and drops the samples the last batch repeated to even out the ``dp``
+  ranks, as accelerate's own does.
+
+``Accelerator.prepare(model, optimizer, data_loader)`` calls these through the instance, so a user's loop and
+transformers' ``Trainer`` (which prepares through its ``accelerator``) both get them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.lower.redistribute import redistribute_local
+from ..core.support.errors import TPLowerError
+from ..state.full_state import placed_by_tplower
+from .batches import dp_data_loader
+from .layout import DataLayout
+
+__all__ = ["PATCHED", "check_accelerator", "dp_gather", "patch_accelerator", "unpatch_accelerator"]
+
+#: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first three; the last four
+#: :func:`tplower.hf.prepare_accelerator` replaces too)
+PATCHED = ("prepare_model", "prepare_data_loader", "gather_for_metrics", "prepare_optimizer", "prepare_scheduler",
+           "save_state", "load_state")
+
+
+def check_accelerator(accelerator: Any, where: str) -> None:
+    """Refuse an accelerator that would shard or wrap the model its own way (before anything is changed).
+
+    Raises:
+        TPLowerError: a ``ParallelismConfig``, FSDP or DeepSpeed plugin, or Megatron-LM on ``accelerator``
+            (tplower parallelizes the model itself; the stack's own parallelism would shard it again).
+    """
+    from accelerate.utils import DistributedType
+
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is not None:
+        raise TPLowerError(f"{where}: the accelerator has a ParallelismConfig ({pc}); tplower parallelizes the model "
+                           "itself on the mesh you pass: drop parallelism_config (TrainingArguments or Accelerator)")
+    kind = accelerator.distributed_type
+    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise TPLowerError(f"{where}: the accelerator runs {kind.value}, which would shard or wrap the model "
+                           "tplower parallelizes; drop its fsdp/deepspeed configuration (tplower applies FSDP2 over "
+                           "the mesh's 'dp' axis itself)")
+
+
+def dp_gather(value: Any, layout: DataLayout) -> Any:
+    """``value`` (a tensor or nested tuples/lists/dicts of them) concatenated on dim 0 over ``dp``, in ``dp``
+    order; a 0-d tensor counts as one element. Other objects are gathered with ``all_gather_object``.
+    Collective over ``dp``; every rank passes tensors of equal shapes (as accelerate's ``gather`` asks)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().reshape(1) if value.dim() == 0 else value.detach()
+        if layout.dp is None:
+            return t
+        shape = (t.shape[0] * layout.dp_size, *t.shape[1:])
+        return redistribute_local(t.contiguous(), layout.mesh, {layout.dp: "S(0)"}, {layout.dp: "R"},
+                                  global_shape=shape)
+    if isinstance(value, dict):
+        return type(value)({k: dp_gather(v, layout) for k, v in value.items()})
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (torch.Tensor, tuple, list, dict)) for v in value):
+        return type(value)(dp_gather(v, layout) for v in value)
+    if layout.dp is None:
+        return value if isinstance(value, list) else [value]
+    every: list[Any] = [None] * layout.dp_size
+    dist.all_gather_object(every, value, group=layout.mesh.get_group(layout.dp))
+    if all(isinstance(v, list) for v in every):
+        return [x for v in every for x in v]
+    return every
+
+
+def _truncate(value: Any, keep: int) -> Any:
+    if isinstance(value, (torch.Tensor, list)):
+        return value[:keep]
+    if isinstance(value, dict):
+        return type(value)({k: _truncate(v, keep) for k, v in value.items()})
+    if isinstance(value, tuple):
+        return tuple(_truncate(v, keep) for v in value)
+    return value
+
+
+def _gather_for_metrics(accelerator: Any, layout: DataLayout) -> Any:
+    def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
+        """``Accelerator.gather_for_metrics`` over the ``dp`` axis (see :mod:`tplower.hf.accelerator`)."""
+        data = dp_gather(input_data, layout)
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # the samples the last batch repeated
+            return _truncate(data, state.remainder)
+        return data
+
+    return gather_for_metrics
+
+
+def patch_accelerator(accelerator: Any, layout: DataLayout, model: nn.Module | None = None) -> None:
+    """Make ``accelerator`` prepare tplower models without DDP and read batches over ``layout``'s ``dp`` axis.
+
+    ``model``: the model parallelized for it (one with nothing placed by a plan, data parallelism alone, is
+    recognized by identity; any model :func:`tplower.parallelize` placed is recognized by its parameters).
+
+    Replaces :data:`PATCHED` on the instance (see the module docstring); calling it again re-patches with the
+    new layout.
+
+    Raises:
+        TPLowerError: as :func:`check_accelerator`.
+    """
+    check_accelerator(accelerator, "prepare_accelerator")
+    unpatch_accelerator(accelerator)
+    prepare_model = accelerator.prepare_model
+
+    def prepare_tplower_model(candidate: nn.Module, device_placement: bool | None = None,
+                              evaluation_mode: bool = False) -> nn.Module:
+        """``Accelerator.prepare_model``; a tplower model is never wrapped in DDP (``evaluation_mode=True``)."""
+        ours = placed_by_tplower(candidate) or candidate is model
+        prepared: nn.Module = prepare_model(candidate, device_placement=device_placement,
+                                            evaluation_mode=evaluation_mode or ours)
+        return prepared
+
+    def prepare_data_loader(data_loader: Any, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """``Accelerator.prepare_data_loader`` over the ``dp`` axis (:func:`tplower.hf.batches.dp_data_loader`)."""
+        return dp_data_loader(accelerator, layout, data_loader, device_placement, slice_fn_for_dispatch)
+
+    accelerator.prepare_model = prepare_tplower_model
+    accelerator.prepare_data_loader = prepare_data_loader
+    accelerator.gather_for_metrics = _gather_for_metrics(accelerator, layout)
+
+
+def unpatch_accelerator(accelerator: Any) -> None:
+    """Undo :func:`patch_accelerator` (and :func:`tplower.hf.prepare_accelerator`): the class's methods apply again
+    (a no-op on an unpatched accelerator)."""
+    for name in PATCHED:
+        accelerator.__dict__.pop(name, None)

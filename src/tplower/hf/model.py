@@ -1,0 +1,159 @@
+"""A model parallelized for a training stack: :func:`tplower.parallelize` on the training mesh, FSDP2 over ``dp``,
+whole batches cut over ``cp`` at the model's door, and a record of which losses are already whole.
+
+Shared by :func:`tplower.hf.prepare_trainer` and :func:`tplower.hf.prepare_accelerator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.support.errors import TPLowerError
+from ..nn.parallelize import parallelize
+from ..state.full_state import placed_by_tplower
+from .batches import SequenceSplit
+from .layout import DataLayout
+
+__all__ = ["TrainingModel", "model_axis", "parallelize_for_training", "shard_over_dp"]
+
+
+def model_axis(names: tuple[str, ...], plan: Any, experts: str | None, where: str) -> tuple[str, Any, str]:
+    """The mesh axis the plan shards on, the plan and the experts mode for :func:`tplower.parallelize`.
+
+    ``tp`` or ``ep``, whichever the mesh has; ``experts=None`` means ``"ep"`` on an ``ep`` axis, else ``"tp"``.
+    Without either axis the plan is ``None`` (``"auto"`` then shards nothing: data and context parallelism only).
+
+    Raises:
+        TPLowerError: both ``tp`` and ``ep`` axes (experts are sharded over the tensor-parallel axis itself:
+            name it ``ep`` for expert parallelism alone, ``tp`` with ``experts="ep"`` beside tensor parallelism);
+            ``experts`` not ``"tp"``/``"ep"``/``None``; ``experts="tp"`` on an ``ep`` axis; a plan other than
+            ``"auto"``/``None`` with neither axis.
+    """
+    present = [a for a in ("tp", "ep") if a in names]
+    if len(present) == 2:
+        raise TPLowerError(f"{where}: mesh axes {names} have both 'tp' and 'ep'; tplower shards experts over the one "
+                           "tensor-parallel axis: use 'tp' with experts='ep' (expert and tensor parallelism on the "
+                           "same ranks) or 'ep' alone")
+    if experts not in (None, "tp", "ep"):
+        raise TPLowerError(f"{where}: experts={experts!r}; allowed: None (from the mesh), 'tp' or 'ep'")
+    axis = present[0] if present else "tp"
+    mode = experts or ("ep" if axis == "ep" else "tp")
+    if axis == "ep" and mode != "ep":
+        raise TPLowerError(f"{where}: experts='tp' on an 'ep' mesh axis; name the axis 'tp' for tensor parallelism "
+                           "inside the experts")
+    if not present:
+        if not (plan is None or (isinstance(plan, str) and plan.lower() == "auto")):
+            raise TPLowerError(f"{where}: plan={plan!r} needs a 'tp' (or 'ep') mesh axis to shard on; the mesh "
+                               f"has {names}")
+        plan = None
+    return axis, plan, mode
+
+
+def shard_over_dp(model: nn.Module, layout: DataLayout, *, sum_gradients: bool) -> int:
+    """FSDP2 (``fully_shard``) over the ``dp`` axis: each decoder layer, then the whole model.
+
+    The layers are the modules whose class a transformers model names in ``_no_split_modules`` (the classes
+    accelerate's FSDP plugin wraps too); a model without it gets one FSDP2 group.
+
+    Args:
+        sum_gradients: ``True``: FSDP2 sums the gradients over ``dp`` (``set_gradient_divide_factor(1.0)`` with
+            ``set_force_sum_reduction_for_comms(True)``),
+            for losses divided by the whole global batch's token count; ``False``: it averages them (its
+            default, DDP's rule, for losses that are each rank's own mean).
+
+    Returns:
+        The number of modules sharded (0 without a ``dp`` axis).
+    """
+    if layout.dp is None:
+        return 0
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = layout.mesh[layout.dp]
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    targets = [m for m in model.modules() if m is not model and type(m).__name__ in layers] + [model]
+    for module in targets:
+        fully_shard(module, mesh=mesh)
+    if sum_gradients:
+        for module in targets:
+            if isinstance(module, FSDPModule):  # a plain SUM (gloo has no PREMUL_SUM), divided by 1
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(1.0)
+    return len(targets)
+
+
+@dataclass(eq=False)
+class TrainingModel:
+    """What :func:`parallelize_for_training` did to a model, and what the stack's patches read.
+
+    Attributes:
+        model: the parallelized model.
+        layout: the mesh's :class:`~tplower.hf.layout.DataLayout`.
+        split: the ``cp`` batch splitter (``None`` without ``cp``).
+        whole: the losses the model returned since :meth:`forget` (under ``cp``: each is the whole batch's,
+            the same on every ``cp`` rank, since the context install sums the ranks' parts).
+    """
+
+    model: nn.Module
+    layout: DataLayout
+    split: SequenceSplit | None
+    whole: list[torch.Tensor] = field(default_factory=list)
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        loss = output.get("loss") if isinstance(output, Mapping) else None
+        if isinstance(loss, torch.Tensor):
+            self.whole.append(loss)
+
+    def forget(self) -> None:
+        """Drop the recorded losses (call before each loss computation)."""
+        self.whole.clear()
+
+    def part(self, loss: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the global batch's loss: summed over :attr:`DataLayout.split`, the whole.
+
+        ``loss`` is what a loss computation returned; ``value`` (default ``loss``) a value derived from it by a
+        constant factor (the detached, accumulation-scaled copy a trainer keeps). Under ``cp`` a loss the model
+        returned is already whole over ``cp`` (see :attr:`whole`), so its part is ``value / cp``; a loss a trainer
+        built from the model's per-token outputs (TRL's log-probabilities) is this rank's part as it is.
+        """
+        value = loss if value is None else value
+        if self.layout.cp is not None and any(loss is t for t in self.whole):
+            return value / self.layout.mesh.size(tuple(self.layout.mesh.mesh_dim_names or ()).index(self.layout.cp))
+        return value
+
+
+def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, context: str | None,
+                             context_mode: str, experts: str | None, sum_gradients: bool, where: str,
+                             **options: Any) -> TrainingModel:
+    """Parallelize ``model`` in place for training on ``mesh``; refusals come before anything is changed.
+
+    :func:`tplower.parallelize` with the plan on the ``tp``/``ep`` axis (:func:`model_axis`) and ``context``
+    (skipped on a mesh with ``dp`` alone, where it would have nothing to do), then :func:`shard_over_dp`, then
+    (with ``context``) the whole-batch splitter and the loss record.
+
+    Args:
+        options: passed to :func:`tplower.parallelize` (``overlap``, ``strict``, ``cover``, ...).
+
+    Raises:
+        TPLowerError: the mesh (:meth:`DataLayout.of`), the axes and experts (:func:`model_axis`), a model
+            already parallelized, and every refusal of :func:`tplower.parallelize`.
+    """
+    layout = DataLayout.of(mesh, context, where)
+    axis, plan, mode = model_axis(tuple(mesh.mesh_dim_names or ()), plan, experts, where)
+    if placed_by_tplower(model):
+        raise TPLowerError(f"{where}: the model is parallelized already; build the trainer with the model as "
+                           f"loaded and let {where} parallelize it (it takes plan, context and experts)")
+    if plan is not None or context is not None:  # a dp mesh alone: FSDP2 is all there is to do
+        parallelize(model, mesh, plan, axis=axis, experts=mode, context=context, context_mode=context_mode,
+                    **options)
+    shard_over_dp(model, layout, sum_gradients=sum_gradients)
+    split = SequenceSplit(model, layout) if context is not None else None
+    record = TrainingModel(model, layout, split)
+    if context is not None:
+        model.register_forward_hook(record._record, with_kwargs=True)
+    return record

@@ -1,0 +1,219 @@
+"""``prepare_trainer``: transformers' ``Trainer`` (and every subclass: TRL's ``SFTTrainer``, ``DPOTrainer``, a
+user's own) trains a tplower model as one process trains the whole model.
+
+The trainer is changed through instance attributes only (its class is untouched), each a public method a
+``Trainer`` subclass may override, wrapping what the instance had (so a subclass's own override still runs
+inside):
+
+* ``get_batch_samples``: ``num_items_in_batch``, counted by the trainer's own rule on this rank's micro-batches
+  of the step, summed over ``dp``: the whole global batch's count, as one process counts it. (The trainer's own
+  cross-process sum is turned off: ``args.average_tokens_across_devices = False``; it would count each tp/cp
+  group once per rank.)
+* ``compute_loss``: in evaluation the same global count of the batch; without a count (a model that takes none)
+  the loss divided by the ``dp`` size, so the sums over ``dp`` give DDP's average of the ranks' means.
+* ``training_step``, ``prediction_step``: the loss each returns summed over ``dp`` (and ``cp`` for a loss built
+  from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's (the model's logits
+  come back whole over ``cp`` in evaluation: :class:`tplower.hf.batches.SequenceSplit`).
+* ``gather_function``: evaluation gathers over ``dp`` only.
+* ``save_model``: every rank gathers the whole weights, rank 0 writes them (``from_pretrained`` loads the
+  folder in one process).
+* the optimizer's and scheduler's checkpoint (:func:`_checkpoint_methods`, the one private pair).
+
+The accelerator is patched by :func:`tplower.hf.accelerator.patch_accelerator` (no DDP, batches over ``dp``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.support.errors import TPLowerError
+from .accelerator import check_accelerator, patch_accelerator
+from .batches import global_count
+from .model import TrainingModel, parallelize_for_training
+from .saving import (
+    OPTIMIZER_FOLDER,
+    SCHEDULER_FILE,
+    load_optimizer,
+    load_scheduler,
+    save_optimizer,
+    save_scheduler,
+    writes_whole,
+)
+
+__all__ = ["prepare_trainer"]
+
+#: the Trainer methods (private, no public route) that write and read the optimizer's and scheduler's state
+CHECKPOINT_METHODS = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+
+
+def _check_trainer(trainer: Any, context: str | None) -> None:
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"prepare_trainer: trainer must be a transformers.Trainer (or a subclass such as TRL's "
+                        f"SFTTrainer), got {type(trainer).__name__}")
+    if trainer.optimizer is not None or trainer.lr_scheduler is not None:
+        raise TPLowerError("prepare_trainer: the trainer holds an optimizer or scheduler already, built on the "
+                           "parameters before parallelization (they would never change); build the Trainer "
+                           "without optimizers=(...) (or pass optimizer_cls_and_kwargs) and call prepare_trainer "
+                           "before train()")
+    check_accelerator(trainer.accelerator, "prepare_trainer")
+    missing = [name for name in CHECKPOINT_METHODS if not callable(getattr(type(trainer), name, None))]
+    if missing:
+        raise TPLowerError(f"prepare_trainer: this transformers release has no Trainer.{missing[0]}, through which "
+                           "tplower checkpoints the optimizer's shards; use the transformers version tplower is "
+                           "tested with (5.24)")
+    if context is not None:
+        _check_token_loss(trainer)
+    if context is not None and (trainer.label_smoother is not None or trainer.compute_loss_func is not None):
+        raise TPLowerError("prepare_trainer: context parallelism leaves each rank the logits of its own tokens; "
+                           "label_smoothing_factor and compute_loss_func compute the loss from logits against the "
+                           "whole batch's labels: drop them, or pass context=None")
+
+
+def _check_token_loss(trainer: Any) -> None:
+    """Under ``cp`` each rank's loss must be its tokens' part of a sum over tokens (divided by the global count):
+    transformers' own ``compute_loss`` and TRL's ``SFTTrainer``'s are; a loss of per-sequence sums (DPO's, KTO's,
+    GRPO's log-probabilities summed over each completion) taken on a piece of each sequence is not, and would be
+    silently wrong."""
+    from transformers import Trainer
+
+    sft = getattr(sys.modules.get("trl.trainer.sft_trainer"), "SFTTrainer", None)  # loaded when the trainer is one
+    known = {Trainer.compute_loss, getattr(sft, "compute_loss", Trainer.compute_loss)}
+    if type(trainer).compute_loss not in known:
+        raise TPLowerError(f"prepare_trainer: context parallelism gives each rank a piece of every sequence; "
+                           f"{type(trainer).__name__}.compute_loss is not a loss tplower knows to be a sum over "
+                           "tokens (Trainer's, TRL's SFTTrainer's), and one built from per-sequence sums (DPO, KTO, "
+                           "GRPO) would be silently wrong on pieces: pass context=None (tp, ep and dp work with it)")
+
+
+def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
+    """The trainer's optimizer and scheduler checkpoint, through DCP (each rank its shards) and rank 0's file.
+
+    transformers (checked on 5.24) saves the optimizer with ``torch.save`` on the main process only and loads
+    that one file on every rank, through the private methods :data:`CHECKPOINT_METHODS`; there is no public hook
+    for it. They are replaced on the instance here, and ``tests/test_hf_stacks.py`` fails loudly when a release
+    renames them.
+    """
+    def save(output_dir: str) -> None:
+        save_optimizer(tm.model, trainer.optimizer, os.path.join(output_dir, OPTIMIZER_FOLDER))
+        save_scheduler(trainer.lr_scheduler, os.path.join(output_dir, SCHEDULER_FILE))
+
+    def load(checkpoint: str | None) -> None:
+        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_FOLDER)):
+            return
+        load_optimizer(tm.model, trainer.optimizer, os.path.join(checkpoint, OPTIMIZER_FOLDER))
+        load_scheduler(trainer.lr_scheduler, os.path.join(checkpoint, SCHEDULER_FILE))
+
+    trainer._save_optimizer_and_scheduler = save
+    trainer._load_optimizer_and_scheduler = load
+
+
+def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
+    """``get_batch_samples``, ``compute_loss``, ``training_step`` and ``prediction_step`` (module docstring)."""
+    layout = tm.layout
+    get_batch_samples, compute_loss = trainer.get_batch_samples, trainer.compute_loss
+    training_step, prediction_step = trainer.training_step, trainer.prediction_step
+    last: dict[str, torch.Tensor] = {}
+
+    def batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
+        batches, local = get_batch_samples(epoch_iterator, num_batches, device)
+        return batches, global_count(local, layout)
+
+    def loss_of(model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                num_items_in_batch: Any = None) -> Any:
+        if not model.training:  # evaluation: the trainer counts the rank's batch alone; count the global one
+            num_items_in_batch = batch_samples(iter([inputs]), 1, trainer.args.device)[1]
+        tm.forget()
+        result = compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss = result[0] if return_outputs else result
+        if num_items_in_batch is None and layout.dp_size > 1:  # no count: each rank's loss is its own mean,
+            loss = loss / layout.dp_size  # and the sums over dp (FSDP2's, the logged loss's) give their average
+            result = (loss, result[1]) if return_outputs else loss
+        last["loss"] = loss
+        return result
+
+    def step(model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        value = training_step(model, inputs, num_items_in_batch)
+        mine = tm.part(last.pop("loss"), value) if "loss" in last else value
+        tm.forget()
+        return layout.sum_over(mine.detach(), layout.split)
+
+    def predict(model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        last.clear()
+        loss, logits, labels = prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if loss is not None and "loss" in last:
+            loss = layout.sum_over(tm.part(last["loss"], loss).detach(), layout.split)
+        tm.forget()
+        return loss, logits, labels
+
+    trainer.get_batch_samples = batch_samples
+    trainer.compute_loss = loss_of
+    trainer.training_step = step
+    trainer.prediction_step = predict
+
+
+def _save_method(trainer: Any, tm: TrainingModel) -> None:
+    save_model = trainer.save_model
+
+    def save(output_dir: str | None = None, _internal_call: bool = False) -> None:
+        with writes_whole(tm.model):
+            save_model(output_dir, _internal_call)
+
+    trainer.save_model = save
+
+
+def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, context: str | None = None,
+                    context_mode: str = "ulysses", experts: str | None = None, **options: Any) -> Any:
+    """Parallelize ``trainer.model`` on ``mesh`` and make ``trainer`` train it as one process trains the whole model.
+
+    Call it on every rank, after the trainer is built (with the model as loaded, the same weights on every rank)
+    and before ``train()``, ``evaluate()`` or ``predict()``. Afterwards, against one process's plain ``Trainer``
+    on the same global batches: the same losses (logged), gradient norms, parameters, ``eval_loss`` and
+    predictions; ``save_model`` writes a folder ``from_pretrained`` loads in one process; checkpoints hold the
+    whole weights (``model.safetensors``), the optimizer's shards (DCP, ``optimizer_dcp/``), the scheduler and
+    each rank's RNG, and ``train(resume_from_checkpoint=...)`` continues as the uninterrupted run. No
+    ``accelerate.ParallelismConfig`` is involved (none may be set).
+
+    Args:
+        trainer: a ``transformers.Trainer`` or any subclass, without an optimizer yet.
+        mesh: every rank of the job, axes among ``dp`` (data parallel: FSDP2 shards the parameters over it, each
+            coordinate reads its own micro-batches of ``per_device_train_batch_size``), ``cp`` (context
+            parallel), ``tp`` (tensor parallel) and ``ep`` (expert parallel); the ranks of one tp/cp/ep group
+            read the same batches.
+        plan: as :func:`tplower.parallelize`'s, on the ``tp``/``ep`` axis (``"auto"``: the model's own plan;
+            with neither axis, nothing is sharded by a plan).
+        context: the context-parallel axis (``"cp"``) or ``None``: every batch the model is called with is cut
+            by :func:`tplower.shard_sequence` (padded, packed with ``position_ids``, TRL's padding-free batches).
+        context_mode: ``"ulysses"`` or ``"allgather"`` (:func:`tplower.parallelize`).
+        experts: ``"ep"`` (expert parallelism over the ``tp``/``ep`` axis), ``"tp"``, or ``None``: ``"ep"`` on an
+            ``ep`` axis, else ``"tp"``.
+        options: passed to :func:`tplower.parallelize` (``overlap``, ``strict``, ``cover``, ...).
+
+    Returns:
+        ``trainer`` itself (its model parallelized in place; see the module docstring for what changed).
+
+    Raises:
+        TypeError: ``trainer`` is not a ``transformers.Trainer``; ``mesh`` not a ``DeviceMesh``.
+        TPLowerError: before anything is changed: the trainer already holds an optimizer or scheduler; its
+            accelerator has a ``ParallelismConfig``, FSDP or DeepSpeed; the mesh's axes, or a mesh smaller than
+            the job; a model already parallelized; with ``context``, a ``compute_loss`` other than
+            ``Trainer``'s or ``SFTTrainer``'s (a per-sequence loss such as DPO's would be wrong on pieces of each
+            sequence), label smoothing or a ``compute_loss_func``; and every refusal of :func:`tplower.parallelize`.
+    """
+    _check_trainer(trainer, context)
+    tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
+                                  experts=experts, sum_gradients=True, where="prepare_trainer", **options)
+    patch_accelerator(trainer.accelerator, tm.layout, tm.model)
+    trainer.args.average_tokens_across_devices = False
+    _loss_methods(trainer, tm)
+    trainer.gather_function = lambda value, **_: trainer.accelerator.gather_for_metrics(value)
+    _save_method(trainer, tm)
+    _checkpoint_methods(trainer, tm)
+    return trainer

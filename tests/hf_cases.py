@@ -1,0 +1,292 @@
+"""Training-stack scenarios against one process's plain ``Trainer``: the runs, the data and what is compared.
+
+A :class:`Scenario` names a mesh, a model, a kind of batch and ``prepare_trainer``'s options. :func:`oracle`
+runs one process's plain transformers ``Trainer`` (or TRL's ``SFTTrainer``) on the whole global batches of 4
+rows (5 steps, AdamW 1e-3, gradient clipping at 1.0, evaluation on 8 rows); :func:`candidate` runs the same on
+the scenario's mesh with :func:`tplower.hf.prepare_trainer`. Both return :class:`Run`: the logged losses and
+gradient norms, every parameter's gradient after the first step (a constant factor would hide behind AdamW),
+the final parameters, ``eval_loss`` and, where asked, the predictions. The oracle runs in each rank before the
+process group is announced to accelerate (:func:`announce`), so it is one process's run: no DDP, no sharding.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from context_cases import tiny
+from torch import nn
+
+#: the global batch: rows per optimizer step, as one process reads them
+ROWS, SEQ, STEPS = 4, 32, 5
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One comparison: ``mesh`` as ``((axis, size), ...)``; ``data`` ``padded`` (left padding, an
+    ``attention_mask``, uneven label counts) or ``packed`` (documents restarting ``position_ids``, no mask);
+    ``trainer`` ``trainer``, ``sft`` (TRL, packing texts to 32 tokens) or ``dpo`` (TRL, pairs of texts, the
+    reference model a second copy)."""
+
+    name: str
+    mesh: tuple[tuple[str, int], ...]
+    options: tuple[tuple[str, Any], ...] = ()
+    model: str = "llama"
+    data: str = "padded"
+    accumulation: int = 1
+    trainer: str = "trainer"
+    predict: bool = False
+    checkpoint: bool = False
+    trainer_args: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def dp(self) -> int:
+        return dict(self.mesh).get("dp", 1)
+
+
+@dataclass
+class Run:
+    """What one training run gives, as plain data (it crosses processes)."""
+
+    loss: list[float]
+    grad_norm: list[float]
+    eval_loss: float
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    predictions: torch.Tensor | None = None
+
+
+def rows(n: int, kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows of ``SEQ`` tokens: ``padded`` (row i left-padded by ``(i * 5) % 11``, labels ``-100`` there and
+    on a few more, so the rows' label counts differ) or ``packed`` (two documents a row, cut at ``7 + (i * 5) %
+    17``)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, 128, (SEQ,), generator=gen)
+        labels = ids.clone()
+        if kind == "packed":
+            cut = 7 + (i * 5) % 17
+            labels[cut] = -100  # a document's first token is predicted by no token of its own document
+            positions = torch.cat([torch.arange(cut), torch.arange(SEQ - cut)])
+            out.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+            continue
+        pad = (i * 5) % 11
+        mask = torch.ones(SEQ, dtype=torch.long)
+        mask[:pad] = 0
+        ids[:pad] = 0
+        labels[:pad + i % 3] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def texts(n: int = 40, seed: int = 5) -> list[str]:
+    """Sentences of 4 to 19 words ``w3 .. w127`` (the word-level vocabulary of :func:`tokenizer`)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(4, 20, (1,), generator=gen))
+        out.append(" ".join(f"w{int(t)}" for t in torch.randint(3, 128, (k,), generator=gen)))
+    return out
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer of 128 ids (``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, ``w3`` .. ``w127``), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def announce(rank: int, world: int) -> None:
+    """Tell accelerate (and so transformers' ``Trainer``) that this process is rank ``rank`` of ``world``, as
+    ``torchrun`` would; its cached one-process state is dropped (a private reset: test set-up only)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
+def _args(sc: Scenario, out: str, batch: int, accumulation: int, **extra: Any) -> Any:
+    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch * accumulation,
+                  gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=1.0,
+                  report_to=[], use_cpu=True, logging_steps=1, seed=0, disable_tqdm=True, save_strategy="no",
+                  **dict(sc.trainer_args))
+    common.update(extra)
+    if sc.trainer == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig(**common, packing=True, max_length=SEQ, bf16=False)  # bf16 autocast: not one answer
+    if sc.trainer == "dpo":
+        from trl import DPOConfig
+
+        return DPOConfig(**common, max_length=SEQ, bf16=False)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**common)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _first_grads(store: dict[str, torch.Tensor]) -> Any:
+    from transformers import TrainerCallback
+
+    class FirstGrads(TrainerCallback):  # type: ignore[misc]
+        """Every parameter's gradient (clipped) before the first optimizer step."""
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                                  **kwargs: Any) -> None:
+            if state.global_step == 0 and model is not None and not store:
+                store.update({n: whole(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+
+    return FirstGrads()
+
+
+def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str, torch.Tensor],
+          **extra: Any) -> Any:
+    """The scenario's trainer over a fresh model (the same weights on every rank), not yet prepared."""
+    model = tiny(sc.model, "sdpa")
+    args = _args(sc, out, batch, accumulation, **extra)
+    if sc.trainer == "sft":
+        from datasets import Dataset
+        from trl import SFTTrainer
+
+        return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts()}),
+                          processing_class=tokenizer(), callbacks=[_first_grads(grads)])
+    if sc.trainer == "dpo":
+        from datasets import Dataset
+        from trl import DPOTrainer
+
+        every = texts(3 * ROWS * STEPS, seed=7)
+        pairs = {"prompt": every[0::3], "chosen": every[1::3], "rejected": every[2::3]}
+        return DPOTrainer(model=model, ref_model=tiny(sc.model, "sdpa"), args=args,
+                          train_dataset=Dataset.from_dict(pairs), processing_class=tokenizer(),
+                          callbacks=[_first_grads(grads)])
+    from transformers import Trainer
+
+    return Trainer(model=model, args=args, train_dataset=rows(ROWS * STEPS, sc.data, 1),
+                   eval_dataset=rows(8, sc.data, 2), callbacks=[_first_grads(grads)])
+
+
+def finish(sc: Scenario, trainer: Any, grads: dict[str, torch.Tensor]) -> Run:
+    """Train, evaluate (and predict): the :class:`Run` of ``trainer``."""
+    trainer.train()
+    logs = trainer.state.log_history
+    run = Run([e["loss"] for e in logs if "loss" in e], [e["grad_norm"] for e in logs if "grad_norm" in e],
+              trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else float("nan"), grads,
+              {n: whole(p) for n, p in trainer.model.named_parameters()})
+    if sc.predict:
+        run.predictions = torch.as_tensor(trainer.predict(rows(8, sc.data, 2)).predictions)
+    return run
+
+
+def oracle(sc: Scenario) -> Run:
+    """One process's plain trainer on the whole global batches (``ROWS`` a step); before :func:`announce`."""
+    grads: dict[str, torch.Tensor] = {}
+    return finish(sc, build(sc, tempfile.mkdtemp(prefix="tplower-hf-"), ROWS, 1, grads), grads)
+
+
+def mesh_of(sc: Scenario) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(n for _, n in sc.mesh), mesh_dim_names=tuple(a for a, _ in sc.mesh))
+
+
+def candidate(sc: Scenario, out: str) -> tuple[Run, Any]:
+    """The scenario on its mesh with ``prepare_trainer`` (after :func:`announce`); the run and the trainer."""
+    import tplower.hf
+
+    grads: dict[str, torch.Tensor] = {}
+    extra = {"save_strategy": "steps", "save_steps": 3} if sc.checkpoint else {}
+    trainer = build(sc, out, ROWS // sc.dp // sc.accumulation, sc.accumulation, grads, **extra)
+    tplower.hf.prepare_trainer(trainer, mesh_of(sc), **dict(sc.options))
+    return finish(sc, trainer, grads), trainer
+
+
+def differences(got: Run, want: Run) -> dict[str, float]:
+    """Largest relative differences of the losses and gradient norms, the largest absolute ones of the gradients
+    (over the largest gradient), the parameters, ``eval_loss`` and the predictions."""
+
+    def rel(a: list[float], b: list[float]) -> float:
+        assert len(a) == len(b) == STEPS, (a, b)
+        return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+    def most(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+        return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+    scale = max(float(g.abs().max()) for g in want.grads.values())
+    out = {"loss": rel(got.loss, want.loss), "grad_norm": rel(got.grad_norm, want.grad_norm),
+           "grads": most(got.grads, want.grads) / scale, "params": most(got.params, want.params),
+           "eval_loss": abs(got.eval_loss - want.eval_loss) if want.eval_loss == want.eval_loss else 0.0}
+    if want.predictions is not None:
+        assert got.predictions is not None and got.predictions.shape == want.predictions.shape
+        out["predictions"] = float((got.predictions - want.predictions).abs().max())
+    return out
+
+
+def reloaded(folder: str, want: dict[str, torch.Tensor]) -> float:
+    """The largest difference of a ``save_model`` folder, loaded by ``from_pretrained`` in this process, from
+    ``want`` (one process's final parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    got = dict(model.named_parameters())
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    return max(float((got[k].detach() - want[k]).abs().max()) for k in want)
+
+
+def loop(sc: Scenario, *, prepare: bool, save: str | None = None, resume: str | None = None) -> Run:
+    """A plain accelerate loop: ``STEPS`` AdamW steps (a linear schedule, clipping at 1.0) over the rows in order,
+    the state saved after step 3 into ``save``, or the run resumed from ``resume`` (its last 2 steps);
+    predictions of 8 rows gathered with ``gather_for_metrics``. ``prepare``: through ``prepare_accelerator`` on
+    the scenario's mesh (after :func:`announce`); else one process's loop."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    import tplower.hf
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny(sc.model, "sdpa")
+    if prepare:
+        tplower.hf.prepare_accelerator(accelerator, model, mesh_of(sc), **dict(sc.options))
+    batch = ROWS // sc.dp if prepare else ROWS
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.2, total_iters=STEPS)
+    loader = DataLoader(rows(ROWS * STEPS, sc.data, 1), batch_size=batch, collate_fn=default_data_collator)
+    evals = DataLoader(rows(8, sc.data, 2), batch_size=batch, collate_fn=default_data_collator)
+    model, opt, loader, evals, sched = accelerator.prepare(model, opt, loader, evals, sched)
+    start = 0
+    if resume is not None:
+        accelerator.load_state(resume)
+        loader, start = accelerator.skip_first_batches(loader, 3), 3
+    run = Run([], [], float("nan"))
+    for step, inputs in enumerate(loader, start):
+        loss = model(**inputs).loss
+        accelerator.backward(loss)
+        run.grad_norm.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+        if step == 0:
+            run.grads = {n: whole(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        run.loss.append(float(accelerator.reduce(loss.detach(), "mean")))
+        if step == 2 and save is not None:
+            accelerator.save_state(save)
+    model.eval()
+    with torch.no_grad():
+        run.predictions = torch.cat([accelerator.gather_for_metrics(model(**b).logits) for b in evals])
+    run.params = {n: whole(p) for n, p in model.named_parameters()}
+    return run
