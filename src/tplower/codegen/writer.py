@@ -23,8 +23,9 @@ from typing import Any
 from torch import nn
 
 from ..core.language.placements import format_placements
-from ..runtime.boundary import _Boundary, _Move
+from ..runtime.boundary import _Boundary
 from ..runtime.experts import ExpertDispatch
+from ..runtime.movers import _Move
 from .ops import operator_name
 from .text import move_comment
 

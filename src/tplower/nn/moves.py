@@ -28,7 +28,8 @@ from ..core.lower.redistribute import MeshLowerer
 from ..core.support.errors import TPLowerError
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, BoundaryOp
-from ..runtime.boundary import _Lookup, _Move
+from ..runtime.boundary import _Lookup
+from ..runtime.movers import _Move
 from ..runtime.params import ParamLayout
 
 __all__ = ["input_moves", "input_slot", "known_sizes", "live_reason", "lookup", "opens_region", "output_moves",

@@ -35,7 +35,8 @@ from ..plans.entries import BoundaryEntry, PlanValue, ReadValue, match_plan
 from ..plans.expert_layout import expert_biases, expert_param_placement
 from ..plans.forms import BoundaryForm, classify_boundary_form, deferred_bias_grad
 from ..plans.hf import param_key_placement, read_model_plan, shipped_keys
-from ..runtime.boundary import REPLACED, InstalledBoundary, _Boundary, _Lookup, _Move
+from ..runtime.boundary import REPLACED, InstalledBoundary, _Boundary, _Lookup
+from ..runtime.movers import _Move
 from ..runtime.params import ParamLayout, check_plain_parameter
 from . import checks, moves
 from .layouts import deferred_bias, param_layouts
