@@ -35,6 +35,10 @@ CASES = [(Case("llama", "allgather", "eager", 37, False, "packed"), "tp"),
 EMPTY_RANK = [Case("llama", "ulysses", "sdpa", 3, True, "plain"),
               Case("llama", "allgather", "eager", 3, False, "padded"),
               Case("llama", "allgather", "sdpa", 3, True, "plain", loss_chunk=2)]
+#: cp=4 over 8 tokens cut evenly, both rows left-padded by 4: the queries of ranks 0 and 1 (the first pair of the
+#: hybrid's 2 x 2) see no key in any row (their attention output is zeros), and their q, k and v projections'
+#: gradients still take part in every exchange and reduction
+SHUT_RANK = [Case("llama", mode, "sdpa", 8, False, "leftpad") for mode in ("allgather", "hybrid")]
 
 #: cp=4 as 2 x 2: Ulysses inside pairs of ranks, all-gather across the pairs (Llama's 4 query and 2 key/value heads:
 #: Ulysses degree 2 repeats none); one key/value head (degree 1: all-gather across 4 single ranks); layers with a
@@ -43,6 +47,9 @@ HYBRID = [Case("llama", "hybrid", "sdpa", 64, True, "plain"), Case("llama", "hyb
           Case("llama", "hybrid", "sdpa", 37, False, "packed"),
           Case("llama", "hybrid", "sdpa", 61, True, "ragged", loss_chunk=8),
           Case("llama", "hybrid", "sdpa", 3, True, "plain"),  # rank 3 holds no token
+          # the whole second pair (ranks 2 and 3) holds no token: 2 tokens (a token for ranks 0 and 1), 1 token
+          # (rank 0's alone; one process's loss over no label is NaN, and ours must be NaN too)
+          Case("llama", "hybrid", "sdpa", 2, True, "plain"), Case("llama", "hybrid", "sdpa", 1, True, "plain"),
           Case("llama_mqa", "hybrid", "sdpa", 37, True, "packed"),
           Case("llama", "hybrid", "eager", 37, True, "padded"), Case("mistral", "hybrid", "sdpa", 37, True, "packed")]
 
@@ -137,7 +144,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     out = {c.name: named(run_case, c, mesh, plan="auto", experts=e) for c, e in CASES}
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
-    out.update({c.name: named(run_case, c, flat) for c in EMPTY_RANK + HYBRID})
+    out.update({c.name: named(run_case, c, flat) for c in EMPTY_RANK + HYBRID + SHUT_RANK})
     out["hybrid_layout"] = _hybrid_layout(flat)
     out["train"] = _train(mesh)
     out["vocab"] = _vocab_loss(mesh)
@@ -165,6 +172,12 @@ def test_a_rank_with_no_token_runs_and_matches_one_process(ranks: list[dict[str,
     assert SequenceLayout(c.seq, 4, c.balance).lengths[3] == 0  # the case is what it claims
     for r in ranks:
         matches(c, r[case], TOL)
+
+
+@pytest.mark.parametrize("case", SHUT_RANK, ids=lambda c: c.name)
+def test_a_rank_whose_queries_see_no_key_matches_one_process(ranks: list[dict[str, Any]], case: Case) -> None:
+    for r in ranks:
+        matches(case, r[case.name], TOL)
 
 
 @pytest.mark.parametrize("case", HYBRID, ids=lambda c: c.name)

@@ -156,8 +156,9 @@ def _gather(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, order: torch.T
 def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: tuple[Any, ...],
                    split: ContextSplit, ranks: range, width: int | None, scale: Any) -> torch.Tensor:
     """The output ``[B, len(ranks) * width, H, D]`` of queries holding ranks ``ranks``' tokens, each rank's padded to
-    ``width`` (``None``: one rank's ``[B, s, H, D]``, unpadded): the runs of each piece, zeros in the padding; ``k``
-    and ``v`` (every token, in its own order) stay in the graph even where no query sees a key."""
+    ``width`` (``None``: one rank's ``[B, s, H, D]``, unpadded): the runs of each piece, zeros in the padding; ``q``,
+    ``k`` and ``v`` (every token, in its own order) stay in the graph even where no query sees a key (a group of
+    ranks that holds no token, or only fully masked ones)."""
     layout, parts, used = split.layout, [], False
     for i, r in enumerate(ranks):
         at = i * (width or 0)
@@ -169,8 +170,9 @@ def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         if width is not None and at < (i + 1) * width:
             parts.append(q.new_zeros((q.shape[0], (i + 1) * width - at, q.shape[1], v.shape[3])))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    if not used:  # every query here fully masked: keep k and v in the graph, so their gradients' exchange runs
-        out = out + 0 * (k.narrow(2, 0, 1).sum() + v.narrow(2, 0, 1).sum())
+    if not used:  # every query here fully masked (or none held): keep q, k and v in the graph, so their gradients'
+        # exchanges and the projections' gradient reductions run on this rank as on the others (exact zeros)
+        out = out + 0 * sum(t.narrow(2, 0, 1).sum() for t in (q, k, v))
     return out
 
 
