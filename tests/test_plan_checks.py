@@ -174,6 +174,7 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
             "layers.*.self_attn.q_proj": "colwise",
             "layers.*.self_attn.k_proj": "replicate",
             "layers.*.self_attn.v_proj": "replicate",
+            "layers.*.self_attn.o_proj": "rowwise",
         },
     ),
     "all_three": (
@@ -218,3 +219,85 @@ def test_an_attention_split_in_part_is_refused_naming_the_missing_siblings() -> 
         # k and v replicated on purpose (the plan says so, e.g. one key/value head): the plan's choice, not a
         # forgotten key
         assert (got["replicated"], got["all_three"], got["fused"]) == ("accepted", "accepted", "accepted")
+
+
+ATTN, MLP = "model.layers.*.self_attn", "model.layers.*.mlp"
+#: tiny Llama's own plan (``plan_for(model, "auto")``) with one edit each, as a user makes it
+EDITS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "no_o_proj": ((f"{ATTN}.o_proj", None),),
+    "no_down_proj": ((f"{MLP}.down_proj", None),),
+    "q_rowwise": ((f"{ATTN}.q_proj", "rowwise"),),
+    "no_gate_proj": ((f"{MLP}.gate_proj", None),),
+    "no_gate_up": ((f"{MLP}.gate_proj", None), (f"{MLP}.up_proj", None)),
+    "o_replicated": ((f"{ATTN}.o_proj", "replicate"),),
+    # the refusal's other fix: q, k and v gathered whole, so the unplanned o_proj meets whole heads
+    "gathered": ((f"{ATTN}.o_proj", None), *((f"{ATTN}.{n}_proj", "colwise_gather_output") for n in "qkv")),
+    "vocab_parallel": (("lm_head", "colwise"),),  # logits left sharded for vocab_parallel_cross_entropy
+}
+_QKV = "'model.layers.*.self_attn.q_proj', 'model.layers.*.self_attn.k_proj', 'model.layers.*.self_attn.v_proj'"
+_UP = "'model.layers.*.mlp.gate_proj', 'model.layers.*.mlp.up_proj'"
+PARTNER_REFUSED = {
+    "no_o_proj": f"plan: {_QKV} are colwise over axis 'tp': each rank gives 1/tp of the output features, and that "
+    "split output reaches 'model.layers.*.self_attn.o_proj', which is not in the plan (mismatched shapes at its first "
+    "forward); add 'model.layers.*.self_attn.o_proj': 'rowwise' (the colwise layer's rowwise partner), or make the "
+    f"colwise output whole: 'colwise_gather_output' (torch's use_local_output=False) for {_QKV}",
+    "no_down_proj": f"plan: {_UP} are colwise over axis 'tp': each rank gives 1/tp of the output features, and that "
+    "split output reaches 'model.layers.*.mlp.down_proj', which is not in the plan (mismatched shapes at its first "
+    "forward); add 'model.layers.*.mlp.down_proj': 'rowwise' (the colwise layer's rowwise partner), or make the "
+    f"colwise output whole: 'colwise_gather_output' (torch's use_local_output=False) for {_UP}",
+    "q_rowwise": "plan: attention 'model.layers.*.self_attn' splits ['k_proj', 'v_proj'] colwise over axis 'tp' (each "
+    "rank gives 1/tp of their output features) but its sibling projections give whole features (q_proj rowwise (its "
+    "output reduced whole)): mismatched shapes where the model combines them; give them the same split "
+    "('model.layers.*.self_attn.q_proj': 'colwise'), or leave ['k_proj', 'v_proj'] whole",
+    "no_gate_proj": "plan: MLP 'model.layers.*.mlp' splits ['up_proj'] colwise over axis 'tp' (each rank gives 1/tp "
+    "of their output features) but its sibling projections give whole features (gate_proj not in the plan): "
+    "mismatched shapes where the model combines them; give them the same split ('model.layers.*.mlp.gate_proj': "
+    "'colwise'), or leave ['up_proj'] whole",
+    "no_gate_up": "plan: 'model.layers.*.mlp.down_proj' in 'model.layers.*.mlp' is rowwise over axis 'tp': it takes "
+    "1/tp of its input features, but its producers give whole features (model.layers.*.mlp.gate_proj not in the "
+    "plan; model.layers.*.mlp.up_proj not in the plan); split them ('model.layers.*.mlp.gate_proj': 'colwise', "
+    "'model.layers.*.mlp.up_proj': 'colwise'), or let 'model.layers.*.mlp.down_proj' split its whole input: "
+    "'rowwise_split_input'",
+    "o_replicated": f"plan: {_QKV} are colwise over axis 'tp': each rank gives 1/tp of the output features, and that "
+    "split output reaches 'model.layers.*.self_attn.o_proj', which takes whole input features as placed (mismatched "
+    "shapes at its first forward); add 'model.layers.*.self_attn.o_proj': 'rowwise' (the colwise layer's rowwise "
+    f"partner), or make the colwise output whole: 'colwise_gather_output' (torch's use_local_output=False) for {_QKV}",
+}
+
+
+def _edited(rank: int, world: int, ref: nn.Module) -> dict[str, Any]:
+    import tplower
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for name, edits in EDITS.items():
+        plan = tplower.plan_for(ref, "auto")
+        for key, value in edits:
+            plan.pop(key) if value is None else plan.__setitem__(key, value)
+        model = copy.deepcopy(ref)
+        try:
+            tp = parallelize(model, mesh, plan)
+        except TPLowerError as exc:
+            out[name] = (str(exc), any(isinstance(p, DTensor) for p in model.parameters()))
+            continue
+        logits = tp(input_ids=ids).logits.detach()
+        out[name] = float((logits - ref(input_ids=ids).logits.detach()).abs().max()) if name == "gathered" else \
+            tuple(logits.shape)
+    return out
+
+
+def test_an_edited_plan_that_breaks_a_colwise_rowwise_pair_is_refused_naming_the_fix() -> None:
+    """``plan_for(model, "auto")`` with a layer's partner deleted or changed: refused at ``parallelize`` on every
+    rank, the model unchanged (it was ``mat1 and mat2 shapes cannot be multiplied`` in the first forward); the
+    refusal's other fix (the colwise outputs gathered) gives one process's logits; a colwise output head (logits
+    left sharded on purpose) is no pair and passes."""
+    pytest.importorskip("transformers")
+    from tplower.run.hf_configs import architectures, tiny_model
+
+    ref = tiny_model(architectures(["llama"])[0])
+    for got in run_threaded(2, _edited, ref):
+        for name, message in PARTNER_REFUSED.items():
+            assert got[name] == (message, False), name
+        assert isinstance(got["gathered"], float) and got["gathered"] <= 1e-5, got["gathered"]
+        assert got["vocab_parallel"] == (2, 8, ref.config.vocab_size // 2)

@@ -1,13 +1,13 @@
 """Refusals a plan meets on a model, before anything is changed: each names the module, the value and the fix.
 
-Every check here reads the model, its entries and the mesh's names and sizes;
+Every check here reads the model, its entries and the mesh's names and sizes (the pairs of colwise and
+rowwise layers: :mod:`tplower.nn.partners`);
 :func:`tplower.nn.resolve.resolve_plan` runs them all before a parameter is
 sharded or a hook installed, so a refused plan leaves the model as it was.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,14 +22,8 @@ from ..plans.heads import config_head_counts
 from ..plans.schema import placements_of
 from ..runtime.params import ParamLayout
 
-__all__ = ["QKV_SIBLINGS", "check_heads", "check_partial_input_grads", "check_qkv_siblings", "check_uneven_names",
-           "global_experts", "local_attr_values", "tail_size"]
-
-#: names of an attention's separate query, key and value projections (children of one module); a fused
-#: projection (``qkv``, ``c_attn``, ``query_key_value``) is one module and needs no check
-QKV_SIBLINGS: tuple[tuple[str, str, str], ...] = (
-    ("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"), ("wq", "wk", "wv"),
-    ("q_lin", "k_lin", "v_lin"), ("to_q", "to_k", "to_v"))
+__all__ = ["check_heads", "check_partial_input_grads", "check_uneven_names", "global_experts", "local_attr_values",
+           "tail_size"]
 
 
 def check_heads(model: nn.Module, entries: Mapping[str, BoundaryEntry], lowerer: MeshLowerer, axis: str) -> None:
@@ -134,60 +128,3 @@ def tail_size(value: int | str, config: Any, qual: str) -> int:
     if not isinstance(size, int) or size <= 0:
         raise TPLowerError(f"plan[{qual!r}].partial_tail: the model's config has no positive integer {value!r}")
     return size
-
-
-def _linear_weight_split(module: nn.Module, qual: str, layouts: Mapping[str, Mapping[str, ParamLayout]],
-                         axis: str) -> bool | None:
-    """Whether the plan shards ``module``'s (an ``nn.Linear``, or a LoRA layer's ``base_layer``) output
-    features over ``axis`` (``True``), leaves it unplanned (``False``), or does anything else (``None``)."""
-    if not isinstance(module, nn.Linear):
-        base = getattr(module, "base_layer", None)
-        if not isinstance(base, nn.Linear):
-            return None
-        qual = f"{qual}.base_layer"
-    lay = layouts.get(qual, {}).get("weight")
-    if lay is None:
-        return False
-    names = tuple(lay.mesh.mesh_dim_names or ())
-    if axis not in names:
-        return None
-    q = lay.placements[names.index(axis)]
-    return True if isinstance(q, Shard) and q.dim % 2 == 0 else None
-
-
-def _star(qual: str) -> str:
-    return re.sub(r"(?:^|(?<=\.))\d+(?=\.|$)", "*", qual)
-
-
-def check_qkv_siblings(model: nn.Module, layouts: Mapping[str, Mapping[str, ParamLayout]], axis: str) -> None:
-    """Refuse a plan that splits some of an attention's query/key/value projections over ``axis`` and leaves
-    the others unplanned.
-
-    Siblings are found by structure: ``nn.Linear`` children of one module named as a triple of
-    :data:`QKV_SIBLINGS`. A split projection gives each rank ``heads / n`` heads, an unplanned one all of them,
-    and the attention fails on mismatched shapes at its first forward (or computes wrong scores). A sibling
-    the plan places otherwise (replicated on purpose, rowwise) is left to the plan.
-
-    Args:
-        model: the model.
-        layouts: ``{module qual: {parameter: layout}}`` of every planned module.
-        axis: the tensor-parallel axis.
-
-    Raises:
-        TPLowerError: naming the module, the split projections, the missing ones and the keys to add.
-    """
-    for qual, module in model.named_modules():
-        kids = dict(module.named_children())
-        for triple in QKV_SIBLINGS:
-            if not all(k in kids for k in triple):
-                continue
-            pre = f"{qual}." if qual else ""
-            split = {k: _linear_weight_split(kids[k], pre + k, layouts, axis) for k in triple}
-            done, missing = [k for k, v in split.items() if v is True], [k for k, v in split.items() if v is False]
-            if done and missing:
-                where = _star(qual) or "(root)"
-                add = ", ".join(f"'{_star(pre + k)}': 'colwise'" for k in missing)
-                raise TPLowerError(
-                    f"plan: attention {where!r} splits {done} over axis {axis!r} but not its sibling projections "
-                    f"{missing} (each rank would hold heads / tp queries against every head's keys and values: "
-                    f"mismatched shapes in the attention); add {add} to the plan, or leave {done} whole")

@@ -232,8 +232,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             neither ``"sum"`` nor ``"mean"`` (naming the closest); a plan
             error (naming the module, field and value), a
             plan key that names nothing (with ``strict``), an attention's
-            query/key/value projections split in part (some colwise, the
-            others unplanned; :func:`tplower.nn.checks.check_qkv_siblings`), a
+            query/key/value projections (or an MLP's up and gate) split in
+            part, a colwise projection whose split output reaches a consumer
+            that takes whole features (its rowwise partner missing), or a
+            rowwise one whose producers are not split
+            (:func:`tplower.nn.partners.check_partners`), a
             module already parallelized, a parameter that is already a
             DTensor (e.g. from ``parallelize_module``), attention split over
             a tp that does not divide the config's head counts (a parameter

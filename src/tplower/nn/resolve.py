@@ -4,7 +4,7 @@ The first of :func:`tplower.parallelize`'s three stages (resolve, place,
 install). :func:`resolve_plan` matches the plan to the model's modules (and
 parameter keys), reads each module's entry, classifies its boundary, lays out
 its parameters, finds where each declared input and output arrives, and runs
-every check and refusal (:mod:`tplower.nn.checks`). The result, a
+every check and refusal (:mod:`tplower.nn.checks`, :mod:`tplower.nn.partners`). The result, a
 :class:`ResolvedPlan` of :class:`ModulePlan`\\ s, is everything the later
 stages do: no parameter is sharded, no hook installed, no collective issued
 (the mesh's lowerer is made, which reads its process groups' ranks).
@@ -38,7 +38,7 @@ from ..plans.hf import param_key_placement, read_model_plan, shipped_keys
 from ..runtime.boundary import REPLACED, InstalledBoundary, _Boundary, _Lookup
 from ..runtime.movers import _Move
 from ..runtime.params import ParamLayout, check_plain_parameter
-from . import checks, moves
+from . import checks, moves, partners
 from .layouts import deferred_bias, param_layouts
 
 __all__ = ["ModulePlan", "ResolvedPlan", "bind_compute", "resolve_module", "resolve_plan"]
@@ -298,7 +298,8 @@ def resolve_plan(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValu
             raise TPLowerError(f"module {qual!r} is already parallelized by tplower; parallelize a fresh model")
         resolved.append(resolve_module(module, qual, entries[qual], lowerer, axis, config, summed))
     _check_ties(model, tuple(resolved))
-    checks.check_qkv_siblings(model, {mp.qual: dict(mp.layouts) for mp in resolved}, axis)
+    partners.check_partners(model, {mp.qual: dict(mp.layouts) for mp in resolved},
+                            {mp.qual: mp.entry for mp in resolved}, axis)
     return ResolvedPlan(axis, experts, lowerer.names, lowerer.shape, tuple(plan.items()), tuple(resolved), context)
 
 

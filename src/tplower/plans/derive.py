@@ -65,15 +65,23 @@ from torch import nn
 from ..core.support.errors import TPLowerError
 from ..families.conv1d import is_conv1d
 from .heads import config_head_counts, config_heads, head_attrs
-from .module_facts import features, glob, is_linear, is_projection, join, split_style, takes, whole_reason
+from .module_facts import (
+    ATTENTION_OUTPUTS,
+    MLP_PAIRS,
+    QKV_NAMES,
+    features,
+    glob,
+    is_linear,
+    is_projection,
+    join,
+    split_style,
+    takes,
+    whole_reason,
+)
 
 __all__ = ["DerivedPlan", "Rule", "derive_plan"]
 
-_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("q_lin", "k_lin", "v_lin"))
-_OUT = ("o_proj", "out_proj", "o", "out_lin", "dense")
-_MLP = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
-        (("lin1",), "lin2"), (("dense_h_to_4h",), "dense_4h_to_h"), (("wi_0", "wi_1"), "wo"), (("wi",), "wo"),
-        (("c_fc",), "c_proj"), (("gate_up_proj",), "down_proj"))
+_QKV, _OUT, _MLP = QKV_NAMES, ATTENTION_OUTPUTS, MLP_PAIRS
 
 
 @dataclass(frozen=True)

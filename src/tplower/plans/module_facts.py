@@ -1,5 +1,6 @@
 """What :mod:`tplower.plans.derive` reads of a module: its plan-key name, projection widths and styles, its forward's
-parameters, and why a module no rule places is left whole."""
+parameters, why a module no rule places is left whole, and the names that make an attention or an MLP (read by
+:mod:`tplower.nn.partners` too)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ from torch import nn
 
 from ..families.conv1d import is_conv1d
 
-__all__ = ["features", "glob", "is_linear", "is_projection", "join", "split_style", "takes", "whole_reason"]
+__all__ = ["ATTENTION_OUTPUTS", "MLP_PAIRS", "QKV_NAMES", "features", "glob", "is_linear", "is_projection", "join",
+           "split_style", "takes", "whole_reason"]
+
+#: an attention's separate query, key and value projections (children of one module), as models name them
+QKV_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("q_lin", "k_lin", "v_lin"))
+#: an attention's output projection beside its query/key/value projections (BERT's and ViT's is the attention's
+#: sibling ``output.dense`` instead)
+ATTENTION_OUTPUTS = ("o_proj", "out_proj", "o", "out_lin", "dense")
+#: an MLP's up (and gate) projections and the down projection that consumes them (children of one module)
+MLP_PAIRS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"), (("lin1",), "lin2"),
+    (("dense_h_to_4h",), "dense_4h_to_h"), (("wi_0", "wi_1"), "wo"), (("wi",), "wo"), (("c_fc",), "c_proj"),
+    (("gate_up_proj",), "down_proj"))
 
 
 def glob(name: str) -> str:
