@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from context_cases import batch, tiny
+from context_cases import _SEEDED, batch, tiny
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
@@ -101,9 +101,16 @@ def _gathered(mesh: Any) -> dict[str, Any]:
     before = _issued()
     got = tplower.gather_sequence(logits, mesh, split=part)
     alone = tplower.gather_sequence(logits, mesh, split=part["context_split"])  # the split without its part
+    whole_ids = batch("plain", 16)["input_ids"]
+    ids = tplower.shard_sequence({"input_ids": whole_ids}, mesh)  # a [2, 8] piece a rank
+    before = _issued()
+    right = bool(torch.equal(tplower.gather_sequence(ids["input_ids"], mesh, dim=1, split=ids), whole_ids))
+    right_collectives = _issued() - before
     return {"diff": float((got - want).abs().max()), "gathered": _issued() - before,
             "split_only": float((alone - want).abs().max()),
-            "mismatch": _refused(lambda: tplower.gather_sequence(logits, mesh, balance=False, split=part))}
+            "mismatch": _refused(lambda: tplower.gather_sequence(logits, mesh, balance=False, split=part)),
+            "wrong_dim": _refused(lambda: tplower.gather_sequence(ids["input_ids"], mesh, dim=0, split=ids)),
+            "right_dim": (right, right_collectives)}
 
 
 def _words(mesh: Any, cp_only: Any) -> dict[str, Any]:
@@ -114,6 +121,10 @@ def _words(mesh: Any, cp_only: Any) -> dict[str, Any]:
             "mode": _refused(lambda: tplower.parallelize(copy.deepcopy(ref), mesh, None, context="cp",
                                                          context_mode="ulyses")),
             "axis_case": _refused(lambda: tplower.parallelize(copy.deepcopy(ref), mesh, None, context="CP")),
+            "loss_chunk": _refused(lambda: tplower.parallelize(copy.deepcopy(ref), mesh, None, context="cp",
+                                                               context_loss_chunk="8")),
+            "experts": _refused(lambda: tplower.parallelize(copy.deepcopy(ref), mesh, "auto", experts="eps")),
+            "cover": _refused(lambda: tplower.parallelize(copy.deepcopy(ref), mesh, "auto", cover="refuce")),
             "axis_seq": _refused(lambda: tplower.shard_sequence(whole, mesh, "seq"))}
 
 
@@ -125,6 +136,29 @@ def _vocab_labels(mesh: Any) -> dict[str, Any]:
     model = tplower.parallelize(copy.deepcopy(ref), mesh, {**model_tp_plan(ref), "lm_head": "colwise"}, context="cp")
     part = tplower.shard_sequence(batch("padded", 20), mesh)
     return _refused(lambda: model(**part))
+
+
+def _own_config(mesh: Any) -> dict[str, Any]:
+    """A model built from a config, parallelized with context="cp": the config object left as it was, and a second
+    model built from it afterwards runs as one process (it was told it runs as 'tplower_context')."""
+    from transformers import LlamaForCausalLM
+
+    user = tiny("llama", "sdpa")
+    config = user.config  # the caller's config object, held by the model's modules
+    want = copy.deepcopy(user)  # one process, with its own copy
+    before, held = config.to_dict(), sum(getattr(m, "config", None) is config for m in user.modules())
+    model = tplower.parallelize(user, mesh, None, context="cp")
+    whole = batch("padded", 20)
+    loss = model(**tplower.shard_sequence(whole, mesh)).loss
+    with _SEEDED:
+        second = LlamaForCausalLM(config)
+    second.load_state_dict(want.state_dict())
+    logits = second(**whole, use_cache=False).logits
+    return {"unchanged": config.to_dict() == before and config._attn_implementation == "sdpa", "held": held,
+            "still_held": sum(getattr(m, "config", None) is config for m in model.modules()),
+            "installed": model.config._attn_implementation,
+            "loss": float((loss - want(**whole, use_cache=False).loss).abs().detach()),
+            "second": float((logits - want(**whole, use_cache=False).logits).abs().max().detach())}
 
 
 def _case(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -139,7 +173,8 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     cp_only = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     return {"without_context": _case(_without_context, mesh), "gathered": _case(_gathered, mesh),
-            "words": _case(_words, mesh, cp_only), "vocab_labels": _case(_vocab_labels, mesh)}
+            "words": _case(_words, mesh, cp_only), "vocab_labels": _case(_vocab_labels, mesh),
+            "own_config": _case(_own_config, cp_only)}
 
 
 def _packed(rank: int, world: int) -> dict[str, Any]:
@@ -195,6 +230,20 @@ def test_gather_reads_the_balance_from_the_split(ranks: list[dict[str, Any]]) ->
         _check(got["mismatch"], "balance=False", "balance=True", "drop balance=")
 
 
+def test_gather_refuses_a_dim_that_is_not_the_split_sequence(ranks: list[dict[str, Any]]) -> None:
+    """A [2, 8] piece gathered on dim 0 (the batch): each rank's 8 tokens are its local length, dim 0's size 2 is
+    not; every rank raises alike, after the sizes' exchange and before the data moves (fewer collectives than the
+    right gather, on dim 1, which gives the whole ids back)."""
+    for r in ranks:
+        got = r["gathered"]["wrong_dim"]
+        assert got["error"] == ("gather_sequence: dim=0 of t (shape [2, 8]) has 2 entries on this rank, but the "
+                                "split gives this rank 8 tokens (dim 0's sizes by rank: [2, 2]; the split's local "
+                                "lengths: [8, 8]); pass the sequence dim of t; did you mean dim=1?"), got
+        right, collectives = r["gathered"]["right_dim"]
+        assert right and 0 < got["collectives"] < collectives, (got, collectives)
+        assert got["collectives"] == ranks[0]["gathered"]["wrong_dim"]["collectives"]
+
+
 def _words_of(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in ranks:
         assert "crashed" not in r["words"], r["words"]
@@ -217,6 +266,52 @@ def test_a_misnamed_context_axis_gets_the_closest(ranks: list[dict[str, Any]]) -
         _check(words["axis_case"], "context='CP'", "did you mean 'cp'?")
         _check(words["axis_seq"], "axis='seq'", "did you mean 'cp'?")
         assert "make the mesh with" not in words["axis_case"]["error"] + words["axis_seq"]["error"], words
+
+
+def test_parallelize_names_its_own_arguments(ranks: list[dict[str, Any]]) -> None:
+    """context_loss_chunk by parallelize's name (it said install_context: loss_chunk); experts and cover refused as
+    every other argument is, a TPLowerError (a ValueError too) with the closest choice."""
+    assert issubclass(TPLowerError, ValueError)
+    for words in _words_of(ranks):
+        _check(words["loss_chunk"], "parallelize: context_loss_chunk='8' must be an int >= 1")
+        _check(words["experts"], "parallelize: experts='eps' (did you mean 'ep'?); allowed: 'tp'")
+        _check(words["cover"], "parallelize: cover='refuce' (did you mean 'refuse'?); allowed: 'reduce', 'refuse'")
+        assert "install_context" not in words["loss_chunk"]["error"], words
+
+
+def test_the_callers_config_is_left_as_it_was(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        got = r["own_config"]
+        assert "crashed" not in got, got
+        assert got["unchanged"] and got["held"] > 0 and got["still_held"] == 0, got
+        assert got["installed"] == "tplower_context", got
+        assert got["loss"] <= TOL and got["second"] <= TOL, got
+
+
+def test_every_module_gets_the_config_copy_and_its_sub_configs() -> None:
+    """A composite model (Llava: a CLIP vision tower beside a Llama text model): every module that held the config,
+    its text config or its vision config holds the copy's counterpart; changing the copy's text config leaves the
+    caller's configs as they were."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, PretrainedConfig
+
+    from tplower.context.discover import own_config
+    from tplower.run.hf_configs import tiny_config
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=8, patch_size=4)
+    config = LlavaConfig(vision_config=vision, text_config=tiny_config("llama"), image_token_index=5)
+    model = LlavaForConditionalGeneration(config)
+    originals = {id(config): "", id(config.text_config): "text_config", id(config.vision_config): "vision_config"}
+    held = [(m, k, originals[id(v)]) for m in model.modules() for k, v in vars(m).items()
+            if isinstance(v, PretrainedConfig)]
+    assert {part for _, _, part in held} == {"", "text_config", "vision_config"}  # the case is what it claims
+    own_config(model)
+    for m, k, part in held:
+        assert getattr(m, k) is (getattr(model.config, part) if part else model.config), (type(m).__name__, k)
+    assert id(model.config) not in originals and id(model.config.text_config) not in originals
+    model.config.text_config._attn_implementation = "eager"
+    assert (config.text_config._attn_implementation, config._attn_implementation) == ("sdpa", "sdpa")
+    assert model.config.to_dict()["text_config"]["hidden_size"] == config.text_config.hidden_size
 
 
 def test_labels_with_vocabulary_sharded_logits_point_at_the_vocab_parallel_loss(ranks: list[dict[str, Any]]) -> None:

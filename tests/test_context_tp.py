@@ -191,10 +191,12 @@ def test_hybrid_splits_cp_by_the_heads_and_refuses_a_degree_that_does_not_fit(ra
         got = r["hybrid_layout"]
         assert got["llama"] == (("cp_allgather", "cp_ulysses"), (2, 2))  # 4 query, 2 key/value heads
         assert got["llama_mqa"] == (("cp_allgather", "cp_ulysses"), (4, 1))  # one key/value head: none repeated
-        assert "ulysses=3 must be a divisor of the 4 ranks of axis 'cp'" in got["three"], got["three"]
+        # parallelize's own argument names (context_ulysses, context_mode), not install_context's
+        assert "parallelize: context_ulysses=3 must be a divisor of the 4 ranks of axis 'cp'" in got["three"], got
         assert "context_mode='hybrid' splits the heads over the 2 ranks" in got["heads"], got["heads"]
         assert "3 query heads" in got["heads"], got["heads"]
-        assert "ulysses=2 is the hybrid mode's Ulysses degree; mode='ulysses' takes none" in got["mode"], got["mode"]
+        assert ("parallelize: context_ulysses=2 is the hybrid mode's Ulysses degree; context_mode='ulysses' takes none "
+                "(drop it, or use context_mode='hybrid')") in got["mode"], got["mode"]
 
 
 def test_three_training_steps_match_one_process_and_replicas_stay_identical(ranks: list[dict[str, Any]]) -> None:

@@ -17,6 +17,8 @@ names ``*eager_attention_forward``.
 decoder) is walked without the subtrees of modules whose ``config`` is
 neither the model's config nor its text config: context parallelism splits
 the text sequence, and encoders keep their own implementation.
+:func:`own_config` gives the model a config of its own before anything in it
+changes.
 
 **What is refused**, because it mixes tokens outside that call (a
 recurrence or a convolution carries state from token to token, so the
@@ -36,6 +38,7 @@ sequence cannot be cut without exchanging it):
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,7 +48,7 @@ from torch import nn
 from ..core.support.errors import TPLowerError
 
 __all__ = ["ATTENTION_LAYERS", "TOKEN_WISE_LAYERS", "attention_modules", "check_mixers", "eager_kernel",
-           "text_config"]
+           "own_config", "text_config"]
 
 #: ``layer_types`` entries that are softmax attention with a mask transformers builds for the whole sequence
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -92,6 +95,24 @@ def text_config(model: nn.Module) -> Any:
                            "model (a PreTrainedModel, e.g. AutoModelForCausalLM.from_pretrained(...))")
     getter = getattr(config, "get_text_config", None)
     return getter(decoder=True) if callable(getter) else config
+
+
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` its own deep copy of its config, in place: every module attribute that held the config, or
+    any config inside it (a multimodal model's text config), holds the copy's counterpart, so a later change of
+    the model's config (its attention implementation) reaches no config object the caller holds, nor another
+    model built from it. A model without a transformers ``PretrainedConfig`` is left as it is."""
+    from transformers import PretrainedConfig
+
+    original = getattr(model, "config", None)
+    if not isinstance(original, PretrainedConfig):
+        return
+    memo: dict[int, Any] = {}
+    copy.deepcopy(original, memo)  # memo: id(every object copied) -> its copy
+    for module in model.modules():
+        for key, value in list(module.__dict__.items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                module.__dict__[key] = memo[id(value)]
 
 
 def _in_scope(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:

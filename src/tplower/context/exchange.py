@@ -57,12 +57,20 @@ class ContextAttention(Protocol):
     @property
     def sub_mesh(self) -> DeviceMesh | None: ...
 
-__all__ = ["allgather", "hybrid", "hybrid_axes", "ulysses"]
+__all__ = ["allgather", "hybrid", "hybrid_axes", "hybrid_degree", "ulysses"]
 
 
 def hybrid_axes(axis: str) -> tuple[str, str]:
     """The names of the two axes the hybrid mode splits ``axis`` into: across the groups, inside a group."""
     return f"{axis}_allgather", f"{axis}_ulysses"
+
+
+def hybrid_degree(n: int, heads: list[tuple[int, int]]) -> int:
+    """The hybrid mode's default Ulysses degree over ``n`` ranks: the largest divisor of ``n`` that divides every
+    layer's ``(query, key/value)`` heads per rank in ``heads`` (no key/value head repeated), else the largest that
+    divides the query heads (1 at worst: the all-gather mode's exchanges)."""
+    fits = [d for d in range(n, 0, -1) if n % d == 0 and all(h % d == 0 for h, _ in heads)]
+    return next((d for d in fits if all(kv % d == 0 for _, kv in heads)), fits[0])
 
 
 def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:

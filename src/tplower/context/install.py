@@ -11,7 +11,9 @@ process's answer:
   and the text config's attention implementation becomes
   ``"tplower_context"`` (transformers' setter carries it to the config's
   sub-configs), so those modules call
-  :func:`~tplower.context.attention.context_attention`;
+  :func:`~tplower.context.attention.context_attention`; the model gets its
+  own copy of its config first, so the caller's config object (and any other
+  model built from it) is left as it was;
 * a forward pre-hook on the model refuses a call without the batch's
   ``context_split`` and any KV cache (``generate()``, ``use_cache=True``, a
   given ``past_key_values``), and turns the cache off otherwise; it also
@@ -51,9 +53,10 @@ from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
 from ..core.support.words import closest
 from .attention import ATTR, IMPLEMENTATION, MODES, ContextAttention, inner_config, register
-from .discover import attention_modules, check_mixers, eager_kernel, text_config
-from .exchange import hybrid_axes
+from .discover import attention_modules, check_mixers, eager_kernel, own_config, text_config
+from .exchange import hybrid_axes, hybrid_degree
 from .loss import TiledLoss
+from .placeholder import drop_placeholder, placeholder
 from .rules import CAUSAL, ModelRules
 from .sequence import SPLIT_KEY, ContextSplit, _axis
 
@@ -64,6 +67,8 @@ INSTALL_ATTR = "_tplower_context_install"
 #: attention implementations context parallelism runs inside: their mask is a 4-D tensor it builds whole
 INNER = ("eager", "sdpa")
 _CACHE_KEYS = ("past_key_values", "cache")
+#: install_context's arguments by the names :func:`tplower.parallelize` gives them
+_PARALLELIZE = {"mode": "context_mode", "loss_chunk": "context_loss_chunk", "ulysses": "context_ulysses"}
 _NO_CACHE = ("generate() and KV caches do not run under context parallelism (the cache would hold this rank's "
              "tokens only); generate with a model parallelized without context=")
 
@@ -153,20 +158,25 @@ def _check_ulysses(path: str, module: nn.Module, n: int, axis: str, tp_size: int
                            f"{local}")
 
 
-def _hybrid_degree(found: list[tuple[str, nn.Module]], n: int, axis: str, tp_size: int, given: int | None) -> int:
+def _named(caller: str, arg: str) -> str:
+    """``caller: arg``, the argument by the name the caller's user wrote: :func:`tplower.parallelize`'s ``context_*``
+    names, else :func:`install_context`'s own."""
+    return f"{caller}: {_PARALLELIZE.get(arg, arg) if caller == 'parallelize' else arg}"
+
+
+def _hybrid_degree(found: list[tuple[str, nn.Module]], n: int, axis: str, tp_size: int, given: int | None,
+                   caller: str = "install_context") -> int:
     """The hybrid mode's Ulysses degree ``U`` (a divisor of ``n``): ``given``, or the largest that divides every
     attention module's query and key/value heads per rank (no repeated key/value head), else its query heads."""
     if given is not None:
         if not isinstance(given, int) or isinstance(given, bool) or given < 1 or n % given:
-            raise TPLowerError(f"install_context: ulysses={given!r} must be a divisor of the {n} ranks of axis "
+            raise TPLowerError(f"{_named(caller, 'ulysses')}={given!r} must be a divisor of the {n} ranks of axis "
                                f"{axis!r} (the hybrid mode's Ulysses degree: one of "
                                f"{[d for d in range(1, n + 1) if n % d == 0]})")
         return given
     counts = [_head_counts(m) for _, m in found]
-    local = [(h // tp_size, kv // tp_size if kv % tp_size == 0 else 1) for h, kv in counts
-             if h is not None and kv is not None and h % tp_size == 0]
-    fits = [d for d in range(n, 0, -1) if n % d == 0 and all(h % d == 0 for h, _ in local)]
-    return next((d for d in fits if all(kv % d == 0 for _, kv in local)), fits[0])
+    return hybrid_degree(n, [(h // tp_size, kv // tp_size if kv % tp_size == 0 else 1) for h, kv in counts
+                             if h is not None and kv is not None and h % tp_size == 0])
 
 
 def _per_head(module: nn.Module) -> tuple[str, ...]:
@@ -185,43 +195,6 @@ def _accepts(model: nn.Module, name: str) -> bool:
 def _refuse_cache(kwargs: Mapping[str, Any]) -> None:
     if any(kwargs.get(k) is not None for k in _CACHE_KEYS) or kwargs.get("use_cache"):
         raise TPLowerError(f"context parallelism: {_NO_CACHE}")
-
-
-def _placeholder(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A rank with no token runs one placeholder token: ``[B, 0]`` entries become ``[B, 1]`` (id 0, position 0, label
-    ``-100``, attended), since a model's own code cannot reshape an empty sequence into heads.
-
-    The exchanges drop it as they drop the padding of uneven pieces (no other rank's query sees it), its own query
-    may attend to every key (a finite row), and its label counts for nothing, so every gradient through it is an
-    exact zero; the forward hook drops its row from the outputs.
-    """
-    out = dict(kwargs)
-    for key, fill in (("input_ids", 0), ("position_ids", 0), ("token_type_ids", 0), ("attention_mask", 1),
-                      ("labels", -100), ("shift_labels", -100), ("inputs_embeds", 0)):
-        t = out.get(key)
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == 0:
-            out[key] = t.new_full((t.shape[0], 1, *t.shape[2:]), fill)
-    return out
-
-
-def _drop_placeholder(output: Any) -> Any:
-    """The outputs of a rank with no token without the placeholder's row (``[B, 1, ...]`` -> ``[B, 0, ...]``)."""
-
-    def drop(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == 1:
-            return t.narrow(1, 0, 0)
-        if isinstance(t, tuple) and all(isinstance(x, torch.Tensor) for x in t):
-            return tuple(drop(x) for x in t)
-        return t
-
-    if isinstance(output, MutableMapping):
-        for key in ("logits", "last_hidden_state", "hidden_states"):
-            if output.get(key) is not None:
-                output[key] = drop(output[key])
-        return output
-    if isinstance(output, tuple):
-        return tuple(x if isinstance(x, torch.Tensor) and x.dim() == 0 else drop(x) for x in output)
-    return output
 
 
 class _Hooks:
@@ -247,7 +220,7 @@ class _Hooks:
         if self.rules is not None:
             kwargs = self.rules.before(module, kwargs, split)
         if not split.layout.local_length(split.rank):
-            kwargs = _placeholder(kwargs)
+            kwargs = placeholder(kwargs)
         if self.tiled is not None:
             kwargs = self.tiled.begin(type(module).__name__, kwargs)
         self.live[SPLIT_KEY] = split
@@ -263,7 +236,7 @@ class _Hooks:
             self.tiled.finish(type(module).__name__, output)
         split = kwargs.get(SPLIT_KEY)
         if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
-            output = _drop_placeholder(output)
+            output = drop_placeholder(output)
         if isinstance(output, MutableMapping):
             if output.get("aux_loss") is not None:
                 raise TPLowerError(f"{type(module).__name__}: the router's auxiliary load-balancing loss is a "
@@ -289,12 +262,14 @@ class _Hooks:
 
 def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: str = "ulysses", *,
                     tp_size: int = 1, grad_scale: int = 1, loss_chunk: int | None = None,
-                    ulysses: int | None = None) -> None:
+                    ulysses: int | None = None, caller: str = "install_context") -> None:
     """Run ``model``'s attention over a sequence split on ``mesh[axis]``; the model then takes ``shard_sequence`` parts.
 
-    Modifies ``model`` in place (its text config's attention implementation,
+    Modifies ``model`` in place (a copy of its config, held by every module that
+    held the original, whose text config's attention implementation changes;
     its attention modules, two forward hooks) and only after every check
-    passed. Afterwards ``model(**shard_sequence(batch, mesh, axis))`` gives
+    passed; the config object given to the model is never changed.
+    Afterwards ``model(**shard_sequence(batch, mesh, axis))`` gives
     this rank's tokens' logits and, with ``labels``, the whole batch's loss on
     every rank; each parameter's gradient is this rank's part, to be summed
     over the axis.
@@ -320,6 +295,9 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
             Ulysses inside a group, all-gather across them; default: the
             largest that divides the query and key/value heads each rank
             holds (else the query heads).
+        caller: the public function whose arguments the refusals name:
+            ``"install_context"`` (these names) or ``"parallelize"`` (its
+            ``context_mode``, ``context_loss_chunk``, ``context_ulysses``).
         loss_chunk: ``None`` (default): the model computes its logits and
             loss as it does; ``c``: with ``labels``, the output head and the
             model's loss run in chunks of ``c`` positions with recompute
@@ -346,7 +324,7 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
     if not isinstance(axis, str):
         raise TypeError(f"install_context: axis must be a mesh axis name (str), got {type(axis).__name__}")
     if mode not in MODES:
-        raise TPLowerError(f"install_context: mode (context_mode) {mode!r} is not one of {list(MODES)}"
+        raise TPLowerError(f"{_named(caller, 'mode')}={mode!r} is not one of {list(MODES)}"
                            f"{closest(str(mode), MODES)}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise TPLowerError(f"install_context: tp_size={tp_size!r} must be an int >= 1")
@@ -369,23 +347,26 @@ def install_context(model: nn.Module, mesh: DeviceMesh, axis: str = "cp", mode: 
                            "loss, a statistic of the whole batch's tokens that each rank would compute from its own; "
                            "set config.output_router_logits=False")
     if loss_chunk is not None and rules.kind != CAUSAL:
-        raise TPLowerError(f"install_context: loss_chunk= computes a causal LM's next-token loss in chunks; "
-                           f"{type(model).__name__}'s head is {rules.kind or 'none'}; drop loss_chunk")
-    tiled = TiledLoss(model, config, loss_chunk) if loss_chunk is not None else None
+        raise TPLowerError(f"{_named(caller, 'loss_chunk')}= computes a causal LM's next-token loss in chunks; "
+                           f"{type(model).__name__}'s head is {rules.kind or 'none'}; drop "
+                           f"{_named(caller, 'loss_chunk').partition(': ')[2]}")
+    tiled = TiledLoss(model, config, loss_chunk, _named(caller, "loss_chunk")) if loss_chunk is not None else None
     inners = {path: _inner(path, m) for path, m in found}
     if mode == "ulysses":
         for path, m in found:
             _check_ulysses(path, m, n, axis, tp_size)
     sub_mesh = None
     if mode == "hybrid":
-        degree = _hybrid_degree(found, n, axis, tp_size, ulysses)
+        degree = _hybrid_degree(found, n, axis, tp_size, ulysses, caller)
         for path, m in found:
             _check_ulysses(path, m, degree, axis, tp_size, mode)
         sub_mesh = mesh._unflatten(axis, (n // degree, degree), hybrid_axes(axis))  # collective: every rank
     elif ulysses is not None:
-        raise TPLowerError(f"install_context: ulysses={ulysses!r} is the hybrid mode's Ulysses degree; mode={mode!r} "
-                           "takes none (drop it, or use mode='hybrid')")
+        mode_name = _named(caller, "mode").partition(": ")[2]
+        raise TPLowerError(f"{_named(caller, 'ulysses')}={ulysses!r} is the hybrid mode's Ulysses degree; "
+                           f"{mode_name}={mode!r} takes none (drop it, or use {mode_name}='hybrid')")
     register()
+    own_config(model)  # the caller's config object stays as it was
     configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its copy for the inner implementation)
     attached = []
     for path, m in found:

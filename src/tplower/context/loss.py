@@ -76,21 +76,23 @@ class TiledLoss:
     Args:
         model: the causal LM; ``config``: its text config (``vocab_size`` and the logit transforms).
         chunk: positions per chunk (``[B, chunk, V]`` logits at a time), at least 1.
+        arg: ``caller: argument`` the refusals name (:func:`tplower.parallelize` calls it
+            ``context_loss_chunk``).
 
     Raises:
         TPLowerError: ``chunk`` below 1, or a model without an output head (``get_output_embeddings()``).
     """
 
-    def __init__(self, model: nn.Module, config: Any, chunk: int) -> None:
+    def __init__(self, model: nn.Module, config: Any, chunk: int, arg: str = "install_context: loss_chunk") -> None:
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise TPLowerError(f"install_context: loss_chunk={chunk!r} must be an int >= 1 (positions per chunk "
-                               "of the logits), or None for the whole logits")
+            raise TPLowerError(f"{arg}={chunk!r} must be an int >= 1 (positions per chunk of the logits), or None "
+                               "for the whole logits")
         getter = getattr(model, "get_output_embeddings", None)
         head = getter() if callable(getter) else None
         if not isinstance(head, nn.Module):
-            raise TPLowerError(f"install_context: loss_chunk= computes the loss from the model's output head in "
-                               f"chunks, but {type(model).__name__} has none (get_output_embeddings() is "
-                               f"{type(head).__name__}); drop loss_chunk")
+            raise TPLowerError(f"{arg}= computes the loss from the model's output head in chunks, but "
+                               f"{type(model).__name__} has none (get_output_embeddings() is "
+                               f"{type(head).__name__}); drop {arg.partition(': ')[2]}")
         self.model, self.head, self.chunk = model, head, chunk
         self.vocab = getattr(config, "vocab_size", None)
         self.transform = _logit_transform(model, config)

@@ -244,6 +244,20 @@ def _balance(split: ContextSplit | Mapping[str, Any] | None, balance: bool | Non
     return cut
 
 
+def _check_dim(t: torch.Tensor, d: int, sizes: tuple[int, ...], split: ContextSplit) -> None:
+    """Refuse a ``dim`` whose size, on some rank, is not that rank's local length of the split (every rank has every
+    rank's size: all raise alike)."""
+    want = split.layout.lengths
+    if sizes == want:
+        return
+    mine = want[split.rank]
+    near = [i for i, size in enumerate(t.shape) if size == mine and i != d]
+    hint = f"; did you mean dim={near[0]}?" if near and t.dim() > 1 else ""
+    raise TPLowerError(f"gather_sequence: dim={d} of t (shape {list(t.shape)}) has {t.shape[d]} entries on this rank, "
+                       f"but the split gives this rank {mine} tokens (dim {d}'s sizes by rank: {list(sizes)}; the "
+                       f"split's local lengths: {list(want)}); pass the sequence dim of t{hint}")
+
+
 def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: int = 1, *,
                     balance: bool | None = None,
                     split: ContextSplit | Mapping[str, Any] | None = None) -> torch.Tensor:
@@ -268,7 +282,10 @@ def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: in
         TPLowerError: an axis the mesh lacks (naming the axis it most likely
             means), a ``split`` cut over another axis, a ``balance`` that is
             not the ``split``'s (all before any collective), or local lengths
-            that are not the pieces of one layout (alike on every rank).
+            that are not the pieces of one layout; with a ``split``, a ``dim``
+            whose size on some rank is not that rank's local length (naming
+            the dim and the sizes; these two alike on every rank, after the
+            ranks' sizes of ``dim`` are exchanged and before any data moves).
         TypeError: ``t`` is not a tensor.
     """
     if not isinstance(t, torch.Tensor):
@@ -281,6 +298,8 @@ def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: in
     every = torch.empty(n, dtype=torch.int64)
     _all_gather_base(every, mine, group=group)
     lengths = tuple(int(v) for v in every.tolist())
+    if split is not None:  # alike on every rank: the ranks' sizes of dim, against the split's local lengths
+        _check_dim(t, d, lengths, _split_of(split, axis, n))
     layout = SequenceLayout(sum(lengths), n, balance)
     if lengths != layout.lengths:
         raise TPLowerError(f"gather_sequence: local lengths {list(lengths)} along axis {axis!r} are not the pieces "

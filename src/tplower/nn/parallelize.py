@@ -223,9 +223,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
         TypeError: ``model`` is not an ``nn.Module``, ``mesh`` not a
             ``DeviceMesh``, ``axis`` not a string or ``overlap`` not a bool
             (before any collective).
-        ValueError: ``experts`` is neither ``"tp"`` nor ``"ep"``, or ``cover``
-            neither ``"reduce"`` nor ``"refuse"``.
-        TPLowerError: ``plan=None`` without ``context`` (nothing to do);
+        TPLowerError: ``experts`` neither ``"tp"`` nor ``"ep"``, or ``cover``
+            neither ``"reduce"`` nor ``"refuse"`` (naming the closest; a
+            ``TPLowerError`` is a ``ValueError``); ``plan=None`` without
+            ``context`` (nothing to do);
             ``"auto"``/``"derive"`` on a mesh without ``axis`` (naming
             ``plan=None`` for context parallelism alone); ``context_mode``
             not one of ``"ulysses"``, ``"allgather"``, ``"hybrid"``, or ``context_grads``
@@ -274,12 +275,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if not isinstance(axis, str):
         raise TypeError(f"parallelize: axis must be a mesh axis name (str), got {type(axis).__name__}")
     if experts not in ("tp", "ep"):
-        raise ValueError(f"parallelize: experts={experts!r}; allowed: 'tp' (tensor parallelism inside the experts) "
-                         "or 'ep' (expert parallelism)")
+        raise TPLowerError(f"parallelize: experts={experts!r}{closest(str(experts), ('tp', 'ep'))}; allowed: 'tp' "
+                           "(tensor parallelism inside the experts) or 'ep' (expert parallelism)")
     if not isinstance(overlap, bool):
         raise TypeError(f"parallelize: overlap must be True or False, got {overlap!r}")
     if cover not in COVER_MODES:
-        raise ValueError(f"parallelize: cover={cover!r}; allowed: {', '.join(map(repr, COVER_MODES))}")
+        raise TPLowerError(f"parallelize: cover={cover!r}{closest(str(cover), COVER_MODES)}; allowed: "
+                           f"{', '.join(map(repr, COVER_MODES))}")
     _check_something_to_do(plan, mesh, axis, context)
     if plan is not None and axis not in mesh_lowerer(mesh).names:
         warnings.warn(f"tplower: mesh axes {mesh_lowerer(mesh).names} have no {axis!r}; HF styles shard nothing",
@@ -294,7 +296,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     if context is not None:  # checks first, then the config and the attention modules: before anything is placed
         scale = 1 if context_grads == "sum" else resolved.shape[resolved.names.index(context)]
         install_context(model, mesh, context, context_mode, tp_size=attention_tp(model, resolved), grad_scale=scale,
-                        loss_chunk=context_loss_chunk, ulysses=context_ulysses)
+                        loss_chunk=context_loss_chunk, ulysses=context_ulysses, caller="parallelize")
         if context_grads == "mean":
             resolved = dataclasses.replace(resolved, context=None)
     for mp in resolved:
