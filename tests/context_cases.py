@@ -66,12 +66,14 @@ class Case:
     balance: bool
     batch: str
     loss_chunk: int | None = None  # the loss in chunks of this many positions (``context_loss_chunk``)
+    ulysses: int | None = None  # the hybrid mode's Ulysses degree (``context_ulysses``; default from the heads)
 
     @property
     def name(self) -> str:
         tiled = f"-tiled{self.loss_chunk}" if self.loss_chunk else ""
+        degree = f"-u{self.ulysses}" if self.ulysses else ""
         return f"{self.model}-{self.mode}-{self.impl}-{self.seq}-{'bal' if self.balance else 'even'}-{self.batch}" \
-            + tiled
+            + tiled + degree
 
 
 def tiny(kind: str, impl: str, layers: int = 2) -> nn.Module:
@@ -187,7 +189,7 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: 
 
     ref = tiny(case.model, case.impl, layers)
     model = tplower.parallelize(copy.deepcopy(ref), mesh, plan, context="cp", context_mode=case.mode,
-                                experts=experts, context_loss_chunk=case.loss_chunk)
+                                experts=experts, context_loss_chunk=case.loss_chunk, context_ulysses=case.ulysses)
     widths = [0]
     model.get_output_embeddings().register_forward_hook(lambda m, a, out: widths.append(int(out.shape[1])))
     whole = batch(case.batch, case.seq)

@@ -135,15 +135,28 @@ def test_refused_ulysses_shows_as_refused_and_is_not_recommended(capsys: pytest.
     uly = next(line for line in lines if line.startswith("context_mode='ulysses'"))
     assert uly.startswith("context_mode='ulysses': refused: ")
     assert "the 30 query heads do not divide over cp=4" in uly and uly.endswith("1, 2, 3, 5, 6, 10, 15, 30")
-    assert "S(seq) <-> S(heads)" not in out  # no rows (and no 0 B) for a mode that does not run
+    assert "S(seq) <-> S(heads))" not in out  # no Ulysses rows (and no 0 B) for a mode that does not run
     assert "key, value (S(seq) -> R)                 all_gather      2      36.0 MiB" in out
-    assert lines[-1] == "use context_mode='allgather', the only mode that runs here (72.0 MiB per rank per step)"
-    assert "fewer bytes" not in out
+    # the hybrid runs too, as 2 groups of 2 (2 divides the 30 query and 6 key/value heads, 4 does not): Ulysses over
+    # 2 ranks sends half of q and the output (15 heads) 4 times, 60 MiB, and of k and v (3 heads) 12 MiB; the
+    # group's k and v (6 heads of 2 pieces = 12 MiB) gathered from the one other group, 12 MiB, and their
+    # gradients reduce-scattered as much: 96 MiB a step, more than allgather's 72
+    assert "context_mode='hybrid' (context_ulysses=2: 2 x 2)" in lines
+    assert "query, output (S(seq) <-> S(heads) inside groups of 2)   all_to_all      4      60.0 MiB" in out
+    assert "key, value (S(seq) -> R across 2 groups)                 all_gather      2      12.0 MiB" in out
+    assert lines[-1] == "fewer bytes per step: allgather (72.0 MiB; hybrid 96.0 MiB)"  # ulysses never recommended
     rc, out, _ = _run([*argv, "--json"], capsys)
     info = json.loads(out)
     assert rc == 0 and info["ulysses"]["possible"] is False and info["ulysses"]["rows"] == []
     assert info["ulysses"]["step_bytes_per_rank"] is None and info["allgather"]["possible"] is True
     assert info["allgather"]["step_bytes_per_rank"] == 72 * 2**20 + 6  # + the loss: 2 * 3/4 of 4 B
+    assert info["hybrid"]["step_bytes_per_rank"] == 96 * 2**20 + 6 and info["inputs"]["ulysses"] == 2
+    # a degree the heads do not take: refused with the degrees that run
+    rc, out, _ = _run(["explain", "--context", "batch=1,seq=64,hidden=48,heads=3,kv_heads=1,ulysses=2", "--mesh",
+                       "cp=4"], capsys)
+    assert rc == 0 and ("context_mode='hybrid' (context_ulysses=2: 2 x 2): refused: ulysses=2 splits the 3 query "
+                        "heads per rank over 2 ranks, which does not divide them; degrees that divide cp=4 and them: "
+                        "1") in out.splitlines()
 
 
 def test_refused_ulysses_counts_heads_per_tp_rank(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,29 @@ def test_a_misspelled_option_gets_the_closest(capsys: pytest.CaptureFixture[str]
     assert "unrecognized arguments: --nprocs 2 (did you mean '--nproc'?)" in line, line
 
 
+def test_an_option_of_another_command_is_named_not_mistaken(capsys: pytest.CaptureFixture[str],
+                                                           no_spawn: None) -> None:
+    # --tp is tplower run's; no option of tplower plan is spelt near it (it said: did you mean '--output'?)
+    line = one_line(["plan", "--model", "llama-tiny", "--tp", "two"], capsys)
+    assert line == ("tplower plan: error: unrecognized arguments: --tp two: tplower plan has no --tp option (--tp is "
+                    "an option of tplower run); its options: --model, --output, --embeddings, --axis, --verify, "
+                    "--nproc, --timeout (see tplower plan --help)"), line
+    line = one_line(["plan", "--model", "llama-tiny", "--embedings"], capsys)  # one of its own, misspelt
+    assert "unrecognized arguments: --embedings (did you mean '--embeddings'?)" in line, line
+
+
+def test_every_context_mode_is_a_choice_of_verify() -> None:
+    """``tplower verify --context-mode`` takes each mode ``parallelize`` takes (the parser's copy, kept free of
+    torch, is the list itself); hybrid's check runs as the others' (tests/test_context_tp.py verifies it)."""
+    from tplower.cli import verify
+    from tplower.context.attention import MODES
+
+    assert verify._MODES == MODES
+    args = build_parser().parse_args(["verify", "--model", "llama-tiny", "--context", "4", "--context-mode",
+                                      "hybrid"])
+    assert args.context_mode == "hybrid"
+
+
 def test_a_context_mode_without_context_is_refused_before_torch() -> None:
     # without --context the plan would be verified with tensor parallelism alone, the mode ignored
     [line] = refused_before_torch([["verify", "--model", "llama-tiny", "--context-mode", "allgather"]])

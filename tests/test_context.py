@@ -43,6 +43,9 @@ CASES = [
     # the loss in chunks of positions: softcapped logits (Gemma 2), a chunk that does not divide the local length
     Case("gemma2", "ulysses", "eager", 37, True, "padded", loss_chunk=8),
     Case("llama", "allgather", "sdpa", 64, False, "packed", loss_chunk=5),
+    # the hybrid at cp=2: Ulysses degree 2 from the heads (one group of 2), and degree 1 (2 groups of one rank)
+    Case("llama", "hybrid", "sdpa", 37, True, "padded"),
+    Case("llama", "hybrid", "sdpa", 64, False, "packed", ulysses=1),
 ]
 #: a sequence long enough that a whole-sequence mask or score table stands out: with ``sdpa``, no tensor of a
 #: causal step has two trailing dims of half the sequence or more, in either mode and for every batch kind (one
@@ -56,7 +59,11 @@ SQUARES = [Case("llama", mode, "sdpa", LONG, True, kind) for mode in ("ulysses",
 #: gradient over cp: tiny Llama's 21 (the embedding, 9 a layer: q, k, v, o, gate, up, down and 2 norms, the final
 #: norm, the head).
 COUNTED = {"llama-ulysses-eager-64-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 21},
-           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 21}}
+           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 21},
+           # the hybrid as 1 x 2: Ulysses's all_to_all inside the one group, nothing gathered across one group;
+           # as 2 x 1: no all_to_all among one rank, keys and values gathered across the 2 groups
+           "llama-hybrid-sdpa-37-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 21},
+           "llama-hybrid-sdpa-64-even-packed-u1": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 21}}
 
 
 class _Mixer(nn.Module):
@@ -231,7 +238,7 @@ def test_bytes_counted_at_the_dispatcher_are_what_explain_predicts(ranks: list[d
     c = model.config
     info = explain_context(2, case.seq, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, 2,
                            layers=c.num_hidden_layers, head_dim=c.head_dim, balance=case.balance,
-                           params=sum(p.numel() for p in model.parameters()))
+                           params=sum(p.numel() for p in model.parameters()), ulysses=case.ulysses)
     for r in ranks:
         assert r["cases"][case.name]["sent"] == info[case.mode]["step_bytes_per_rank"]
 

@@ -113,8 +113,12 @@ def _verify(mesh: Any) -> dict[str, Any]:
     ok = tplower.verify(lambda: copy.deepcopy(base), "auto", mesh, batch("padded", 37), context="cp")
     wrong = verify_context(lambda: copy.deepcopy(base), None, mesh, batch("padded", 37), context_grads="mean",
                            context_mode="allgather")
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))  # the hybrid's 2 x 2, as tplower verify runs it
+    hybrid = tplower.verify(lambda: copy.deepcopy(base), None, flat, batch("padded", 37), context="cp",
+                            context_mode="hybrid")
     first = wrong.first_divergence
-    return {"ok": ok.ok, "rows": [b.module for b in ok.boundaries], "wrong_ok": wrong.ok,
+    return {"ok": ok.ok, "rows": [b.module for b in ok.boundaries], "wrong_ok": wrong.ok, "hybrid": hybrid.ok,
+            "hybrid_forms": {b.form for b in hybrid.boundaries},
             "wrong_forward": [b.forward_max_diff for b in wrong.boundaries],
             "first": (first.module, first.phase) if first else None}
 
@@ -217,6 +221,7 @@ def test_verify_with_context_checks_each_attention_exchange(ranks: list[dict[str
     for r in ranks:
         got = r["verify"]
         assert got["ok"] and got["rows"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"], got
+        assert got["hybrid"] and got["hybrid_forms"] == {"context hybrid"}, got
         # the exchanges are right, the gradient reaching the first attention is not: found there, backward
         assert not got["wrong_ok"] and max(got["wrong_forward"]) <= 1e-5, got
         assert got["first"] == ("model.layers.0.self_attn", "backward"), got

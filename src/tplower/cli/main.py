@@ -10,10 +10,11 @@ what it needs inside ``main``, so ``--help`` is instant.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import Parser, closest, fail, run_interruptible
 
@@ -78,12 +79,28 @@ def _with_command(args: list[str]) -> list[str] | str:
             f"{', '.join(SUBCOMMANDS)} (tplower --help)")
 
 
-def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
-    """argparse's ``unrecognized arguments: ...``, with the option of ``parser`` the first unknown ``--option``
-    most likely means (``--nprocs`` -> ``--nproc``)."""
-    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
+    """``parser``'s ``--options``, ``--help`` aside."""
+    return [o for action in parser._actions for o in action.option_strings if o.startswith("--") and o != "--help"]
+
+
+def _unrecognized(extra: list[str], command: str, parsers: Mapping[str, argparse.ArgumentParser]) -> str:
+    """argparse's ``unrecognized arguments: ...``, with the option of ``command`` the first unknown ``--option``
+    most likely means by spelling, its dashes aside (``--nprocs`` -> ``--nproc``); none near: the command has no
+    such option, the commands that do, and the command's options (``tplower plan --tp 2``: ``--tp`` is an option
+    of ``tplower run``, and no option of ``plan`` is meant by it)."""
+    options = _long_options(parsers[command])
+    said = f"unrecognized arguments: {' '.join(extra)}"
     first = next((w.split("=", 1)[0] for w in extra if w.startswith("--")), None)
-    return f"unrecognized arguments: {' '.join(extra)}{closest(first, options) if first else ''}"
+    if first is None:
+        return said
+    bare = {o[2:].lower(): o for o in options}
+    near = difflib.get_close_matches(first[2:].lower(), list(bare), n=1, cutoff=0.6)
+    if near:
+        return f"{said} (did you mean {bare[near[0]]!r}?)"
+    owners = [f"tplower {name}" for name, p in parsers.items() if name != command and first in _long_options(p)]
+    elsewhere = f" ({first} is an option of {' and '.join(owners)})" if owners else ""
+    return f"{said}: tplower {command} has no {first} option{elsewhere}; its options: {', '.join(options)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(args_list)
     if extra:  # named by the subcommand, as its other errors are
-        own = parser.subcommands[args.command]
-        own.error(_unrecognized(extra, own))
+        parser.subcommands[args.command].error(_unrecognized(extra, args.command, parser.subcommands))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     for noisy in ("torch.distributed.tensor", "torch.distributed.tensor._redistribute"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -42,7 +42,7 @@ _DEFAULT_TEXTS = 4  # sentences of the built-in list verify embeds
 _LLAMA_TOKENS = 16  # bytes of each sentence llama-tiny reads
 #: ``--context-mode``'s choices, the first the default: :data:`tplower.context.attention.MODES`, named here without
 #: importing torch
-_MODES = ("ulysses", "allgather")
+_MODES = ("ulysses", "allgather", "hybrid")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=positive_int, default=None, metavar="CP",
                         help="also split the sequence over CP ranks (context parallelism; CP x --nproc processes)")
     parser.add_argument("--context-mode", default=None, choices=_MODES,
-                        help="with --context: all_to_all of heads (ulysses, default) or gathered keys and values")
+                        help="with --context: all_to_all of heads (ulysses, default), gathered keys and values "
+                             "(allgather), or Ulysses inside groups of the CP ranks and gathered across (hybrid)")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the run is ended")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

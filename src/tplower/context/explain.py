@@ -18,6 +18,7 @@ import torch
 
 from ..core.language.explain import format_bytes
 from ..core.support.words import count
+from .exchange import hybrid_degree
 from .layout import SequenceLayout
 
 __all__ = ["context_to_table", "divisors", "explain_context", "head_problem", "ulysses_refusal"]
@@ -65,9 +66,30 @@ def ulysses_refusal(heads: int, tp: int, cp: int) -> str | None:
             f"that divide them: {', '.join(map(str, divisors(local)))}")
 
 
+def _hybrid_rows(h_q: int, h_kv: int, n: int, u: int, piece: int, layers: int) -> list[dict[str, Any]]:
+    """The hybrid mode's exchanges over ``n`` ranks as ``n/u`` groups of ``u``: Ulysses inside a group (its
+    ``all_to_all`` over ``u`` ranks, key/value heads repeated where they do not divide over ``u``), then the
+    group's keys and values, ``h_kv * rep`` heads of ``u`` pieces, gathered across the groups (their gradients
+    reduce-scattered back). An exchange over one rank sends nothing and is left out."""
+    g, rep = n // u, 1 if h_kv % u == 0 else u // math.gcd(h_kv, u)
+    inside, across = f"inside groups of {u}", f"across {g} groups"
+    rows = [] if u == 1 else [
+        {"what": f"query, output (S(seq) <-> S(heads) {inside})", "collective": "all_to_all", "count": 4 * layers,
+         "bytes_per_rank": 4 * layers * (u - 1) * (h_q // u) * piece},
+        {"what": f"key, value ({inside}" + (f", each head repeated {rep}x)" if rep > 1 else ")"),
+         "collective": "all_to_all", "count": 4 * layers, "bytes_per_rank": 4 * layers * (u - 1) * (h_kv * rep // u)
+         * piece}]
+    if g > 1:
+        rows += [{"what": f"key, value (S(seq) -> R {across})", "collective": "all_gather", "count": 2 * layers,
+                  "bytes_per_rank": 2 * layers * (g - 1) * h_kv * rep * piece},
+                 {"what": f"key, value gradients (P(sum) -> S(seq) {across})", "collective": "reduce_scatter",
+                  "count": 2 * layers, "bytes_per_rank": 2 * layers * (g - 1) * h_kv * rep * piece}]
+    return rows
+
+
 def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int, cp: int, tp: int = 1, *,
                     layers: int = 1, head_dim: int | None = None, params: int = 0, balance: bool = True,
-                    dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+                    dtype: torch.dtype = torch.float32, ulysses: int | None = None) -> dict[str, Any]:
     """The collectives and bytes each rank sends per train step under each context-parallel mode.
 
     Args:
@@ -80,19 +102,31 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
             one ``all_reduce`` each (0: left out).
         balance: as :func:`tplower.shard_sequence` cuts the sequence.
         dtype: activations' and gradients' dtype.
+        ulysses: the hybrid mode's Ulysses degree (a divisor of ``cp``); default: the one
+            :func:`tplower.parallelize` chooses from the heads
+            (:func:`~tplower.context.exchange.hybrid_degree`).
 
     Returns:
-        ``{"ulysses": {...}, "allgather": {...}, "inputs": {...}}``; each mode has ``rows`` (``what``,
-        ``collective``, ``count``, ``bytes_per_rank``) and ``step_bytes_per_rank`` (forward and backward).
+        ``{"ulysses": {...}, "allgather": {...}, "hybrid": {...}, "inputs": {...}}``; each mode has ``rows``
+        (``what``, ``collective``, ``count``, ``bytes_per_rank``) and ``step_bytes_per_rank`` (forward and
+        backward); ``inputs`` has the hybrid's ``ulysses`` degree. The hybrid's rows are those of a layer that
+        runs on the batch's runs (``sdpa``, causal, no sliding window); a layer with a dense mask runs the
+        all-gather mode's exchanges (:mod:`tplower.context.attention`).
 
-        A mode that cannot run with these sizes (Ulysses when the query heads per rank do not divide over
-        ``cp``) has ``possible`` false, ``refused`` (why, and the sizes that would run), no rows and
-        ``step_bytes_per_rank`` ``None``; a mode that can has ``possible`` true.
+        A mode that cannot run with these sizes (Ulysses, or the hybrid's Ulysses degree, where the query heads
+        per rank do not divide over it) has ``possible`` false, ``refused`` (why, and the sizes that would run),
+        no rows and ``step_bytes_per_rank`` ``None``; a mode that can has ``possible`` true.
 
     Raises:
-        ValueError: a size below 1, or head counts no attention layer has (:func:`head_problem`).
+        ValueError: a size below 1, head counts no attention layer has (:func:`head_problem`), or a ``ulysses``
+            that does not divide ``cp``.
     """
     _check(batch=batch, seq=seq, hidden=hidden, heads=heads, kv_heads=kv_heads, cp=cp, tp=tp, layers=layers)
+    if ulysses is not None:
+        _check(ulysses=ulysses)
+        if cp % ulysses:
+            raise ValueError(f"explain_context: ulysses={ulysses} does not divide cp={cp}; the hybrid mode's "
+                             f"Ulysses degree is one of {', '.join(map(str, divisors(cp)))}")
     if head_dim is not None:
         _check(head_dim=head_dim)
     if problem := head_problem(hidden, heads, kv_heads, tp, head_dim):
@@ -102,6 +136,7 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
     n = cp
     width = max(SequenceLayout(seq, n, balance).lengths)
     h_q, h_kv = heads // tp, kv_heads // tp
+    u = ulysses if ulysses is not None else hybrid_degree(n, [(h_q, h_kv)])
     rep = 1 if h_kv % n == 0 else n // math.gcd(h_kv, n)  # Ulysses repeats key/value heads fewer than cp
     piece = batch * width * d * item  # one head of one rank's padded piece
 
@@ -123,9 +158,15 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
                        "count": -1, "bytes_per_rank": 2 * (n - 1) * params * item // n})
     out: dict[str, Any] = {"inputs": {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads,
                                       "kv_heads": kv_heads, "head_dim": d, "cp": cp, "tp": tp, "layers": layers,
-                                      "local_width": width, "dtype": str(dtype).removeprefix("torch.")}}
-    refusals = {"ulysses": ulysses_refusal(heads, tp, cp), "allgather": None}
-    for mode, rows in (("ulysses", uly), ("allgather", gather)):
+                                      "local_width": width, "dtype": str(dtype).removeprefix("torch."),
+                                      "ulysses": u}}
+    fits = [d for d in divisors(cp) if h_q % d == 0]
+    refusals = {"ulysses": ulysses_refusal(heads, tp, cp), "allgather": None,
+                "hybrid": None if h_q % u == 0 else f"ulysses={u} splits the {h_q} query heads per rank over {u} "
+                          f"ranks, which does not divide them; degrees that divide cp={cp} and them: "
+                          f"{', '.join(map(str, fits))}"}
+    for mode, rows in (("ulysses", uly), ("allgather", gather), ("hybrid", _hybrid_rows(h_q, h_kv, n, u, piece,
+                                                                                         layers))):
         if (why := refusals[mode]) is not None:
             out[mode] = {"rows": [], "step_bytes_per_rank": None, "possible": False, "refused": why}
             continue
@@ -135,12 +176,15 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
 
 
 def context_to_table(info: dict[str, Any]) -> str:
-    """The dict of :func:`explain_context` as text: one table per mode and which sends less."""
+    """The dict of :func:`explain_context` as text: one table per mode and which sends least."""
     i = info["inputs"]
     lines = [f"context parallelism per train step: batch {i['batch']} x {i['seq']} tokens (longest piece "
              f"{i['local_width']}), hidden {i['hidden']}, {i['heads']} heads / {i['kv_heads']} key/value heads of "
              f"{i['head_dim']}, {count(i['layers'], 'layer')}, cp={i['cp']}, tp={i['tp']}, {i['dtype']}"]
-    for mode, title in (("ulysses", "context_mode='ulysses'"), ("allgather", "context_mode='allgather'")):
+    titles = {"ulysses": "context_mode='ulysses'", "allgather": "context_mode='allgather'",
+              "hybrid": f"context_mode='hybrid' (context_ulysses={i['ulysses']}: {i['cp'] // i['ulysses']} x "
+                        f"{i['ulysses']})"}
+    for mode, title in titles.items():
         part = info[mode]
         if not part["possible"]:
             lines += ["", f"{title}: refused: {part['refused']}"]
@@ -153,12 +197,14 @@ def context_to_table(info: dict[str, Any]) -> str:
         lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.append(f"total per rank, forward and backward: {format_bytes(part['step_bytes_per_rank'])}")
-    u, a = info["ulysses"]["step_bytes_per_rank"], info["allgather"]["step_bytes_per_rank"]
-    if u is None:  # allgather splits no heads: it always runs
-        lines += ["", f"use context_mode='allgather', the only mode that runs here ({format_bytes(a)} per rank per "
-                  "step)"]
+    sent = {m: info[m]["step_bytes_per_rank"] for m in titles if info[m]["possible"]}
+    best = min(sent, key=lambda m: sent[m])
+    if len(sent) == 1:
+        lines += ["", f"use context_mode={best!r}, the only mode that runs here ({format_bytes(sent[best])} per rank "
+                  "per step)"]
         return "\n".join(lines)
-    lines += ["", f"fewer bytes per step: {'allgather' if a < u else 'ulysses'} ({format_bytes(min(u, a))} vs "
-              f"{format_bytes(max(u, a))}); time and memory favour ulysses where its heads divide "
-              "(benchmarks/results/context_modes.md)"]
+    others = ", ".join(f"{m} {format_bytes(b)}" for m, b in sent.items() if m != best)
+    lines += ["", f"fewer bytes per step: {best} ({format_bytes(sent[best])}; {others})" +
+              ("; time and memory favour ulysses where its heads divide (benchmarks/results/context_modes.md)"
+               if "ulysses" in sent else "")]
     return "\n".join(lines)
