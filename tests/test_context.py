@@ -55,15 +55,15 @@ SQUARES = [Case("llama", mode, "sdpa", LONG, True, kind) for mode in ("ulysses",
            for kind in ("plain", "padded", "ragged", "packed")]
 #: forward and backward collectives of a 2-layer model: Ulysses moves q, k, v and the output each way
 #: (4 all_to_all a layer forward, 4 backward); all-gather gathers k and v (2 all_gather a layer forward,
-#: their gradients 2 reduce_scatter backward). One all_reduce makes the loss whole, and one sums each parameter's
-#: gradient over cp: tiny Llama's 21 (the embedding, 9 a layer: q, k, v, o, gate, up, down and 2 norms, the final
-#: norm, the head).
-COUNTED = {"llama-ulysses-eager-64-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 21},
-           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 21},
+#: their gradients 2 reduce_scatter backward). One all_reduce makes the loss whole, and one sums over cp the
+#: gradients of the parameters one module call swaps in together: tiny Llama's 21 parameters in 8 (a layer's
+#: attention's q, k, v, o; its MLP's gate, up, down; its 2 norms; the model's embedding and final norm; the head).
+COUNTED = {"llama-ulysses-eager-64-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 8},
+           "llama-allgather-sdpa-37-even-packed": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 8},
            # the hybrid as 1 x 2: Ulysses's all_to_all inside the one group, nothing gathered across one group;
            # as 2 x 1: no all_to_all among one rank, keys and values gathered across the 2 groups
-           "llama-hybrid-sdpa-37-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 21},
-           "llama-hybrid-sdpa-64-even-packed-u1": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 21}}
+           "llama-hybrid-sdpa-37-bal-padded": {"all_to_all": 16, "all_reduce": 1 + 8},
+           "llama-hybrid-sdpa-64-even-packed-u1": {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1 + 8}}
 
 
 class _Mixer(nn.Module):

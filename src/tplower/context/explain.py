@@ -191,7 +191,7 @@ def context_to_table(info: dict[str, Any]) -> str:
             continue
         lines += ["", title]
         head = ("what", "collective", "count", "bytes/rank")
-        rows = [(r["what"], r["collective"], "one a parameter" if r["count"] < 0 else str(r["count"]),
+        rows = [(r["what"], r["collective"], "one a module" if r["count"] < 0 else str(r["count"]),
                  format_bytes(r["bytes_per_rank"])) for r in part["rows"]]
         widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())

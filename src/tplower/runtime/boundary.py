@@ -28,7 +28,7 @@ from .dropout import DropoutStreams
 from .interned import intern, traced
 from .movers import _dtensor, _lowered, _Move, _Mover
 from .overlap import can_overlap, overlapped_call
-from .params import ParamLayout, local_parameter
+from .params import ParamLayout, local_parameter, local_parameters
 from .tie import tie_outputs
 from .uneven import agreed_global_shape, exchanged_global_shape, known_global_shape
 
@@ -252,10 +252,16 @@ class _Boundary:
         bias_name = st.deferred_bias
         pad = getattr(owner, "padding_idx", None) if lookup is not None else None
         try:
-            for name, layout in st.params:
-                p = saved[name]
-                if p is not None:
-                    params[name] = local_parameter(p, layout)  # type: ignore[assignment]
+            if len(st.params) > 1:  # the gradients' sums that can run as one all_reduce do
+                views = local_parameters([saved[name] for name, _ in st.params], [lay for _, lay in st.params])
+                for (name, _), view in zip(st.params, views, strict=True):
+                    if view is not None:
+                        params[name] = view  # type: ignore[assignment]
+            else:
+                for name, layout in st.params:
+                    p = saved[name]
+                    if p is not None:
+                        params[name] = local_parameter(p, layout)  # type: ignore[assignment]
             bias = None
             if bias_name is not None:
                 bias, params[bias_name] = params[bias_name], None

@@ -30,7 +30,8 @@ own axis; otherwise on the whole mesh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +46,8 @@ from ..core.lower.program import Program
 from ..core.lower.redistribute import mesh_lowerer
 from ..core.support.errors import TPLowerError
 
-__all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "param_layout", "shard_parameter"]
+__all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "local_parameters", "param_layout",
+           "shard_parameter"]
 
 Placements = tuple[Placement, ...]
 
@@ -74,6 +76,15 @@ class ParamLayout:
     grad: Placements | None
     packed: int = 1
     use: Placements | None = None
+    #: the gradient's reduction is a sum over some axes and nothing else (``P(sum) -> R`` there, the rest
+    #: unchanged): one all_reduce that may run on several parameters' gradients flattened together
+    sums_only: bool = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sums = self.grad is not None and self.use is None and all(
+            g == q or (isinstance(g, Partial) and g.reduce_op == "sum" and isinstance(q, Replicate))
+            for g, q in zip(self.grad, self.placements, strict=True))
+        object.__setattr__(self, "sums_only", sums)
 
     def dtensor_placements(self) -> Placements:
         """The DTensor's placements: ``Shard(d)`` of a packed parameter is ``_StridedShard(d, split_factor=k)``."""
@@ -198,6 +209,79 @@ class _LocalView(torch.autograd.Function):
                                                      grad.device.type)(grad)
         grad = grad.contiguous()
         return DTensor(grad, ctx.spec, requires_grad=False), None
+
+
+class _LocalViews(torch.autograd.Function):
+    """Several DTensor parameters -> views of their local tensors; backward: their gradients summed in one all_reduce.
+
+    For parameters whose layouts all have :attr:`ParamLayout.sums_only` on
+    the same mesh, placements and gradient placements, and one dtype and
+    device: the local gradients are flattened into one buffer, reduced by one
+    collective (the ``P(sum) -> R`` a single parameter's :class:`_LocalView`
+    runs, on the buffer, in place) and handed back as views of it, each
+    wrapped with its parameter's own spec. A sum is elementwise, so each
+    gradient is the one :class:`_LocalView` gives (the same additions; the
+    order of a reduction over more than two ranks may differ by rounding).
+    A parameter the forward did not use gets autograd's zeros, reduced alike
+    on every rank, so every rank issues the same collective.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, layout: ParamLayout, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.specs, ctx.layout = tuple(p._spec for p in params), layout
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[DTensor | None, ...]:  # type: ignore[override]
+        layout: ParamLayout = ctx.layout
+        assert layout.grad is not None
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
+                                                 flat.device.type).run_owned(flat)
+        out: list[DTensor | None] = [None]
+        start = 0
+        for g, spec in zip(grads, ctx.specs, strict=True):
+            n = g.numel()
+            out.append(DTensor(flat[start:start + n].view(g.shape), spec, requires_grad=False))
+            start += n
+        return tuple(out)
+
+
+def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[ParamLayout]
+                     ) -> list[torch.Tensor | None]:
+    """:func:`local_parameter` of each of ``params`` (``None`` stays ``None``), the gradients' sums grouped.
+
+    Parameters whose gradients are summed over the same axes (:attr:`ParamLayout.sums_only`: a replicated
+    parameter on sharded activations, every parameter under context parallelism) of one mesh, placements,
+    dtype and device share one ``all_reduce`` in backward (:class:`_LocalViews`) instead of one each; the
+    gradients are those :func:`local_parameter` gives. Under ``torch.compile``, without grad mode, and for
+    every other parameter, each is :func:`local_parameter`'s.
+
+    Args:
+        params: one module's parameters (DTensors, or what a wrapper put there).
+        layouts: their layouts, one per parameter.
+
+    Returns:
+        The local tensors, in the order of ``params``.
+    """
+    out: list[torch.Tensor | None] = [None] * len(params)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    eager = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
+        if p is None:
+            continue
+        if eager and layout.sums_only and isinstance(p, DTensor) and p.requires_grad:
+            groups.setdefault((layout.mesh, layout.placements, layout.grad, p.dtype, p.device), []).append(i)
+        else:
+            out[i] = local_parameter(p, layout)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = local_parameter(params[members[0]], layouts[members[0]])  # type: ignore[arg-type]
+            continue
+        views = _LocalViews.apply(layouts[members[0]], *(params[i] for i in members))
+        for i, view in zip(members, views, strict=True):
+            out[i] = view
+    return out
 
 
 def _reduce_program(layout: ParamLayout, local: torch.Tensor) -> Program:

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..core.lower.redistribute import mesh_lowerer
 from .interned import intern, register, traced
-from .params import ParamLayout, local_parameter, param_layout, shard_parameter
+from .params import ParamLayout, local_parameter, local_parameters, param_layout, shard_parameter
 
 __all__ = ["RestParams", "place_rest"]
 
@@ -140,20 +140,25 @@ class _Swap:
         stack.items.append((module, swapped))  # first: the forward hook pops it whatever happens next
         # the coverage probe never runs traced (it starts eagerly only), and reading it there costs guards
         watch = None if compiling else self.rest.watch
+        found: list[tuple[int, nn.Module, str, DTensor, ParamLayout]] = []
         for i, (child, name, layout) in enumerate(st.slots):
             owner = module if child is None else module._modules.get(child)
             if owner is None or name not in owner._parameters:  # the child was wrapped since
                 owner = self.slots[i].owner
             p = owner._parameters.get(name)
             if isinstance(p, DTensor):  # not already local inside an outer call's swap
-                view = local_parameter(p, layout)
-                if watch is not None:
-                    key = self.slots[i].key
-                    if layout.grad is None and torch.is_grad_enabled() and p.requires_grad:
-                        view = _Deferred.apply(view, self.rest, key)
-                    watch(view, key)
-                owner._parameters[name] = view  # type: ignore[assignment]
-                swapped.append((owner, name, p))
+                found.append((i, owner, name, p, layout))
+        # one all_reduce in backward for the gradients this call's parameters sum alike (context parallelism)
+        views = local_parameters([f[3] for f in found], [f[4] for f in found]) if len(found) > 1 else \
+            [local_parameter(f[3], f[4]) for f in found]
+        for (i, owner, name, param, layout), view in zip(found, views, strict=True):
+            if watch is not None:
+                key = self.slots[i].key
+                if layout.grad is None and torch.is_grad_enabled() and param.requires_grad:
+                    view = _Deferred.apply(view, self.rest, key)
+                watch(view, key)  # type: ignore[arg-type]
+            owner._parameters[name] = view  # type: ignore[assignment]
+            swapped.append((owner, name, param))
 
 
 class _Restore:
