@@ -34,7 +34,9 @@ With ``--fake`` each run is ``benchmarks/step_overhead.py`` instead (this
 tree's script, on either side's tplower): the same copies in one process on a
 ``fake`` group, no communication, so the ratios are CPU work alone, far less
 disturbed by a shared machine's scheduling than two real ranks; a change to
-tplower's per-call work shows there first. ``--reps`` is then its rounds.
+tplower's per-call work shows there first. ``--reps`` is then its rounds; ``--clock cpu`` times
+this thread's CPU time instead of the wall clock (steadier still on a shared machine) and
+``--sentences 2`` shrinks the batch so that the per-call overhead dominates.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def _run(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     load = os.getloadavg()[0]
     if args.fake:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--rounds", str(args.reps),
-               "--copies", "tplower,megatron,dtensor", "--json"]
+               "--copies", "tplower,megatron,dtensor", "--json", "--clock", args.clock,
+               "--sentences", str(args.sentences)]
     else:
         cmd = [sys.executable, __file__, "--driver", "--reps", str(args.reps)]
         cmd += ["--model", args.model] if args.model else []
@@ -129,6 +132,10 @@ def main() -> None:
                         help="also time the compiled copies (backend, default inductor)")
     parser.add_argument("--fake", action="store_true",
                         help="time benchmarks/step_overhead.py (one process, fake group: CPU work alone) instead")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="with --fake: wall time (default) or this thread's CPU time (steadier when shared)")
+    parser.add_argument("--sentences", type=int, default=16,
+                        help="with --fake: the batch (default 16; 2 leaves mostly the per-call overhead)")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.driver:

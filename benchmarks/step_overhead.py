@@ -9,7 +9,7 @@ scheduling noise of real ranks on a shared machine. The copies run interleaved, 
 round; each step is timed in four parts (``zero_grad``, forward with the loss, backward, optimizer) and
 whole. Prints per part the median milliseconds and each copy's whole step over the hand-written one::
 
-    python benchmarks/step_overhead.py [--rounds 30] [--runs 3] [--copies tplower,megatron,dtensor]
+    python benchmarks/step_overhead.py [--rounds 30] [--runs 3] [--copies tplower,megatron,dtensor] [--clock cpu]
 
 Nothing here is asserted by a test; read the ratios, measured within one run, beside the load average.
 """
@@ -31,7 +31,8 @@ import torch.distributed as dist
 PARTS = ("zero_grad", "forward", "backward", "optimizer", "step")
 
 
-def _copies(names: list[str], world: int, sentences_n: int = 16) -> tuple[dict[str, Any], Callable[[str], list[float]]]:
+def _copies(names: list[str], world: int, sentences_n: int = 16, clock: Callable[[], float] = time.perf_counter
+            ) -> tuple[dict[str, Any], Callable[[str], list[float]]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tplower.bench.model import _copies as bench_copies
@@ -50,15 +51,15 @@ def _copies(names: list[str], world: int, sentences_n: int = 16) -> tuple[dict[s
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
     def step(key: str) -> list[float]:
-        t = [time.perf_counter()]
+        t = [clock()]
         opts[key].zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
+        t.append(clock())
         loss = task.training_loss("embedding", models[key], batch)
-        t.append(time.perf_counter())
+        t.append(clock())
         loss.backward()
-        t.append(time.perf_counter())
+        t.append(clock())
         opts[key].step()
-        t.append(time.perf_counter())
+        t.append(clock())
         return [b - a for a, b in itertools.pairwise(t)] + [t[-1] - t[0]]
 
     return models, step
@@ -86,6 +87,9 @@ def main() -> None:
                         help="copies to time; ratios are to megatron's step (default tplower,megatron,dtensor)")
     parser.add_argument("--sentences", type=int, default=16,
                         help="batch size, even (default 16, the model phase's); 2 leaves mostly the per-call overhead")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: time.perf_counter (default); cpu: time.thread_time, this thread's CPU time, "
+                             "which other processes on a shared machine disturb far less")
     parser.add_argument("--json", action="store_true", help="also print each run's medians as one JSON line")
     args = parser.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -93,9 +97,10 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     names = args.copies.split(",")
-    _, step = _copies(names, args.world, args.sentences)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    _, step = _copies(names, args.world, args.sentences, clock)
     print(f"MiniLM train step, {args.sentences} sentences, fake group of {args.world} (no communication), one process, "
-          f"{args.rounds} interleaved rounds a run, medians in ms; load {os.getloadavg()[0]:.1f}")
+          f"{args.rounds} interleaved rounds a run, medians in ms of {args.clock} time; load {os.getloadavg()[0]:.1f}")
     ratios: dict[str, list[float]] = {k: [] for k in names if k != "megatron"}
     for run in range(args.runs):
         got = _run(names, step, args.rounds, args.warmup)
