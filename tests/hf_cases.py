@@ -5,13 +5,16 @@ runs one process's plain transformers ``Trainer`` (or TRL's ``SFTTrainer``) on t
 rows (5 steps, AdamW 1e-3, gradient clipping at 1.0, evaluation on 8 rows); :func:`candidate` runs the same on
 the scenario's mesh with :func:`tplower.hf.prepare_trainer`. Both return :class:`Run`: the logged losses and
 gradient norms, every parameter's gradient after the first step (a constant factor would hide behind AdamW),
-the final parameters, ``eval_loss`` and, where asked, the predictions. The oracle runs in each rank before the
-process group is announced to accelerate (:func:`announce`), so it is one process's run: no DDP, no sharding.
+the final parameters, ``eval_loss``, the learning rates, the input tokens counted, the total batch size, TRL's
+per-token metrics and, where asked, the predictions. The oracle runs in each rank before the process group is
+announced to accelerate (:func:`announce`), so it is one process's run: no DDP, no sharding; with
+``checkpoint`` it writes its step-3 checkpoint (``optimizer.pt``, ``scheduler.pt``) for a resume on a mesh.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,9 +30,12 @@ ROWS, SEQ, STEPS = 4, 32, 5
 @dataclass(frozen=True)
 class Scenario:
     """One comparison: ``mesh`` as ``((axis, size), ...)``; ``data`` ``padded`` (left padding, an
-    ``attention_mask``, uneven label counts) or ``packed`` (documents restarting ``position_ids``, no mask);
-    ``trainer`` ``trainer``, ``sft`` (TRL, packing texts to 32 tokens) or ``dpo`` (TRL, pairs of texts, the
-    reference model a second copy)."""
+    ``attention_mask``, uneven label counts) or ``packed`` (documents restarting ``position_ids``, no mask), for
+    TRL ``words`` (sentences over the whole vocabulary) or ``few`` (over 6 words: a model learns them within
+    the run, so its per-token accuracy and entropy vary from token to token); ``trainer`` ``trainer``, ``own``
+    (a ``Trainer`` subclass whose ``compute_loss`` only calls ``super()``), ``sft`` (TRL, packing texts to 32
+    tokens unless ``trainer_args`` say ``packing=False``) or ``dpo`` (TRL, pairs of texts, the reference model a
+    second copy)."""
 
     name: str
     mesh: tuple[tuple[str, int], ...]
@@ -57,6 +63,14 @@ class Run:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     predictions: torch.Tensor | None = None
+    lr: list[float] = field(default_factory=list)
+    tokens: float = 0.0
+    total_batch: int = 0
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+
+#: TRL's per-token metrics, as logged in training and evaluation
+METRICS = ("mean_token_accuracy", "entropy", "eval_mean_token_accuracy", "eval_entropy")
 
 
 def rows(n: int, kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -83,13 +97,14 @@ def rows(n: int, kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def texts(n: int = 40, seed: int = 5) -> list[str]:
-    """Sentences of 4 to 19 words ``w3 .. w127`` (the word-level vocabulary of :func:`tokenizer`)."""
+def texts(n: int = 40, seed: int = 5, words: int = 125) -> list[str]:
+    """Sentences of 4 to 19 words among the first ``words`` of ``w3 .. w127`` (the word-level vocabulary of
+    :func:`tokenizer`)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         k = int(torch.randint(4, 20, (1,), generator=gen))
-        out.append(" ".join(f"w{int(t)}" for t in torch.randint(3, 128, (k,), generator=gen)))
+        out.append(" ".join(f"w{int(t)}" for t in torch.randint(3, 3 + words, (k,), generator=gen)))
     return out
 
 
@@ -115,15 +130,18 @@ def announce(rank: int, world: int) -> None:
 
 
 def _args(sc: Scenario, out: str, batch: int, accumulation: int, **extra: Any) -> Any:
-    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch * accumulation,
-                  gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=1.0,
-                  report_to=[], use_cpu=True, logging_steps=1, seed=0, disable_tqdm=True, save_strategy="no",
-                  **dict(sc.trainer_args))
-    common.update(extra)
+    common: dict[str, Any] = dict(
+        output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch * accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=1.0,
+        report_to=[], use_cpu=True, logging_steps=1, seed=0, disable_tqdm=True, save_strategy="no",
+        include_num_input_tokens_seen="all")
+    if sc.trainer == "sft":  # packed texts; bf16 autocast rounds differently per layout: not one answer
+        common.update(packing=True, max_length=SEQ, bf16=False)
+    common.update(dict(sc.trainer_args), **extra)
     if sc.trainer == "sft":
         from trl import SFTConfig
 
-        return SFTConfig(**common, packing=True, max_length=SEQ, bf16=False)  # bf16 autocast: not one answer
+        return SFTConfig(**common)
     if sc.trainer == "dpo":
         from trl import DPOConfig
 
@@ -162,7 +180,9 @@ def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str
         from datasets import Dataset
         from trl import SFTTrainer
 
-        return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts()}),
+        words = 6 if sc.data == "few" else 125
+        return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts(words=words)}),
+                          eval_dataset=Dataset.from_dict({"text": texts(8, seed=9, words=words)}),
                           processing_class=tokenizer(), callbacks=[_first_grads(grads)])
     if sc.trainer == "dpo":
         from datasets import Dataset
@@ -175,26 +195,42 @@ def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str
                           callbacks=[_first_grads(grads)])
     from transformers import Trainer
 
-    return Trainer(model=model, args=args, train_dataset=rows(ROWS * STEPS, sc.data, 1),
-                   eval_dataset=rows(8, sc.data, 2), callbacks=[_first_grads(grads)])
+    class OwnLoss(Trainer):  # type: ignore[misc]
+        """A user's own loss that is Trainer's (tplower cannot tell; ``token_loss=True`` vouches for it)."""
+
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(*args, **kwargs)
+
+    kind = OwnLoss if sc.trainer == "own" else Trainer
+    return kind(model=model, args=args, train_dataset=rows(ROWS * STEPS, sc.data, 1),
+                eval_dataset=rows(8, sc.data, 2), callbacks=[_first_grads(grads)])
 
 
 def finish(sc: Scenario, trainer: Any, grads: dict[str, torch.Tensor]) -> Run:
     """Train, evaluate (and predict): the :class:`Run` of ``trainer``."""
     trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else float("nan")
     logs = trainer.state.log_history
     run = Run([e["loss"] for e in logs if "loss" in e], [e["grad_norm"] for e in logs if "grad_norm" in e],
-              trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else float("nan"), grads,
-              {n: whole(p) for n, p in trainer.model.named_parameters()})
+              eval_loss, grads, {n: whole(p) for n, p in trainer.model.named_parameters()},
+              lr=[e["learning_rate"] for e in logs if "learning_rate" in e],
+              tokens=float(trainer.state.num_input_tokens_seen),
+              total_batch=int(trainer.get_total_train_batch_size(trainer.args)),
+              metrics={k: [e[k] for e in logs if k in e] for k in METRICS if any(k in e for e in logs)})
     if sc.predict:
         run.predictions = torch.as_tensor(trainer.predict(rows(8, sc.data, 2)).predictions)
     return run
 
 
-def oracle(sc: Scenario) -> Run:
-    """One process's plain trainer on the whole global batches (``ROWS`` a step); before :func:`announce`."""
+def oracle(sc: Scenario, out: str | None = None) -> Run:
+    """One process's plain trainer on the whole global batches (``ROWS`` a step, in the scenario's gradient
+    accumulation steps: TRL averages its metrics over the micro-batches); before :func:`announce`. With
+    ``sc.checkpoint`` it saves every 3 steps into ``out`` (``out/checkpoint-3``: one process's checkpoint)."""
     grads: dict[str, torch.Tensor] = {}
-    return finish(sc, build(sc, tempfile.mkdtemp(prefix="tplower-hf-"), ROWS, 1, grads), grads)
+    extra = {"save_strategy": "steps", "save_steps": 3} if sc.checkpoint else {}
+    trainer = build(sc, out or tempfile.mkdtemp(prefix="tplower-hf-"), ROWS // sc.accumulation, sc.accumulation,
+                    grads, **extra)
+    return finish(sc, trainer, grads)
 
 
 def mesh_of(sc: Scenario) -> Any:
@@ -226,10 +262,18 @@ def differences(got: Run, want: Run) -> dict[str, float]:
         assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
         return max(float((a[k] - b[k]).abs().max()) for k in b)
 
+    def near(a: list[float], b: list[float]) -> float:  # metrics between 0 and ~5: relative to 1 at least
+        assert len(a) == len(b), (a, b)
+        return max((abs(x - y) / max(abs(y), 1.0) for x, y in zip(a, b, strict=True)), default=0.0)
+
     scale = max(float(g.abs().max()) for g in want.grads.values())
     out = {"loss": rel(got.loss, want.loss), "grad_norm": rel(got.grad_norm, want.grad_norm),
            "grads": most(got.grads, want.grads) / scale, "params": most(got.params, want.params),
-           "eval_loss": abs(got.eval_loss - want.eval_loss) if want.eval_loss == want.eval_loss else 0.0}
+           "eval_loss": abs(got.eval_loss - want.eval_loss) if want.eval_loss == want.eval_loss else 0.0,
+           "lr": rel(got.lr, want.lr) if any(want.lr) else 0.0, "tokens": abs(got.tokens - want.tokens),
+           "total_batch": float(abs(got.total_batch - want.total_batch))}
+    assert sorted(got.metrics) == sorted(want.metrics), (sorted(got.metrics), sorted(want.metrics))
+    out.update({k: near(got.metrics[k], want.metrics[k]) for k in want.metrics})
     if want.predictions is not None:
         assert got.predictions is not None and got.predictions.shape == want.predictions.shape
         out["predictions"] = float((got.predictions - want.predictions).abs().max())
@@ -290,3 +334,23 @@ def loop(sc: Scenario, *, prepare: bool, save: str | None = None, resume: str | 
         run.predictions = torch.cat([accelerator.gather_for_metrics(model(**b).logits) for b in evals])
     run.params = {n: whole(p) for n, p in model.named_parameters()}
     return run
+
+
+def resumed_alone(sc: Scenario, checkpoint: str, out: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """docs/training-stacks.md's way to resume a tplower checkpoint in one process (no process group): a copy of
+    ``checkpoint`` in ``out`` gets an ``optimizer.pt`` (its ``optimizer_dcp/`` read by ``dcp_to_torch_save``, set
+    into a plain trainer's own optimizer and saved from there), and that trainer resumes from it to the end of the
+    run. Its final parameters and the learning rates it logged."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    copy, whole_file = os.path.join(out, "checkpoint-3"), os.path.join(out, "optimizer-whole.pt")
+    shutil.copytree(checkpoint, copy)
+    dcp_to_torch_save(os.path.join(copy, "optimizer_dcp"), whole_file)
+    trainer = build(sc, os.path.join(out, "run"), ROWS // sc.accumulation, sc.accumulation, {})
+    trainer.create_optimizer()
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, torch.load(whole_file, weights_only=True)["optimizer"])
+    torch.save(trainer.optimizer.state_dict(), os.path.join(copy, "optimizer.pt"))
+    trainer.train(resume_from_checkpoint=copy)
+    return ({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e])

@@ -10,8 +10,8 @@ cut over ``dp`` and ``cp``, the global token count, predictions made whole), :mo
 (parallelize, FSDP2 over ``dp``), :mod:`~tplower.hf.accelerator` (an ``Accelerator`` without DDP),
 :mod:`~tplower.hf.saving` (whole weights, DCP optimizer state).
 
-transformers comes with tplower; accelerate (which transformers' ``Trainer`` needs), TRL and datasets are the optional extra
-``tplower[hf]``.
+transformers comes with tplower; accelerate (which transformers' ``Trainer`` needs), TRL and datasets are the
+optional extra ``tplower[hf]``.
 """
 
 from __future__ import annotations

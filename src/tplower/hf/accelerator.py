@@ -1,6 +1,6 @@
 """An ``accelerate.Accelerator`` that treats a tplower model as one model: no DDP, batches cut over ``dp``.
 
-:func:`patch_accelerator` replaces three public methods on the accelerator *instance* (its class is not
+:func:`patch_accelerator` replaces four public methods on the accelerator *instance* (its class is not
 touched; :func:`unpatch_accelerator` deletes the instance attributes and the class's methods apply again):
 
 * ``prepare_model``: a model :func:`tplower.parallelize` placed is prepared as accelerate prepares a model for
@@ -11,6 +11,10 @@ touched; :func:`unpatch_accelerator` deletes the instance attributes and the cla
 * ``gather_for_metrics``: gathers over ``dp`` only (the ranks of one tp/cp group hold the same samples, so a
   world-wide gather would repeat each one) and drops the samples the last batch repeated to even out the ``dp``
   ranks, as accelerate's own does.
+* ``gather``: over ``dp`` only too (transformers' ``Trainer`` counts ``num_input_tokens_seen`` with it).
+
+:func:`pieces_gathered` changes ``gather_for_metrics`` for a while: inside, each rank holds its own piece of a
+``cp``-cut batch, and every ``dp`` and ``cp`` rank's value is gathered.
 
 ``Accelerator.prepare(model, optimizer, data_loader)`` calls these through the instance, so a user's loop and
 transformers' ``Trainer`` (which prepares through its ``accelerator``) both get them.
@@ -18,6 +22,9 @@ transformers' ``Trainer`` (which prepares through its ``accelerator``) both get 
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,12 +37,13 @@ from ..state.full_state import placed_by_tplower
 from .batches import dp_data_loader
 from .layout import DataLayout
 
-__all__ = ["PATCHED", "check_accelerator", "dp_gather", "patch_accelerator", "unpatch_accelerator"]
+__all__ = ["PATCHED", "check_accelerator", "dp_gather", "gather_over", "patch_accelerator", "pieces_gathered",
+           "unpatch_accelerator"]
 
-#: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first three; the last four
+#: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first four; the last four
 #: :func:`tplower.hf.prepare_accelerator` replaces too)
-PATCHED = ("prepare_model", "prepare_data_loader", "gather_for_metrics", "prepare_optimizer", "prepare_scheduler",
-           "save_state", "load_state")
+PATCHED = ("prepare_model", "prepare_data_loader", "gather_for_metrics", "gather", "prepare_optimizer",
+           "prepare_scheduler", "save_state", "load_state")
 
 
 def check_accelerator(accelerator: Any, where: str) -> None:
@@ -58,28 +66,35 @@ def check_accelerator(accelerator: Any, where: str) -> None:
                            "the mesh's 'dp' axis itself)")
 
 
-def dp_gather(value: Any, layout: DataLayout) -> Any:
-    """``value`` (a tensor or nested tuples/lists/dicts of them) concatenated on dim 0 over ``dp``, in ``dp``
-    order; a 0-d tensor counts as one element. Other objects are gathered with ``all_gather_object``.
-    Collective over ``dp``; every rank passes tensors of equal shapes (as accelerate's ``gather`` asks)."""
+def gather_over(value: Any, layout: DataLayout, axes: tuple[str, ...]) -> Any:
+    """``value`` (a tensor or nested tuples/lists/dicts of them) concatenated on dim 0 over the mesh axes ``axes``
+    (the first axis outermost); a 0-d tensor counts as one element. Other objects are gathered with
+    ``all_gather_object`` into one list (a list's items concatenated). Collective over ``axes``; every rank passes
+    tensors of equal shapes (as accelerate's ``gather`` asks). With no axes: the tensor (0-d ones as 1-d), or the
+    object in a list."""
     if isinstance(value, torch.Tensor):
         t = value.detach().reshape(1) if value.dim() == 0 else value.detach()
-        if layout.dp is None:
+        if not axes:
             return t
-        shape = (t.shape[0] * layout.dp_size, *t.shape[1:])
-        return redistribute_local(t.contiguous(), layout.mesh, {layout.dp: "S(0)"}, {layout.dp: "R"},
-                                  global_shape=shape)
+        names = tuple(layout.mesh.mesh_dim_names or ())
+        n = math.prod(layout.mesh.size(names.index(a)) for a in axes)
+        return redistribute_local(t.contiguous(), layout.mesh, {a: "S(0)" for a in axes}, {a: "R" for a in axes},
+                                  global_shape=(t.shape[0] * n, *t.shape[1:]))
     if isinstance(value, dict):
-        return type(value)({k: dp_gather(v, layout) for k, v in value.items()})
+        return type(value)({k: gather_over(v, layout, axes) for k, v in value.items()})
     if isinstance(value, (tuple, list)) and all(isinstance(v, (torch.Tensor, tuple, list, dict)) for v in value):
-        return type(value)(dp_gather(v, layout) for v in value)
-    if layout.dp is None:
-        return value if isinstance(value, list) else [value]
-    every: list[Any] = [None] * layout.dp_size
-    dist.all_gather_object(every, value, group=layout.mesh.get_group(layout.dp))
-    if all(isinstance(v, list) for v in every):
-        return [x for v in every for x in v]
-    return every
+        return type(value)(gather_over(v, layout, axes) for v in value)
+    items = value if isinstance(value, list) else [value]
+    for axis in reversed(axes):  # the innermost axis first: the first axis ends outermost, as for tensors
+        every: list[Any] = [None] * layout.mesh.size(tuple(layout.mesh.mesh_dim_names or ()).index(axis))
+        dist.all_gather_object(every, items, group=layout.mesh.get_group(axis))
+        items = [x for part in every for x in part]
+    return items
+
+
+def dp_gather(value: Any, layout: DataLayout) -> Any:
+    """``value`` concatenated on dim 0 over ``dp`` (:func:`gather_over` with the ``dp`` axis, none without it)."""
+    return gather_over(value, layout, (layout.dp,) if layout.dp else ())
 
 
 def _truncate(value: Any, keep: int) -> Any:
@@ -102,6 +117,28 @@ def _gather_for_metrics(accelerator: Any, layout: DataLayout) -> Any:
         return data
 
     return gather_for_metrics
+
+
+@contextlib.contextmanager
+def pieces_gathered(accelerator: Any, layout: DataLayout) -> Iterator[None]:
+    """Inside, ``accelerator.gather_for_metrics(value)`` concatenates every ``dp`` and ``cp`` rank's ``value``
+    (:func:`gather_over` over :attr:`DataLayout.split`, nothing dropped): for values each rank computed from its
+    own piece of a ``cp``-cut batch (a count of its tokens, a sum over them), whose sum over the gathered values
+    is the whole global batch's. On exit the method is what it was. Not re-entrant across threads."""
+    before = accelerator.__dict__.get("gather_for_metrics")
+
+    def gather_pieces(input_data: Any, use_gather_object: bool = False) -> Any:
+        """``Accelerator.gather_for_metrics`` of per-piece values: over ``dp`` and ``cp``."""
+        return gather_over(input_data, layout, layout.split)
+
+    accelerator.gather_for_metrics = gather_pieces
+    try:
+        yield
+    finally:
+        if before is None:
+            accelerator.__dict__.pop("gather_for_metrics", None)
+        else:
+            accelerator.gather_for_metrics = before
 
 
 def patch_accelerator(accelerator: Any, layout: DataLayout, model: nn.Module | None = None) -> None:
@@ -133,9 +170,14 @@ def patch_accelerator(accelerator: Any, layout: DataLayout, model: nn.Module | N
         """``Accelerator.prepare_data_loader`` over the ``dp`` axis (:func:`tplower.hf.batches.dp_data_loader`)."""
         return dp_data_loader(accelerator, layout, data_loader, device_placement, slice_fn_for_dispatch)
 
+    def gather(tensor: Any) -> Any:
+        """``Accelerator.gather`` over the ``dp`` axis (:func:`dp_gather`): the ranks of a tp/cp group count once."""
+        return dp_gather(tensor, layout)
+
     accelerator.prepare_model = prepare_tplower_model
     accelerator.prepare_data_loader = prepare_data_loader
     accelerator.gather_for_metrics = _gather_for_metrics(accelerator, layout)
+    accelerator.gather = gather
 
 
 def unpatch_accelerator(accelerator: Any) -> None:

@@ -6,8 +6,8 @@ takes them, counted over the whole global batch, and predictions made whole.
   ``dp`` rank reads its own micro-batches, every rank of one tp/cp group the same ones. Batches are read on
   every rank (never dispatched from rank 0, which would slice them per process).
 * :class:`SequenceSplit`: a forward pre-hook that passes a whole batch through :func:`tplower.shard_sequence`
-  (padded, packed with ``position_ids``, TRL's padding-free batches alike), so a trainer's own code, its
-  collators and its metrics see the batch one process would; in evaluation the logits come back whole.
+  (padded, packed with ``position_ids``, TRL's padding-free batches alike), so a trainer's own code and its
+  collators see the batch one process would; in evaluation the logits come back whole.
 * :func:`global_count`: the number of label tokens a step's loss is divided by, summed over ``dp``, as one
   process counts its whole batch (transformers' ``num_items_in_batch``).
 """
@@ -87,12 +87,13 @@ class SequenceSplit:
     """Hooks on a model: a whole batch given as keywords is cut over ``cp`` before the model sees it, and in
     evaluation (``model.eval()``) the ``logits`` of such a call come back whole.
 
-    The forward pre-hook passes a call that carries ``context_split`` already (a batch from
-    :func:`tplower.shard_sequence`: its caller gathers what it needs), or has no ``input_ids``/``inputs_embeds``,
-    unchanged; it is registered first (``prepend``), so the context install's own pre-hook sees the cut batch.
-    The forward hook gathers ``logits`` (:func:`tplower.gather_sequence`, collective over ``cp``) of the calls the
-    pre-hook cut, in evaluation only: a training step keeps each rank's own rows (the loss is computed there;
-    whole logits would cost ``cp`` times their memory). :meth:`remove` takes both off again.
+    The forward pre-hook cuts a call's keywords with :meth:`cut`; a call that carries ``context_split`` already
+    (a batch :meth:`cut` or :func:`tplower.shard_sequence` made) or has no ``input_ids``/``inputs_embeds`` passes
+    unchanged. It is registered first (``prepend``), so the context install's own pre-hook sees the cut batch.
+    The forward hook gathers ``logits`` (:func:`tplower.gather_sequence`, collective over ``cp``) of the calls
+    that carry the last batch :meth:`cut` made, in evaluation only: a training step keeps each rank's own rows
+    (the loss is computed there; whole logits would cost ``cp`` times their memory). A batch the user cut with
+    :func:`tplower.shard_sequence` is theirs: its logits stay pieces. :meth:`remove` takes both hooks off again.
     """
 
     def __init__(self, model: nn.Module, layout: DataLayout) -> None:
@@ -103,22 +104,27 @@ class SequenceSplit:
         self.handles = (model.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True),
                         model.register_forward_hook(self.after, with_kwargs=True))
 
+    def cut(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's piece of a whole ``batch`` (:func:`tplower.shard_sequence` over ``cp``), remembered as this
+        splitter's own (:meth:`after` makes the logits of calls with it whole in evaluation); ``batch`` itself
+        (the same object) when it carries ``context_split`` already or has no ``input_ids``/``inputs_embeds``.
+        Collective over ``cp`` when it cuts."""
+        if SPLIT_KEY in batch or not any(isinstance(batch.get(k), torch.Tensor)
+                                         for k in ("input_ids", "inputs_embeds")):
+            return batch
+        out = _split(batch, self.layout)
+        self.ours = out[SPLIT_KEY]
+        return out
+
     def before(self, module: nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The pre-hook: ``kwargs`` cut by :func:`tplower.shard_sequence` (see the class docstring)."""
-        if SPLIT_KEY in kwargs or not any(isinstance(kwargs.get(k), torch.Tensor)
-                                          for k in ("input_ids", "inputs_embeds")):
-            return args, kwargs
-        out = _split(kwargs, self.layout)
-        self.ours = out[SPLIT_KEY]
-        return args, out
+        """The pre-hook: ``kwargs`` through :meth:`cut` (see the class docstring)."""
+        return args, self.cut(kwargs)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        """The hook: in evaluation, ``output["logits"]`` whole over ``cp`` for a call :meth:`before` cut."""
+        """The hook: in evaluation, ``output["logits"]`` whole over ``cp`` for a call with :meth:`cut`'s last batch."""
         ours = self.ours
-        self.ours = None
-        cut_here = ours is not None and kwargs.get(SPLIT_KEY) is ours
-        if ours is None or not cut_here or module.training:
+        if ours is None or kwargs.get(SPLIT_KEY) is not ours or module.training:
             return output
         logits = output.get("logits") if isinstance(output, MutableMapping) else None
         if isinstance(logits, torch.Tensor) and logits.dim() >= 2:

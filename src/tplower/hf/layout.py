@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.lower.redistribute import redistribute_local
 from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 
 __all__ = ["AXES", "DataLayout"]
 
@@ -49,9 +50,11 @@ class DataLayout:
 
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh``.
-            TPLowerError: an axis name outside :data:`AXES`, a ``context`` the mesh lacks, or a mesh that does
-                not span every rank of the default process group (a rank outside it would read batches nobody
-                accounts for).
+            TPLowerError: an axis name outside :data:`AXES`; a ``context`` other than ``"cp"`` or ``None`` (the
+                nearest name suggested), or one the mesh lacks; a ``cp`` axis without ``context="cp"`` (nothing
+                would be cut over it: every rank would train on the whole batch); or a mesh that does not span
+                every rank of the default process group (a rank outside it would read batches nobody accounts
+                for).
         """
         check_mesh(mesh, "mesh", where)
         names = tuple(mesh.mesh_dim_names or ())
@@ -59,9 +62,15 @@ class DataLayout:
         if not names or unknown:
             raise TPLowerError(f"{where}: mesh axes {names} must be named among {list(AXES)} ("
                                + "; ".join(f"{k}: {v}" for k, v in AXES.items()) + ")")
+        if context is not None and context != "cp":
+            raise TPLowerError(f"{where}: context={context!r}{closest(str(context), ('cp',))}; allowed: 'cp' (the "
+                               "mesh's context-parallel axis) or None")
         if context is not None and context not in names:
             raise TPLowerError(f"{where}: context={context!r} is not an axis of the mesh {names}; pass "
                                f"context=None or make the mesh with a {context!r} axis")
+        if context is None and "cp" in names:
+            raise TPLowerError(f"{where}: the mesh {names} has a 'cp' axis but context=None, so nothing would be "
+                               "cut over it (each of its ranks would train on the whole batch); pass context='cp'")
         world = dist.get_world_size() if dist.is_initialized() else 1
         if mesh.size() != world:
             raise TPLowerError(f"{where}: the mesh {names} {tuple(mesh.shape)} holds {mesh.size()} ranks, the job "

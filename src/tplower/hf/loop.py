@@ -7,7 +7,9 @@ replaces, on the accelerator *instance*, what :func:`tplower.hf.accelerator.patc
 batches over ``dp``, metrics gathered over ``dp``) and four methods more:
 
 * ``prepare_optimizer``, ``prepare_scheduler``: accelerate's own, the prepared objects remembered for the state;
-  a scheduler steps once per ``dp`` rank at each step (accelerate's rule counts every process);
+  a scheduler steps once per ``dp`` rank at each step (accelerate's rule counts every process); an optimizer
+  built on the parameters the model had before :func:`prepare_accelerator` replaced them is refused (it would
+  never move the model);
 * ``save_state``: the model's and optimizers' tensors through DCP (``model_dcp/``: every rank writes its shards;
   accelerate would write rank 0's alone), everything else through accelerate's own
   ``save_accelerator_state`` (schedulers, samplers, every process's RNG, the step);
@@ -31,8 +33,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
+from ..core.support.words import count
 from .accelerator import check_accelerator, patch_accelerator
-from .model import TrainingModel, parallelize_for_training
+from .model import ORDER, TrainingModel, parallelize_for_training
 
 __all__ = ["MODEL_FOLDER", "prepare_accelerator"]
 
@@ -86,10 +89,27 @@ def _dp_steps(prepared: Any, dp: int) -> Any:
     return prepared
 
 
-def _remember(accelerator: Any, name: str, into: list[Any], then: Any = None) -> None:
+def _fresh(tm: TrainingModel) -> Any:
+    """A check of an optimizer about to be prepared: it must not hold the model's parameters from before
+    :func:`prepare_accelerator` (an optimizer built first keeps them, and they never get a gradient again)."""
+
+    def check(optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        stale = tm.replaced(p for g in getattr(inner, "param_groups", ()) for p in g["params"])
+        if stale:
+            raise TPLowerError(f"accelerator.prepare: the optimizer holds {count(stale, 'parameter')} of the model "
+                               "as it was before prepare_accelerator replaced them (built before the call, it would "
+                               f"never move the model); {ORDER['prepare_accelerator']}")
+
+    return check
+
+
+def _remember(accelerator: Any, name: str, into: list[Any], then: Any = None, check: Any = None) -> None:
     prepare = getattr(accelerator, name)
 
     def remembered(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if check is not None:
+            check(obj)
         prepared = prepare(obj, *args, **kwargs)
         if then is not None and not any(prepared is seen for seen in into):
             prepared = then(prepared)
@@ -140,11 +160,12 @@ def prepare_accelerator(accelerator: Any, model: nn.Module, mesh: DeviceMesh, pl
                         **options: Any) -> nn.Module:
     """Parallelize ``model`` on ``mesh`` and make ``accelerator`` train it as one process's loop would.
 
-    Call it on every rank, before ``accelerator.prepare(model, optimizer, data_loader, ...)`` (build the optimizer
-    on the parameters it returns). Afterwards a plain accelerate loop gives one process's losses, gradient norms
-    and parameters (gradients by DDP's rule: the mean of the ``dp`` ranks' mean losses), ``gather_for_metrics``
-    one process's samples, and ``save_state`` / ``load_state`` continue a run exactly (with
-    ``accelerator.skip_first_batches`` for the data already seen, as in any accelerate loop).
+    Call it on every rank, on the model as loaded, then build the optimizer on ``model.parameters()`` (the
+    parameters it placed), then ``accelerator.prepare(model, optimizer, data_loader, ...)``. Afterwards a plain
+    accelerate loop gives one process's losses, gradient norms and parameters (gradients by DDP's rule: the mean
+    of the ``dp`` ranks' mean losses), ``gather_for_metrics`` one process's samples, and ``save_state`` /
+    ``load_state`` continue a run exactly (with ``accelerator.skip_first_batches`` for the data already seen, as
+    in any accelerate loop).
 
     Args:
         accelerator: an ``accelerate.Accelerator`` without ``ParallelismConfig``, FSDP or DeepSpeed.
@@ -158,16 +179,22 @@ def prepare_accelerator(accelerator: Any, model: nn.Module, mesh: DeviceMesh, pl
 
     Raises:
         TPLowerError: before anything is changed: the accelerator's own parallelism (as
-            :func:`~tplower.hf.accelerator.check_accelerator`), the mesh and axes, a model already parallelized,
-            and every refusal of :func:`tplower.parallelize`. Later: ``save_state`` without ``output_dir``,
-            ``load_state`` of a folder without ``model_dcp/``.
+            :func:`~tplower.hf.accelerator.check_accelerator`), the mesh and axes, a model already parallelized
+            or already prepared by ``accelerator.prepare`` (call this first), and every refusal of
+            :func:`tplower.parallelize`. Later: ``accelerator.prepare`` of an optimizer built before this call
+            (on the replaced parameters), ``save_state`` without ``output_dir``, ``load_state`` of a folder
+            without ``model_dcp/``.
     """
     check_accelerator(accelerator, "prepare_accelerator")
+    taken = getattr(accelerator, "_models", ())  # the models accelerator.prepare took (accelerate 1.16)
+    if any(m is model or getattr(m, "module", None) is model for m in taken):
+        raise TPLowerError("prepare_accelerator: accelerator.prepare took this model already (its optimizer and "
+                           f"wrapper hold the parameters tplower would replace); {ORDER['prepare_accelerator']}")
     tm = parallelize_for_training(model, mesh, plan, context=context, context_mode=context_mode, experts=experts,
                                   sum_gradients=False, where="prepare_accelerator", **options)
     patch_accelerator(accelerator, tm.layout, tm.model)
     prepared = _Prepared(tm)
-    _remember(accelerator, "prepare_optimizer", prepared.optimizers)
+    _remember(accelerator, "prepare_optimizer", prepared.optimizers, check=_fresh(tm))
     _remember(accelerator, "prepare_scheduler", prepared.schedulers, lambda s: _dp_steps(s, tm.layout.dp_size))
     _remember(accelerator, "prepare_data_loader", prepared.loaders)
     _state_methods(accelerator, prepared)

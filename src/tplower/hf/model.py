@@ -6,7 +6,8 @@ Shared by :func:`tplower.hf.prepare_trainer` and :func:`tplower.hf.prepare_accel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,14 @@ from ..state.full_state import placed_by_tplower
 from .batches import SequenceSplit
 from .layout import DataLayout
 
-__all__ = ["TrainingModel", "model_axis", "parallelize_for_training", "shard_over_dp"]
+__all__ = ["ORDER", "TrainingModel", "model_axis", "parallelize_for_training", "shard_over_dp"]
+
+#: the order of calls each entry needs, as its refusals say it
+ORDER = {"prepare_trainer": "build the trainer with the model as loaded, then call prepare_trainer(trainer, mesh, "
+                            "plan), then train()",
+         "prepare_accelerator": "call prepare_accelerator(accelerator, model, mesh, plan) on the model as loaded, "
+                                "then build the optimizer on model.parameters(), then accelerator.prepare(model, "
+                                "optimizer, ...)"}
 
 
 def model_axis(names: tuple[str, ...], plan: Any, experts: str | None, where: str) -> tuple[str, Any, str]:
@@ -33,7 +41,7 @@ def model_axis(names: tuple[str, ...], plan: Any, experts: str | None, where: st
         TPLowerError: both ``tp`` and ``ep`` axes (experts are sharded over the tensor-parallel axis itself:
             name it ``ep`` for expert parallelism alone, ``tp`` with ``experts="ep"`` beside tensor parallelism);
             ``experts`` not ``"tp"``/``"ep"``/``None``; ``experts="tp"`` on an ``ep`` axis; a plan other than
-            ``"auto"``/``None`` with neither axis.
+            ``"auto"``/``None`` with neither axis; ``plan=None`` with one (nothing would be sharded over it).
     """
     present = [a for a in ("tp", "ep") if a in names]
     if len(present) == 2:
@@ -47,6 +55,10 @@ def model_axis(names: tuple[str, ...], plan: Any, experts: str | None, where: st
     if axis == "ep" and mode != "ep":
         raise TPLowerError(f"{where}: experts='tp' on an 'ep' mesh axis; name the axis 'tp' for tensor parallelism "
                            "inside the experts")
+    if present and plan is None:
+        raise TPLowerError(f"{where}: plan=None on a mesh with a {axis!r} axis {names}: nothing would be sharded "
+                           f"over it (each of its ranks would hold the whole model and train on the same batch); "
+                           f"pass plan='auto' (or a plan), or make the mesh without {axis!r}")
     if not present:
         if not (plan is None or (isinstance(plan, str) and plan.lower() == "auto")):
             raise TPLowerError(f"{where}: plan={plan!r} needs a 'tp' (or 'ep') mesh axis to shard on; the mesh "
@@ -97,12 +109,22 @@ class TrainingModel:
         split: the ``cp`` batch splitter (``None`` without ``cp``).
         whole: the losses the model returned since :meth:`forget` (under ``cp``: each is the whole batch's,
             the same on every ``cp`` rank, since the context install sums the ranks' parts).
+        before: the model's parameters as they were before parallelization, by ``id`` (weak references: an
+            optimizer built on them keeps them alive; see :meth:`replaced`).
     """
 
     model: nn.Module
     layout: DataLayout
     split: SequenceSplit | None
     whole: list[torch.Tensor] = field(default_factory=list)
+    before: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+
+    def replaced(self, params: Iterable[torch.Tensor]) -> int:
+        """How many of ``params`` are parameters the model had before it was parallelized (replaced since:
+        an optimizer holding them would never move the model); identity, not value, is compared."""
+        now = {id(p) for p in self.model.parameters()}
+        return sum(1 for p in params if id(p) not in now and (ref := self.before.get(id(p))) is not None
+                   and ref() is p)
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else None
@@ -141,19 +163,24 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
 
     Raises:
         TPLowerError: the mesh (:meth:`DataLayout.of`), the axes and experts (:func:`model_axis`), a model
-            already parallelized, and every refusal of :func:`tplower.parallelize`.
+            already parallelized or already wrapped for data parallelism (``DistributedDataParallel``, as
+            ``accelerator.prepare`` wraps it), and every refusal of :func:`tplower.parallelize`.
     """
     layout = DataLayout.of(mesh, context, where)
     axis, plan, mode = model_axis(tuple(mesh.mesh_dim_names or ()), plan, experts, where)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TPLowerError(f"{where}: the model is wrapped in DistributedDataParallel already (accelerator.prepare "
+                           f"or Trainer wrapped it); {ORDER[where]}")
     if placed_by_tplower(model):
-        raise TPLowerError(f"{where}: the model is parallelized already; build the trainer with the model as "
-                           f"loaded and let {where} parallelize it (it takes plan, context and experts)")
+        raise TPLowerError(f"{where}: the model is parallelized already; pass the model as loaded and let {where} "
+                           f"parallelize it (it takes plan, context and experts): {ORDER[where]}")
+    before: dict[int, weakref.ref[torch.Tensor]] = {id(p): weakref.ref(p) for p in model.parameters()}
     if plan is not None or context is not None:  # a dp mesh alone: FSDP2 is all there is to do
         parallelize(model, mesh, plan, axis=axis, experts=mode, context=context, context_mode=context_mode,
                     **options)
     shard_over_dp(model, layout, sum_gradients=sum_gradients)
     split = SequenceSplit(model, layout) if context is not None else None
-    record = TrainingModel(model, layout, split)
+    record = TrainingModel(model, layout, split, before=before)
     if context is not None:
         model.register_forward_hook(record._record, with_kwargs=True)
     return record

@@ -9,6 +9,9 @@ for the optimizer's shards.
   (``torch.distributed.checkpoint``; ``get_optimizer_state_dict`` names each state by its parameter and keeps
   DTensor shards as shards), so every rank writes and reads its own part; a plain ``torch.save`` on rank 0
   would keep rank 0's shards only.
+* :func:`load_whole_optimizer`: a one-process optimizer file (transformers' ``optimizer.pt``, whole tensors keyed
+  by the parameters' positions) read into an optimizer of DTensor parameters, each rank taking its shards: a run
+  checkpointed by one process resumes on a mesh.
 * :func:`save_scheduler` / :func:`load_scheduler`: the learning-rate scheduler's state (the same on every
   rank), one file written by rank 0.
 """
@@ -27,14 +30,18 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
-from ..state.full_state import full_state_dict
+from ..core.support.errors import TPLowerError
+from ..state.full_state import full_state_dict, shard_of
 
-__all__ = ["OPTIMIZER_FOLDER", "SCHEDULER_FILE", "load_optimizer", "load_scheduler", "save_optimizer",
-           "save_scheduler", "writes_whole"]
+__all__ = ["OPTIMIZER_FILE", "OPTIMIZER_FOLDER", "SCHEDULER_FILE", "load_optimizer", "load_scheduler",
+           "load_whole_optimizer", "optimizer_format", "save_optimizer", "save_scheduler", "writes_whole"]
 
 #: the DCP folder of the optimizer's state inside a checkpoint folder
 OPTIMIZER_FOLDER = "optimizer_dcp"
+#: a one-process optimizer's state inside a checkpoint folder (transformers' own file name)
+OPTIMIZER_FILE = "optimizer.pt"
 #: the scheduler's state inside a checkpoint folder (transformers' own file name)
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -101,6 +108,70 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: s
     state = {"optimizer": get_optimizer_state_dict(model, inner)}
     dcp_load(state, checkpoint_id=folder)
     set_optimizer_state_dict(model, inner, state["optimizer"])
+
+
+def optimizer_format(checkpoint: str) -> str | None:
+    """Which optimizer state the checkpoint folder holds, as every rank sees it: ``"dcp"`` (:data:`OPTIMIZER_FOLDER`,
+    tplower's), ``"whole"`` (:data:`OPTIMIZER_FILE` alone, a one-process run's) or ``None`` (neither).
+
+    A collective over the default group (every rank's view is compared), so a folder some rank cannot see is
+    refused on every rank alike before any rank starts DCP's collective read.
+
+    Raises:
+        TPLowerError: the ranks see different contents (a folder not shared between the ranks' machines).
+    """
+    here = ("dcp" if os.path.isdir(os.path.join(checkpoint, OPTIMIZER_FOLDER))
+            else "whole" if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_FILE)) else None)
+    if not dist.is_initialized():
+        return here
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, here)
+    if len(set(every)) > 1:
+        raise TPLowerError(f"resume_from_checkpoint={checkpoint!r}: the ranks see different optimizer states in it "
+                           f"({dict(enumerate(every))}: 'dcp' is {OPTIMIZER_FOLDER}/, 'whole' {OPTIMIZER_FILE}); "
+                           "pass a folder every rank reads alike (a shared file system)")
+    return here
+
+
+def _shard(value: Any, param: torch.Tensor, where: str) -> Any:
+    """A whole state tensor of ``param`` as this rank's shard of it (``param`` a DTensor), else ``value``."""
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if tuple(value.shape) != tuple(param.shape):
+        raise TPLowerError(f"{where}: a state tensor of shape {tuple(value.shape)} for a parameter of global shape "
+                           f"{tuple(param.shape)}; tplower reads a one-process optimizer's per-parameter states of "
+                           "the parameter's shape (Adam's moments, SGD's momentum), or its own optimizer_dcp/ folder")
+    return shard_of(value, param)
+
+
+def load_whole_optimizer(optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Read a one-process optimizer's file (``torch.save(optimizer.state_dict())``, transformers' ``optimizer.pt``)
+    into ``optimizer``, whose parameters may be DTensors: each rank takes its shards; no collective.
+
+    The file's states are keyed by each parameter's position in its parameter groups (torch's own format), so
+    ``optimizer`` must be built as the one that wrote it (the same groups, in the same order: a trainer's own
+    ``create_optimizer`` is). A state tensor of a DTensor parameter's global shape becomes this rank's shard of it
+    (:func:`tplower.state.full_state.shard_of`); the rest (``step``, the groups' hyperparameters) loads as it is.
+
+    Raises:
+        TPLowerError: the file's parameter groups differ from the optimizer's in number or sizes; a state tensor
+            of a DTensor parameter whose shape is not the parameter's (a factored state such as Adafactor's).
+    """
+    inner = _inner(optimizer)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    groups = saved.get("param_groups", [])
+    have, want = [len(g["params"]) for g in groups], [len(g["params"]) for g in inner.param_groups]
+    if have != want:
+        raise TPLowerError(f"load_whole_optimizer: {path!r} holds parameter groups of {have} parameters, the "
+                           f"optimizer {want}; build the optimizer as the run that wrote it did (its trainer's "
+                           "optimizer settings)")
+    state: dict[Any, dict[str, Any]] = {}
+    for group, own in zip(groups, inner.param_groups, strict=True):
+        for key, param in zip(group["params"], own["params"], strict=True):
+            if key in saved["state"]:
+                state[key] = {k: _shard(v, param, f"load_whole_optimizer: {path!r}")
+                              for k, v in saved["state"][key].items()}
+    inner.load_state_dict({"state": state, "param_groups": groups})
 
 
 def save_scheduler(scheduler: Any, path: str) -> None:

@@ -10,20 +10,28 @@ inside):
   cross-process sum is turned off: ``args.average_tokens_across_devices = False``; it would count each tp/cp
   group once per rank.)
 * ``compute_loss``: in evaluation the same global count of the batch; without a count (a model that takes none)
-  the loss divided by the ``dp`` size, so the sums over ``dp`` give DDP's average of the ranks' means.
+  the loss divided by the ``dp`` size, so the sums over ``dp`` give DDP's average of the ranks' means. Under
+  ``cp`` the trainer's ``compute_loss`` gets this rank's piece of the batch (:func:`tplower.shard_sequence`'s
+  output: labels shifted over the whole sequence, then cut), and ``accelerator.gather_for_metrics`` inside it
+  gathers every ``dp`` and ``cp`` rank's value, so per-token metrics (TRL's ``mean_token_accuracy``,
+  ``entropy``) count the whole global batch's tokens once, in training and evaluation alike.
 * ``training_step``, ``prediction_step``: the loss each returns summed over ``dp`` (and ``cp`` for a loss built
   from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's (the model's logits
   come back whole over ``cp`` in evaluation: :class:`tplower.hf.batches.SequenceSplit`).
 * ``gather_function``: evaluation gathers over ``dp`` only.
+* ``get_total_train_batch_size``: the rows of a step over ``dp`` alone (``num_train_samples``, samples per
+  second), not every rank.
 * ``save_model``: every rank gathers the whole weights, rank 0 writes them (``from_pretrained`` loads the
   folder in one process).
-* the optimizer's and scheduler's checkpoint (:func:`_checkpoint_methods`, the one private pair).
+* the optimizer's and scheduler's checkpoint (:func:`_checkpoint_methods`, the one private pair): tplower's
+  ``optimizer_dcp/``, or a one-process run's ``optimizer.pt`` (each rank takes its shards).
 
 The accelerator is patched by :func:`tplower.hf.accelerator.patch_accelerator` (no DDP, batches over ``dp``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -32,14 +40,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
-from .accelerator import check_accelerator, patch_accelerator
+from .accelerator import check_accelerator, patch_accelerator, pieces_gathered
 from .batches import global_count
-from .model import TrainingModel, parallelize_for_training
+from .model import ORDER, TrainingModel, parallelize_for_training
 from .saving import (
+    OPTIMIZER_FILE,
     OPTIMIZER_FOLDER,
     SCHEDULER_FILE,
     load_optimizer,
     load_scheduler,
+    load_whole_optimizer,
+    optimizer_format,
     save_optimizer,
     save_scheduler,
     writes_whole,
@@ -51,7 +62,7 @@ __all__ = ["prepare_trainer"]
 CHECKPOINT_METHODS = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
 
 
-def _check_trainer(trainer: Any, context: str | None) -> None:
+def _check_trainer(trainer: Any, context: str | None, token_loss: bool) -> None:
     from transformers import Trainer
 
     if not isinstance(trainer, Trainer):
@@ -59,16 +70,18 @@ def _check_trainer(trainer: Any, context: str | None) -> None:
                         f"SFTTrainer), got {type(trainer).__name__}")
     if trainer.optimizer is not None or trainer.lr_scheduler is not None:
         raise TPLowerError("prepare_trainer: the trainer holds an optimizer or scheduler already, built on the "
-                           "parameters before parallelization (they would never change); build the Trainer "
-                           "without optimizers=(...) (or pass optimizer_cls_and_kwargs) and call prepare_trainer "
-                           "before train()")
+                           "parameters before parallelization (they would never change); pass no optimizers=(...) "
+                           "(optimizer_cls_and_kwargs is fine: train() builds it after the call), and "
+                           f"{ORDER['prepare_trainer']}")
     check_accelerator(trainer.accelerator, "prepare_trainer")
     missing = [name for name in CHECKPOINT_METHODS if not callable(getattr(type(trainer), name, None))]
     if missing:
         raise TPLowerError(f"prepare_trainer: this transformers release has no Trainer.{missing[0]}, through which "
                            "tplower checkpoints the optimizer's shards; use the transformers version tplower is "
                            "tested with (5.24)")
-    if context is not None:
+    if not isinstance(token_loss, bool):
+        raise TypeError(f"prepare_trainer: token_loss must be True or False, got {token_loss!r}")
+    if context is not None and not token_loss:
         _check_token_loss(trainer)
     if context is not None and (trainer.label_smoother is not None or trainer.compute_loss_func is not None):
         raise TPLowerError("prepare_trainer: context parallelism leaves each rank the logits of its own tokens; "
@@ -89,7 +102,9 @@ def _check_token_loss(trainer: Any) -> None:
         raise TPLowerError(f"prepare_trainer: context parallelism gives each rank a piece of every sequence; "
                            f"{type(trainer).__name__}.compute_loss is not a loss tplower knows to be a sum over "
                            "tokens (Trainer's, TRL's SFTTrainer's), and one built from per-sequence sums (DPO, KTO, "
-                           "GRPO) would be silently wrong on pieces: pass context=None (tp, ep and dp work with it)")
+                           "GRPO) would be silently wrong on pieces: pass token_loss=True if yours is a sum over "
+                           "tokens divided by num_items_in_batch (one that only calls super() is), else "
+                           "context=None (tp, ep and dp work with it)")
 
 
 def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
@@ -98,16 +113,23 @@ def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
     transformers (checked on 5.24) saves the optimizer with ``torch.save`` on the main process only and loads
     that one file on every rank, through the private methods :data:`CHECKPOINT_METHODS`; there is no public hook
     for it. They are replaced on the instance here, and ``tests/test_hf_stacks.py`` fails loudly when a release
-    renames them.
+    renames them. A resume reads tplower's :data:`~tplower.hf.saving.OPTIMIZER_FOLDER` or, in a folder a
+    one-process run wrote, its :data:`~tplower.hf.saving.OPTIMIZER_FILE` (whole tensors: each rank takes its
+    shards); the scheduler's file either way. A folder with neither optimizer state loads none (transformers'
+    own rule).
     """
     def save(output_dir: str) -> None:
         save_optimizer(tm.model, trainer.optimizer, os.path.join(output_dir, OPTIMIZER_FOLDER))
         save_scheduler(trainer.lr_scheduler, os.path.join(output_dir, SCHEDULER_FILE))
 
     def load(checkpoint: str | None) -> None:
-        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_FOLDER)):
+        found = None if checkpoint is None else optimizer_format(checkpoint)
+        if checkpoint is None or found is None:
             return
-        load_optimizer(tm.model, trainer.optimizer, os.path.join(checkpoint, OPTIMIZER_FOLDER))
+        if found == "dcp":
+            load_optimizer(tm.model, trainer.optimizer, os.path.join(checkpoint, OPTIMIZER_FOLDER))
+        else:
+            load_whole_optimizer(trainer.optimizer, os.path.join(checkpoint, OPTIMIZER_FILE))
         load_scheduler(trainer.lr_scheduler, os.path.join(checkpoint, SCHEDULER_FILE))
 
     trainer._save_optimizer_and_scheduler = save
@@ -130,7 +152,9 @@ def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
         if not model.training:  # evaluation: the trainer counts the rank's batch alone; count the global one
             num_items_in_batch = batch_samples(iter([inputs]), 1, trainer.args.device)[1]
         tm.forget()
-        result = compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        pieces = tm.split.cut(inputs) if tm.split is not None else inputs  # under cp: this rank's piece
+        with pieces_gathered(trainer.accelerator, layout) if pieces is not inputs else contextlib.nullcontext():
+            result = compute_loss(model, pieces, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
         if num_items_in_batch is None and layout.dp_size > 1:  # no count: each rank's loss is its own mean,
             loss = loss / layout.dp_size  # and the sums over dp (FSDP2's, the logged loss's) give their average
@@ -159,6 +183,17 @@ def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
     trainer.prediction_step = predict
 
 
+def _batch_size_method(trainer: Any, tm: TrainingModel) -> None:
+    """``get_total_train_batch_size``: the stack's count (every process reads its own rows) over ``dp`` alone."""
+    total = trainer.get_total_train_batch_size
+    world = tm.layout.mesh.size()
+
+    def total_rows(args: Any) -> int:
+        return int(total(args)) * tm.layout.dp_size // world
+
+    trainer.get_total_train_batch_size = total_rows
+
+
 def _save_method(trainer: Any, tm: TrainingModel) -> None:
     save_model = trainer.save_model
 
@@ -170,7 +205,8 @@ def _save_method(trainer: Any, tm: TrainingModel) -> None:
 
 
 def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, context: str | None = None,
-                    context_mode: str = "ulysses", experts: str | None = None, **options: Any) -> Any:
+                    context_mode: str = "ulysses", experts: str | None = None, token_loss: bool = False,
+                    **options: Any) -> Any:
     """Parallelize ``trainer.model`` on ``mesh`` and make ``trainer`` train it as one process trains the whole model.
 
     Call it on every rank, after the trainer is built (with the model as loaded, the same weights on every rank)
@@ -178,7 +214,8 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     on the same global batches: the same losses (logged), gradient norms, parameters, ``eval_loss`` and
     predictions; ``save_model`` writes a folder ``from_pretrained`` loads in one process; checkpoints hold the
     whole weights (``model.safetensors``), the optimizer's shards (DCP, ``optimizer_dcp/``), the scheduler and
-    each rank's RNG, and ``train(resume_from_checkpoint=...)`` continues as the uninterrupted run. No
+    each rank's RNG, and ``train(resume_from_checkpoint=...)`` continues as the uninterrupted run (from a
+    one-process run's checkpoint too: its ``optimizer.pt`` is read whole, each rank taking its shards). No
     ``accelerate.ParallelismConfig`` is involved (none may be set).
 
     Args:
@@ -189,31 +226,41 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
             read the same batches.
         plan: as :func:`tplower.parallelize`'s, on the ``tp``/``ep`` axis (``"auto"``: the model's own plan;
             with neither axis, nothing is sharded by a plan).
-        context: the context-parallel axis (``"cp"``) or ``None``: every batch the model is called with is cut
-            by :func:`tplower.shard_sequence` (padded, packed with ``position_ids``, TRL's padding-free batches).
+        context: ``"cp"`` (the mesh's context-parallel axis; required when it has one) or ``None``: every
+            batch the model is called with is cut by :func:`tplower.shard_sequence` (padded, packed with
+            ``position_ids``, TRL's padding-free batches); the trainer's ``compute_loss`` gets the cut batch.
         context_mode: ``"ulysses"`` or ``"allgather"`` (:func:`tplower.parallelize`).
         experts: ``"ep"`` (expert parallelism over the ``tp``/``ep`` axis), ``"tp"``, or ``None``: ``"ep"`` on an
             ``ep`` axis, else ``"tp"``.
+        token_loss: ``True`` vouches that the trainer's own ``compute_loss`` is a sum over tokens divided by
+            ``num_items_in_batch`` (one that only adds to ``super().compute_loss`` is), so ``context`` takes it;
+            without it, ``context`` takes only ``Trainer``'s and ``SFTTrainer``'s.
         options: passed to :func:`tplower.parallelize` (``overlap``, ``strict``, ``cover``, ...).
 
     Returns:
         ``trainer`` itself (its model parallelized in place; see the module docstring for what changed).
 
     Raises:
-        TypeError: ``trainer`` is not a ``transformers.Trainer``; ``mesh`` not a ``DeviceMesh``.
+        TypeError: ``trainer`` is not a ``transformers.Trainer``; ``mesh`` not a ``DeviceMesh``; ``token_loss``
+            not a bool.
         TPLowerError: before anything is changed: the trainer already holds an optimizer or scheduler; its
-            accelerator has a ``ParallelismConfig``, FSDP or DeepSpeed; the mesh's axes, or a mesh smaller than
-            the job; a model already parallelized; with ``context``, a ``compute_loss`` other than
-            ``Trainer``'s or ``SFTTrainer``'s (a per-sequence loss such as DPO's would be wrong on pieces of each
-            sequence), label smoothing or a ``compute_loss_func``; and every refusal of :func:`tplower.parallelize`.
+            accelerator has a ``ParallelismConfig``, FSDP or DeepSpeed; the mesh's axes, a mesh smaller than
+            the job, an axis the call would not use (``cp`` without ``context="cp"``, ``tp``/``ep`` with
+            ``plan=None``), ``context`` other than ``"cp"``; a model already parallelized; with ``context``, a
+            ``compute_loss`` other than ``Trainer``'s or ``SFTTrainer``'s without ``token_loss=True`` (a
+            per-sequence loss such as DPO's would be wrong on pieces of each sequence), label smoothing or a
+            ``compute_loss_func``; and every refusal of :func:`tplower.parallelize`. Later, at a resume: a
+            checkpoint folder the ranks see differently, or a one-process ``optimizer.pt`` whose parameter
+            groups are not the trainer's.
     """
-    _check_trainer(trainer, context)
+    _check_trainer(trainer, context, token_loss)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
                                   experts=experts, sum_gradients=True, where="prepare_trainer", **options)
     patch_accelerator(trainer.accelerator, tm.layout, tm.model)
     trainer.args.average_tokens_across_devices = False
     _loss_methods(trainer, tm)
     trainer.gather_function = lambda value, **_: trainer.accelerator.gather_for_metrics(value)
+    _batch_size_method(trainer, tm)
     _save_method(trainer, tm)
     _checkpoint_methods(trainer, tm)
     return trainer

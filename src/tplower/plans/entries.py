@@ -93,6 +93,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from ..core.support.errors import TPLowerError
+from ..core.support.words import closest
 from .keys import glob_regex, key_hint, matching_keys, unmatched_key_message
 from .schema import ENTRY_FIELDS, MAP_FIELDS, Placed, PlacementSpec, is_read, read_fields, read_placement_map
 from .styles import HF_STYLES, PARAMETER_ONLY_STYLES, check_style, entry_from_style  # re-exported: they lived here
@@ -299,7 +300,8 @@ def plan_source(source: Mapping[str, PlanValue] | str | Path) -> dict[str, PlanV
         try:
             text = path.read_text()
         except OSError as exc:
-            raise TPLowerError(f"plan file {str(path)!r} cannot be read: {exc}") from None
+            near = closest(str(source), PLAN_NAMES) if isinstance(source, str) and not path.suffix else ""
+            raise TPLowerError(f"plan file {str(path)!r} cannot be read: {exc}{near}") from None
         try:
             if path.suffix.lower() == ".json":
                 data = json.loads(text)

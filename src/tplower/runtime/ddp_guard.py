@@ -31,9 +31,10 @@ __all__ = ["MESSAGE", "refuse_ddp"]
 #: the one line both routes raise
 MESSAGE = ("tplower: DistributedDataParallel cannot train a model tplower.parallelize placed (its parameters are "
            "DTensor shards that the ranks of one tp/cp group share, not per-rank replicas); with transformers' "
-           "Trainer (or a TRL trainer) build it with the model as loaded and call "
-           "tplower.hf.prepare_trainer(trainer, mesh, plan) before train(); in an accelerate loop call "
-           "tplower.hf.prepare_accelerator(accelerator, model, mesh, plan) before accelerator.prepare(...); for data "
+           "Trainer (or a TRL trainer) build the trainer with the model as loaded, then call "
+           "tplower.hf.prepare_trainer(trainer, mesh, plan), then train(); in an accelerate loop call "
+           "tplower.hf.prepare_accelerator(accelerator, model, mesh, plan) on the model as loaded, then build the "
+           "optimizer on model.parameters(), then accelerator.prepare(...); for data "
            "parallelism of your own use FSDP2 (fully_shard) over a dp mesh axis")
 
 #: the module attribute DDP's constructor reads as the names of parameters and buffers it should leave alone
