@@ -88,8 +88,9 @@ def _hybrid_rows(h_q: int, h_kv: int, n: int, u: int, piece: int, layers: int) -
 
 
 def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int, cp: int, tp: int = 1, *,
-                    layers: int = 1, head_dim: int | None = None, params: int = 0, balance: bool = True,
-                    dtype: torch.dtype = torch.float32, ulysses: int | None = None) -> dict[str, Any]:
+                    layers: int = 1, head_dim: int | None = None, params: int = 0, grouped: int = 0,
+                    balance: bool = True, dtype: torch.dtype = torch.float32, ulysses: int | None = None
+                    ) -> dict[str, Any]:
     """The collectives and bytes each rank sends per train step under each context-parallel mode.
 
     Args:
@@ -99,7 +100,10 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
         layers: attention layers.
         head_dim: default ``hidden // heads``.
         params: parameter elements each rank holds (after tp): their gradients are summed over cp,
-            one ``all_reduce`` each (0: left out).
+            one ``all_reduce`` a module call (0: left out).
+        grouped: parameter tensors whose gradients share a module call's ``all_reduce`` with others: each
+            adds one element, the flag that says whether a rank used it
+            (:func:`tplower.runtime.params.local_parameters`).
         balance: as :func:`tplower.shard_sequence` cuts the sequence.
         dtype: activations' and gradients' dtype.
         ulysses: the hybrid mode's Ulysses degree (a divisor of ``cp``); default: the one
@@ -155,7 +159,7 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
                "bytes_per_rank": 2 * (n - 1) * 4 // n}]
     if params:
         common.append({"what": f"parameter gradients ({params} elements, P(sum) -> R)", "collective": "all_reduce",
-                       "count": -1, "bytes_per_rank": 2 * (n - 1) * params * item // n})
+                       "count": -1, "bytes_per_rank": 2 * (n - 1) * (params + grouped) * item // n})
     out: dict[str, Any] = {"inputs": {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads,
                                       "kv_heads": kv_heads, "head_dim": d, "cp": cp, "tp": tp, "layers": layers,
                                       "local_width": width, "dtype": str(dtype).removeprefix("torch."),

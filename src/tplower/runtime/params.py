@@ -222,27 +222,40 @@ class _LocalViews(torch.autograd.Function):
     wrapped with its parameter's own spec. A sum is elementwise, so each
     gradient is the one :class:`_LocalView` gives (the same additions; the
     order of a reduction over more than two ranks may differ by rounding).
-    A parameter the forward did not use gets autograd's zeros, reduced alike
-    on every rank, so every rank issues the same collective.
+    The buffer ends with one flag a parameter (1 where this rank's forward
+    used it), summed with the gradients: a parameter no rank used gets no
+    gradient (``None``, as in one process, so weight decay and momentum leave
+    it alone), one that some rank used gets the sum, zeros standing in for the
+    ranks that did not; every rank issues the same collective. The flags are
+    read only on a rank that lacks a gradient (on a GPU, the one host sync).
+    The gradients handed back share the buffer's storage (as DDP's
+    ``gradient_as_bucket_view``).
     """
 
     @staticmethod
     def forward(ctx: Any, layout: ParamLayout, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs, ctx.layout = tuple(p._spec for p in params), layout
+        ctx.shapes = tuple(p._local_tensor.shape for p in params)
+        ctx.set_materialize_grads(False)
         return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[DTensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:  # type: ignore[override]
         layout: ParamLayout = ctx.layout
         assert layout.grad is not None
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        some = next(g for g in grads if g is not None)  # autograd calls this only when a view got a gradient
+        missing = any(g is None for g in grads)
+        flags = some.new_tensor([0.0 if g is None else 1.0 for g in grads])
+        flat = torch.cat([*(some.new_zeros(shape).reshape(-1) if g is None else g.reshape(-1)
+                            for g, shape in zip(grads, ctx.shapes, strict=True)), flags])
         flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
                                                  flat.device.type).run_owned(flat)
+        used = (flat[-len(grads):] > 0).tolist() if missing else [True] * len(grads)
         out: list[DTensor | None] = [None]
         start = 0
-        for g, spec in zip(grads, ctx.specs, strict=True):
-            n = g.numel()
-            out.append(DTensor(flat[start:start + n].view(g.shape), spec, requires_grad=False))
+        for shape, spec, any_rank in zip(ctx.shapes, ctx.specs, used, strict=True):
+            n = shape.numel()
+            out.append(DTensor(flat[start:start + n].view(shape), spec, requires_grad=False) if any_rank else None)
             start += n
         return tuple(out)
 
