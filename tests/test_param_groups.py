@@ -3,8 +3,8 @@
 Four parameters replicated over a ``cp`` axis, each rank computing on its own data (as under context
 parallelism): their gradients must be the sum over the ranks of what one process computes on each rank's data,
 with one collective for the four, also when one parameter is unused on one rank only (the ranks' collectives still
-line up), and no gradient at all (``None``, as one process leaves it) for one that no rank uses. Two gloo ranks; the reference is one process per rank's data,
-summed by hand.
+line up), and no gradient at all (``None``, as one process leaves it) for one that no rank uses. Two gloo ranks;
+the reference is one process per rank's data, summed by hand.
 """
 
 from __future__ import annotations
