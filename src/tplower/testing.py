@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -114,7 +115,9 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            # pickled here, by value: a tensor put as it is travels as a file descriptor that the parent can
+            # only open while this process lives, and this process exits right after
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
             shutdown()  # destroys the group and joins gloo's workers while Python is whole
     except BaseException:
@@ -146,13 +149,21 @@ def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: 
         except queue.Empty:
             _name_the_dead(procs, out, failures)
         else:
-            (out if ok else failures)[rank] = value
+            _report(out, failures, rank, ok, value)
         if failures and first_failure is None:
             first_failure = time.monotonic()
     _drain(procs, results, out, failures)
     for r in range(len(procs)):
         if r not in out and r not in failures:
             failures[r] = reason
+
+
+def _report(out: dict[int, Any], failures: dict[int, str], rank: int, ok: bool, value: Any) -> None:
+    """File one rank's report: its result (unpickled: see :func:`_process_entry`) or its traceback."""
+    if ok:
+        out[rank] = pickle.loads(value)
+    else:
+        failures[rank] = value
 
 
 def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[int, str]) -> None:
@@ -166,7 +177,7 @@ def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[i
             rank, ok, value = results.get(timeout=0.05)
         except queue.Empty:
             break
-        (out if ok else failures)[rank] = value
+        _report(out, failures, rank, ok, value)
     _name_the_dead(procs, out, failures)
 
 
