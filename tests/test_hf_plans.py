@@ -296,3 +296,17 @@ def test_colwise_shards_a_module_s_other_parameters_with_its_rows() -> None:
     x = {"input": torch.randn(2, 8, generator=torch.Generator().manual_seed(8))}
     diffs = run_threaded(2, _compare, ref, {"0": "colwise_gather_output"}, x)[0]
     assert max(diffs.values()) < 1e-6, diffs
+
+
+def test_unit_colwise_keys_and_values_match_one_process_and_refuse_heads_that_do_not_divide() -> None:
+    """transformers 5.25's ``unit_colwise`` (whole heads per rank, on k_proj/v_proj): plain colwise where the head
+    counts divide over tp; where they do not (transformers would replicate heads), the head-count rule refuses."""
+    ref = _tiny("llama")
+    plan = {k: ("unit_colwise" if k.endswith(("k_proj", "v_proj")) else v) for k, v in model_tp_plan(ref).items()}
+    assert sum(v == "unit_colwise" for v in plan.values()) == 2
+    ids = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))}
+    diffs = run_threaded(2, _compare, ref, plan, ids, lambda o: o.logits)[0]
+    assert max(diffs.values()) < 1e-5, {k: v for k, v in diffs.items() if v >= 1e-5}
+    ref.config.num_key_value_heads = 1  # the modules keep 2 heads' width; the rule reads the config first
+    with pytest.raises(RankFailure, match="num_key_value_heads=1 does not divide over 2"):
+        run_threaded(2, _compare, ref, plan, ids, lambda o: o.logits)

@@ -139,6 +139,11 @@ HF_STYLES: dict[str, dict[str, Any]] = {
                 "other": "it is defined for nn.Linear modules only (a transformers Conv1D, weight [in, out], takes "
                          "conv1d_colwise)"},
     "colwise_rep": {"linear": lambda a: _colwise(a, _R)},
+    # transformers 5.25's head-aligned styles (UnitColwiseParallel, on k_proj/v_proj): whole heads per rank, which
+    # is plain colwise/rowwise where the head counts divide over tp; where they do not, transformers replicates
+    # heads over a sub-mesh, and parallelize refuses the split attention (the head-count rule, plans.heads)
+    "unit_colwise": {"linear": lambda a: _colwise(a, _S_LAST)},
+    "unit_rowwise": {"linear": lambda a: _rowwise(a, _S_LAST)},
     "colwise_gather_output": {"linear": lambda a: _colwise(a, _R)},
     "rowwise": {"linear": lambda a: _rowwise(a, _S_LAST), "embedding": _embedding_hidden,
                 "other": "it is defined for nn.Linear and nn.Embedding modules only (a transformers Conv1D, weight "
