@@ -61,6 +61,12 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         "audio_config": {"hidden_size": 32, "intermediate_size": 64, "num_blocks": 1, "num_attention_heads": 2,
                          "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32,
                          "audio_token_id": 121}},
+    # transformers 5.25: one sliding and one indexed layer (its default layout wants 5 layers), index heads
+    # among the 2 query heads of a key head, an index pool that the compression divides
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1],
+                   "kv_source_layers": [0, 1], "index_num_heads": 2, "index_topk": 8, "index_pool_size": 32,
+                   "index_compression": 4, "index_num_local_tokens": 4, "index_num_sink_tokens": 2,
+                   "sliding_window": 8},
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
                        "indexer_compress_ratio": 2},
 }
