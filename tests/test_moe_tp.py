@@ -8,7 +8,9 @@ replicated parameters equal on both ranks. The set covers the forms transformers
 Mixtral), a shared expert and grouped routing (DeepSeek-V3), transposed expert weights with ``packed_rowwise``
 and experts that take tokens already scaled by the router (Llama 4), a plan that says ``colwise`` for a
 concatenated gate/up weight (Inkling 2), gpt-oss (whose plan shards only the embedding) and identity (zero)
-experts among the tensor-parallel ones (LongCat-Flash: ``moe_identity_expert``).
+experts among the tensor-parallel ones (LongCat-Flash: ``moe_identity_expert``). transformers 5.25 dropped the
+experts' entries of Inkling, Inkling 2 and LongCat-Flash from their plans: those three take 5.24's entries over
+their own plan (:data:`EXPERT_ENTRIES`), so the forms stay checked on either release.
 """
 
 from __future__ import annotations

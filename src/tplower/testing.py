@@ -224,7 +224,8 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
             when it started.
 
     Returns:
-        ``fn``'s return values, in rank order.
+        ``fn``'s return values, in rank order (each pickled by value in its rank, tensors included, so it
+        must pickle; a value that does not is that rank's failure).
 
     Raises:
         RankFailure: a rank raised (its traceback is included), died, or the
