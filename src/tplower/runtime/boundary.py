@@ -141,6 +141,12 @@ class _Static:
     #: run as one node whose input gradient's all_reduce overlaps the weight gradient (:mod:`tplower.runtime.overlap`)
     overlap: bool = False
     key: int = field(default=0, compare=False)
+    #: two or more parameters whose gradients sum alike may share one all_reduce (:func:`local_parameters`): decided
+    #: at install from the layouts, so a call under plain tensor parallelism takes each view alone
+    grouped: bool = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouped", sum(layout.sums_only for _, layout in self.params) > 1)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Static:
         return self  # immutable and the same for any model (a deep copy of a model shares it, and its number)
@@ -252,7 +258,7 @@ class _Boundary:
         bias_name = st.deferred_bias
         pad = getattr(owner, "padding_idx", None) if lookup is not None else None
         try:
-            if len(st.params) > 1:  # the gradients' sums that can run as one all_reduce do
+            if st.grouped:  # the gradients' sums that can run as one all_reduce do
                 views = local_parameters([saved[name] for name, _ in st.params], [lay for _, lay in st.params])
                 for (name, _), view in zip(st.params, views, strict=True):
                     if view is not None:

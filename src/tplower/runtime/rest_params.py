@@ -99,6 +99,12 @@ class _SwapStatic:
     stack: int
     slots: tuple[tuple[str | None, str, ParamLayout], ...]
     key: int = field(default=0, compare=False)
+    #: two or more slots whose gradients sum alike may share one all_reduce (:func:`local_parameters`); decided here,
+    #: from the layouts, so a call without any (plain tensor parallelism) takes each view alone
+    grouped: bool = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouped", sum(layout.sums_only for _, _, layout in self.slots) > 1)
 
 
 class _Swap:
@@ -149,8 +155,8 @@ class _Swap:
             if isinstance(p, DTensor):  # not already local inside an outer call's swap
                 found.append((i, owner, name, p, layout))
         # one all_reduce in backward for the gradients this call's parameters sum alike (context parallelism)
-        views = local_parameters([f[3] for f in found], [f[4] for f in found]) if len(found) > 1 else \
-            [local_parameter(f[3], f[4]) for f in found]
+        views = local_parameters([f[3] for f in found], [f[4] for f in found]) if st.grouped and len(found) > 1 \
+            else [local_parameter(f[3], f[4]) for f in found]
         for (i, owner, name, param, layout), view in zip(found, views, strict=True):
             if watch is not None:
                 key = self.slots[i].key
