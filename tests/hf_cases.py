@@ -33,9 +33,12 @@ class Scenario:
     ``attention_mask``, uneven label counts) or ``packed`` (documents restarting ``position_ids``, no mask), for
     TRL ``words`` (sentences over the whole vocabulary) or ``few`` (over 6 words: a model learns them within
     the run, so its per-token accuracy and entropy vary from token to token); ``trainer`` ``trainer``, ``own``
-    (a ``Trainer`` subclass whose ``compute_loss`` only calls ``super()``), ``sft`` (TRL, packing texts to 32
-    tokens unless ``trainer_args`` say ``packing=False``) or ``dpo`` (TRL, pairs of texts, the reference model a
-    second copy)."""
+    (a ``Trainer`` subclass whose ``compute_loss`` only calls ``super()``), ``mean`` (a ``Trainer`` subclass whose
+    ``compute_loss`` is a mean over the micro-batch's examples of each example's mean token loss), ``sft``
+    (TRL, packing texts to 32 tokens unless ``trainer_args`` say ``packing=False``) or ``dpo`` (TRL, pairs of
+    texts, the reference model a second copy); ``model`` a kind of :func:`context_cases.tiny` or
+    ``llama_classifier`` (a sequence classifier of 3 labels: a mean over each micro-batch's rows); ``examples``
+    the training rows (one epoch when ``trainer_args`` say ``num_train_epochs``)."""
 
     name: str
     mesh: tuple[tuple[str, int], ...]
@@ -47,6 +50,11 @@ class Scenario:
     predict: bool = False
     checkpoint: bool = False
     trainer_args: tuple[tuple[str, Any], ...] = ()
+    examples: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.examples or ROWS * STEPS
 
     @property
     def dp(self) -> int:
@@ -73,10 +81,10 @@ class Run:
 METRICS = ("mean_token_accuracy", "entropy", "eval_mean_token_accuracy", "eval_entropy")
 
 
-def rows(n: int, kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
+def rows(n: int, kind: str, seed: int, classes: int = 0) -> list[dict[str, torch.Tensor]]:
     """``n`` rows of ``SEQ`` tokens: ``padded`` (row i left-padded by ``(i * 5) % 11``, labels ``-100`` there and
     on a few more, so the rows' label counts differ) or ``packed`` (two documents a row, cut at ``7 + (i * 5) %
-    17``)."""
+    17``); with ``classes``, each row's label is one class in ``[0, classes)`` (a sequence classifier's)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -93,8 +101,28 @@ def rows(n: int, kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
         mask[:pad] = 0
         ids[:pad] = 0
         labels[:pad + i % 3] = -100
+        if classes:
+            labels = torch.tensor((i * 7 + seed) % classes)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
+
+
+#: the sequence classifier's classes
+CLASSES = 3
+
+
+def model_of(kind: str) -> nn.Module:
+    """A fresh tiny model (the same weights on every rank): :func:`context_cases.tiny`, or ``llama_classifier``."""
+    if kind != "llama_classifier":
+        return tiny(kind, "sdpa")
+    from transformers import LlamaForSequenceClassification
+
+    from tplower.run.hf_configs import tiny_config
+
+    config = tiny_config("llama")
+    config.num_hidden_layers, config.num_labels, config.pad_token_id = 2, CLASSES, 0
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(config).float()
 
 
 def texts(n: int = 40, seed: int = 5, words: int = 125) -> list[str]:
@@ -174,7 +202,7 @@ def _first_grads(store: dict[str, torch.Tensor]) -> Any:
 def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str, torch.Tensor],
           **extra: Any) -> Any:
     """The scenario's trainer over a fresh model (the same weights on every rank), not yet prepared."""
-    model = tiny(sc.model, "sdpa")
+    model = model_of(sc.model)
     args = _args(sc, out, batch, accumulation, **extra)
     if sc.trainer == "sft":
         from datasets import Dataset
@@ -201,9 +229,24 @@ def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str
         def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
             return super().compute_loss(*args, **kwargs)
 
-    kind = OwnLoss if sc.trainer == "own" else Trainer
-    return kind(model=model, args=args, train_dataset=rows(ROWS * STEPS, sc.data, 1),
-                eval_dataset=rows(8, sc.data, 2), callbacks=[_first_grads(grads)])
+    class PerExampleMean(Trainer):  # type: ignore[misc]
+        """A user's own loss: each example's mean token loss, averaged over the micro-batch's examples."""
+
+        def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            labels = inputs.pop("labels")
+            out = model(**inputs)
+            target = labels[:, 1:]
+            token = nn.functional.cross_entropy(out.logits[:, :-1].transpose(1, 2), target.clamp(min=0),
+                                                reduction="none")
+            mask = target.ne(-100)
+            loss = ((token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+            return (loss, out) if return_outputs else loss
+
+    kind = {"own": OwnLoss, "mean": PerExampleMean}.get(sc.trainer, Trainer)
+    classes = CLASSES if sc.model == "llama_classifier" else 0
+    return kind(model=model, args=args, train_dataset=rows(sc.rows, sc.data, 1, classes),
+                eval_dataset=rows(8, sc.data, 2, classes), callbacks=[_first_grads(grads)])
 
 
 def finish(sc: Scenario, trainer: Any, grads: dict[str, torch.Tensor]) -> Run:
@@ -218,7 +261,8 @@ def finish(sc: Scenario, trainer: Any, grads: dict[str, torch.Tensor]) -> Run:
               total_batch=int(trainer.get_total_train_batch_size(trainer.args)),
               metrics={k: [e[k] for e in logs if k in e] for k in METRICS if any(k in e for e in logs)})
     if sc.predict:
-        run.predictions = torch.as_tensor(trainer.predict(rows(8, sc.data, 2)).predictions)
+        classes = CLASSES if sc.model == "llama_classifier" else 0
+        run.predictions = torch.as_tensor(trainer.predict(rows(8, sc.data, 2, classes)).predictions)
     return run
 
 
@@ -255,7 +299,7 @@ def differences(got: Run, want: Run) -> dict[str, float]:
     (over the largest gradient), the parameters, ``eval_loss`` and the predictions."""
 
     def rel(a: list[float], b: list[float]) -> float:
-        assert len(a) == len(b) == STEPS, (a, b)
+        assert len(a) == len(b) > 0, (a, b)
         return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
     def most(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -280,12 +324,13 @@ def differences(got: Run, want: Run) -> dict[str, float]:
     return out
 
 
-def reloaded(folder: str, want: dict[str, torch.Tensor]) -> float:
+def reloaded(folder: str, want: dict[str, torch.Tensor], kind: str = "llama") -> float:
     """The largest difference of a ``save_model`` folder, loaded by ``from_pretrained`` in this process, from
-    ``want`` (one process's final parameters)."""
-    from transformers import AutoModelForCausalLM
+    ``want`` (one process's final parameters); ``kind`` as :attr:`Scenario.model`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    auto = AutoModelForSequenceClassification if kind == "llama_classifier" else AutoModelForCausalLM
+    model = auto.from_pretrained(folder)
     got = dict(model.named_parameters())
     assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
     return max(float((got[k].detach() - want[k]).abs().max()) for k in want)

@@ -149,13 +149,14 @@ def _refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
 
     with_optimizer = fresh()
     with_optimizer.create_optimizer()
-    smoothing = build(sc, tempfile.mkdtemp(), 4, 1, {}, label_smoothing_factor=0.1)
+    loss_func = build(sc, tempfile.mkdtemp(), 4, 1, {})
+    loss_func.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs["loss"]
     own = build(sc, tempfile.mkdtemp(), 4, 1, {})
     own = PerSequence(model=own.model, args=own.args, train_dataset=own.train_dataset)
     twice = build(sc, tempfile.mkdtemp(), 4, 1, {})
     tplower.parallelize(twice.model, tp, "auto")
     return {"optimizer exists": refused(with_optimizer, tp),
-            "label smoothing under cp": refused(smoothing, cp, context="cp"),
+            "compute_loss_func under cp": refused(loss_func, cp, context="cp"),
             "own compute_loss under cp": refused(own, cp, context="cp"),
             "tp and ep axes": refused(build(sc, tempfile.mkdtemp(), 4, 1, {}),
                                       init_device_mesh("cpu", (1, 2), mesh_dim_names=("tp", "ep"))),
@@ -335,7 +336,8 @@ REFUSALS = {"optimizer exists": "holds an optimizer or scheduler already, built 
                                  "(optimizer_cls_and_kwargs is fine: train() builds it after the call), and build "
                                  "the trainer with the model as loaded, then call prepare_trainer(trainer, mesh, "
                                  "plan), then train()",
-            "label smoothing under cp": "label_smoothing_factor and compute_loss_func",
+            "compute_loss_func under cp": "a compute_loss_func may shift them again or reduce over the whole "
+                                          "sequence: drop it (label_smoothing_factor works), or pass context=None",
             "own compute_loss under cp": "PerSequence.compute_loss is not a loss tplower knows to be a sum over "
                                          "tokens (Trainer's, TRL's SFTTrainer's), and one built from per-sequence "
                                          "sums (DPO, KTO, GRPO) would be silently wrong on pieces: pass "

@@ -38,7 +38,7 @@ from .batches import dp_data_loader
 from .layout import DataLayout
 
 __all__ = ["PATCHED", "check_accelerator", "dp_gather", "gather_over", "patch_accelerator", "pieces_gathered",
-           "unpatch_accelerator"]
+           "training_batches", "unpatch_accelerator"]
 
 #: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first four; the last four
 #: :func:`tplower.hf.prepare_accelerator` replaces too)
@@ -117,6 +117,29 @@ def _gather_for_metrics(accelerator: Any, layout: DataLayout) -> Any:
         return data
 
     return gather_for_metrics
+
+
+@contextlib.contextmanager
+def training_batches(accelerator: Any, layout: DataLayout) -> Iterator[None]:
+    """Inside, ``accelerator.prepare_data_loader`` reads a trainer's training batches in
+    :class:`~tplower.hf.batches.Rounds` (:func:`~tplower.hf.batches.dp_data_loader` with ``examples=True``); on
+    exit the method is what it was."""
+    before = accelerator.__dict__.get("prepare_data_loader")
+
+    def prepare_data_loader(data_loader: Any, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """``Accelerator.prepare_data_loader`` over ``dp``, in rounds (:func:`training_batches`)."""
+        return dp_data_loader(accelerator, layout, data_loader, device_placement, slice_fn_for_dispatch,
+                              examples=True)
+
+    accelerator.prepare_data_loader = prepare_data_loader
+    try:
+        yield
+    finally:
+        if before is None:
+            accelerator.__dict__.pop("prepare_data_loader", None)
+        else:
+            accelerator.prepare_data_loader = before
 
 
 @contextlib.contextmanager

@@ -4,7 +4,10 @@ takes them, counted over the whole global batch, and predictions made whole.
 * :func:`dp_data_loader`: accelerate's own ``prepare_data_loader`` (the public function, the sampler and RNG
   handling it gives every process) told the data-parallel degree and coordinate instead of the world's: each
   ``dp`` rank reads its own micro-batches, every rank of one tp/cp group the same ones. Batches are read on
-  every rank (never dispatched from rank 0, which would slice them per process).
+  every rank (never dispatched from rank 0, which would slice them per process). A trainer's training batches
+  come in :class:`Rounds` (``examples=True``): one process's micro-batch cut into ``dp`` parts, the last one
+  too, each batch tagged with its share of its round (:data:`EXAMPLES_KEY`), where accelerate would repeat
+  rows to even out the last round.
 * :class:`SequenceSplit`: a forward pre-hook that passes a whole batch through :func:`tplower.shard_sequence`
   (padded, packed with ``position_ids``, TRL's padding-free batches alike), so a trainer's own code and its
   collators see the batch one process would; in evaluation the logits come back whole.
@@ -14,22 +17,173 @@ takes them, counted over the whole global batch, and predictions made whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
 from ..context.sequence import SPLIT_KEY, ContextSplit, gather_sequence, shard_sequence
 from .layout import DataLayout
 
-__all__ = ["SequenceSplit", "dp_data_loader", "global_count"]
+__all__ = ["EXAMPLES_KEY", "Rounds", "SequenceSplit", "Share", "dp_data_loader", "global_count", "share_of"]
+
+#: the key under which a training batch of :class:`Rounds` carries its :class:`Share` from the sampler to the loss
+EXAMPLES_KEY = "tplower_share"
+
+
+@dataclass(frozen=True)
+class Share:
+    """A micro-batch's part of one process's micro-batch (its *round*).
+
+    Attributes:
+        mine: the examples of the round in this rank's micro-batch; 0 for a stand-in (a rank the round left
+            without an example reads one of the round's rows so that it still takes part in every collective;
+            its loss counts for nothing).
+        whole: the examples in the round, over every ``dp`` rank (one process's micro-batch).
+    """
+
+    mine: int
+    whole: int
+
+
+class _Example(int):
+    """A dataset index with the :class:`Share` of the micro-batch it is read into."""
+
+    share: Share
+
+    def __new__(cls, index: int, share: Share) -> _Example:
+        out = super().__new__(cls, index)
+        out.share = share
+        return out
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to a DataLoader worker and back
+        return (_Example, (int(self), self.share))
+
+
+class Rounds(BatchSampler):
+    """One process's micro-batches (``dp * batch_size`` examples in ``sampler``'s order, the last one shorter
+    unless ``drop_last``), each yielded as ``dp`` parts in turn: part ``r`` is ``dp`` rank ``r``'s micro-batch.
+
+    Full rounds give rank ``r`` examples ``[r * batch_size, (r + 1) * batch_size)``, as accelerate's
+    ``BatchSamplerShard`` does; the last, short round is cut as ``torch.tensor_split`` cuts (the first ranks
+    one example more), and a rank it leaves without one gets a stand-in (the round's first example, its
+    :attr:`Share.mine` 0). No example is read twice as a real one, none is left out. Every index is an int that
+    carries its part's :class:`Share` (read by :class:`Tagged`).
+
+    Args:
+        sampler: the examples' order (the one process's ``DataLoader`` would use; accelerate may replace it with
+            its seedable copy through :attr:`sampler`).
+        batch_size: examples per ``dp`` rank in a full round (``per_device_train_batch_size``).
+        dp: the ``dp`` degree (1 or more).
+        drop_last: drop a short last round, as one process drops its short last batch.
+    """
+
+    def __init__(self, sampler: Sampler[int] | Iterable[int], batch_size: int, dp: int, drop_last: bool) -> None:
+        if batch_size < 1 or dp < 1:
+            raise ValueError(f"Rounds: batch_size={batch_size} and dp={dp} must be at least 1")
+        self.sampler = sampler
+        self.per_rank, self.dp, self.drop_last = batch_size, dp, drop_last
+        # parts differ in size in the last round: accelerate's shard reads no batch size and evens nothing out
+        self.batch_size = None  # type: ignore[assignment]
+
+    def _parts(self, round_: list[int]) -> Iterator[list[int]]:
+        n = len(round_)
+        start = 0
+        for r in range(self.dp):
+            size = n // self.dp + (r < n % self.dp)
+            if size == 0:
+                yield [_Example(round_[0], Share(0, n))]
+            else:
+                share = Share(size, n)
+                yield [_Example(i, share) for i in round_[start:start + size]]
+            start += size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        round_: list[int] = []
+        for index in self.sampler:
+            round_.append(int(index))
+            if len(round_) == self.per_rank * self.dp:
+                yield from self._parts(round_)
+                round_ = []
+        if round_ and not self.drop_last:
+            yield from self._parts(round_)
+
+    def __len__(self) -> int:
+        n, full = len(self.sampler), self.per_rank * self.dp  # type: ignore[arg-type]
+        return (n // full if self.drop_last else math.ceil(n / full)) * self.dp
+
+
+class _Examples(Dataset[Any]):
+    """``dataset`` read by :class:`Rounds`' indices: each row comes back with its part's :class:`Share`."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, Share | None]:
+        return self.dataset[int(index)], getattr(index, "share", None)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[Any, Share | None]]:
+        many = getattr(self.dataset, "__getitems__", None)
+        rows = many([int(i) for i in indices]) if many else [self.dataset[int(i)] for i in indices]
+        return [(row, getattr(i, "share", None)) for row, i in zip(rows, indices, strict=True)]
+
+    def __getattr__(self, name: str) -> Any:  # a trainer reading the dataset's own attributes finds them
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class Tagged:
+    """A collate function: ``collate`` over the rows alone, the batch tagged with their :class:`Share` under
+    :data:`EXAMPLES_KEY` (a batch that is not a mapping is returned untagged)."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[Any, Share | None]]) -> Any:
+        batch = self.collate([row for row, _ in items])
+        share = items[0][1] if items else None
+        if share is not None and isinstance(batch, MutableMapping):
+            batch[EXAMPLES_KEY] = share
+        return batch
+
+
+def share_of(batch: Any) -> Share | None:
+    """Take a batch's :class:`Share` out of it (``None`` when it has none); the batch no longer carries it."""
+    if isinstance(batch, MutableMapping):
+        share = batch.pop(EXAMPLES_KEY, None)
+        return share if isinstance(share, Share) else None
+    return None
+
+
+def _in_rounds(data_loader: DataLoader[Any], dp: int) -> DataLoader[Any] | None:
+    """``data_loader`` over :class:`Rounds` of ``dp`` parts, or ``None`` where its batches are not the plain
+    kind (an iterable dataset, a batch sampler of its own): those keep accelerate's sharding."""
+    batches = data_loader.batch_sampler
+    if isinstance(data_loader.dataset, IterableDataset) or type(batches) is not BatchSampler \
+            or data_loader.batch_size is None:
+        return None
+    return DataLoader(_Examples(data_loader.dataset), batch_sampler=Rounds(batches.sampler, batches.batch_size, dp,
+                                                                          batches.drop_last),
+                      collate_fn=Tagged(data_loader.collate_fn), num_workers=data_loader.num_workers,
+                      pin_memory=data_loader.pin_memory, timeout=data_loader.timeout,
+                      worker_init_fn=data_loader.worker_init_fn,
+                      multiprocessing_context=data_loader.multiprocessing_context,
+                      generator=data_loader.generator, prefetch_factor=data_loader.prefetch_factor,
+                      persistent_workers=data_loader.persistent_workers, in_order=data_loader.in_order)
 
 
 def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader[Any],
                    device_placement: bool | None = None,
-                   slice_fn_for_dispatch: Callable[..., Any] | None = None) -> DataLoader[Any]:
+                   slice_fn_for_dispatch: Callable[..., Any] | None = None, *,
+                   examples: bool = False) -> DataLoader[Any]:
     """``accelerator.prepare_data_loader(data_loader)`` with the ``dp`` axis as its processes.
 
     Args:
@@ -38,6 +192,10 @@ def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader
         data_loader: a plain ``DataLoader`` (one already prepared is returned as it is).
         device_placement: as ``Accelerator.prepare_data_loader``'s.
         slice_fn_for_dispatch: accepted for signature parity; batches are never dispatched.
+        examples: read a map-style dataset batched by a plain ``BatchSampler`` in :class:`Rounds` (a trainer's
+            training batches: the last round cut over the ranks, not evened out by repeated rows; each batch
+            tagged with its :class:`Share`); else accelerate's own sharding (the last batch evened out by
+            repeating rows, as accelerate does for evaluation).
 
     Returns:
         accelerate's ``DataLoaderShard`` over ``layout.dp_size`` processes, this rank reading
@@ -50,10 +208,14 @@ def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader
         return data_loader
     if device_placement is None:
         device_placement = bool(accelerator.device_placement)
+    even = accelerator.even_batches
+    if examples and layout.dp_size > 1 and not accelerator.split_batches:
+        rounds = _in_rounds(data_loader, layout.dp_size)
+        data_loader, even = (data_loader, even) if rounds is None else (rounds, False)
     prepared: DataLoader[Any] = prepare_data_loader(
         data_loader, accelerator.device, num_processes=layout.dp_size, process_index=layout.dp_rank,
         split_batches=accelerator.split_batches, put_on_device=device_placement,
-        rng_types=list(accelerator.rng_types), dispatch_batches=False, even_batches=accelerator.even_batches,
+        rng_types=list(accelerator.rng_types), dispatch_batches=False, even_batches=even,
         use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
         non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
     return prepared

@@ -40,8 +40,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
-from .accelerator import check_accelerator, patch_accelerator, pieces_gathered
-from .batches import global_count
+from .accelerator import check_accelerator, patch_accelerator, pieces_gathered, training_batches
+from .batches import EXAMPLES_KEY, Share, global_count, share_of
+from .layout import DataLayout
+from .losses import LossRule, Smoother, is_causal_lm
 from .model import ORDER, TrainingModel, parallelize_for_training
 from .saving import (
     OPTIMIZER_FILE,
@@ -83,10 +85,10 @@ def _check_trainer(trainer: Any, context: str | None, token_loss: bool) -> None:
         raise TypeError(f"prepare_trainer: token_loss must be True or False, got {token_loss!r}")
     if context is not None and not token_loss:
         _check_token_loss(trainer)
-    if context is not None and (trainer.label_smoother is not None or trainer.compute_loss_func is not None):
-        raise TPLowerError("prepare_trainer: context parallelism leaves each rank the logits of its own tokens; "
-                           "label_smoothing_factor and compute_loss_func compute the loss from logits against the "
-                           "whole batch's labels: drop them, or pass context=None")
+    if context is not None and trainer.compute_loss_func is not None:
+        raise TPLowerError("prepare_trainer: context parallelism leaves each rank the logits of its own tokens and "
+                           "their labels, shifted already; a compute_loss_func may shift them again or reduce over "
+                           "the whole sequence: drop it (label_smoothing_factor works), or pass context=None")
 
 
 def _check_token_loss(trainer: Any) -> None:
@@ -136,19 +138,29 @@ def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
     trainer._load_optimizer_and_scheduler = load
 
 
-def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
+def _stand_in(batch: Any) -> bool:
+    share = batch.get(EXAMPLES_KEY) if isinstance(batch, dict) else None
+    return isinstance(share, Share) and share.mine == 0
+
+
+def _loss_methods(trainer: Any, tm: TrainingModel, rule: LossRule) -> None:
     """``get_batch_samples``, ``compute_loss``, ``training_step`` and ``prediction_step`` (module docstring)."""
     layout = tm.layout
     get_batch_samples, compute_loss = trainer.get_batch_samples, trainer.compute_loss
     training_step, prediction_step = trainer.training_step, trainer.prediction_step
-    last: dict[str, torch.Tensor] = {}
+    last: dict[str, Any] = {}
 
     def batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
         batches, local = get_batch_samples(epoch_iterator, num_batches, device)
+        if local is not None and any(_stand_in(b) for b in batches):  # a stand-in's labels count for nothing
+            real = [b for b in batches if not _stand_in(b)]
+            local = get_batch_samples(iter(real), len(real), device)[1] if real else None
+            local = torch.zeros((), dtype=torch.int64, device=device) if local is None else local
         return batches, global_count(local, layout)
 
     def loss_of(model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                 num_items_in_batch: Any = None) -> Any:
+        share = share_of(inputs) or last.pop("share", None)
         if not model.training:  # evaluation: the trainer counts the rank's batch alone; count the global one
             num_items_in_batch = batch_samples(iter([inputs]), 1, trainer.args.device)[1]
         tm.forget()
@@ -156,14 +168,17 @@ def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
         with pieces_gathered(trainer.accelerator, layout) if pieces is not inputs else contextlib.nullcontext():
             result = compute_loss(model, pieces, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
-        if num_items_in_batch is None and layout.dp_size > 1:  # no count: each rank's loss is its own mean,
-            loss = loss / layout.dp_size  # and the sums over dp (FSDP2's, the logged loss's) give their average
-            result = (loss, result[1]) if return_outputs else loss
+        weight = rule.weight(rule.kind(trainer, num_items_in_batch is not None), share, inputs, layout)
+        if weight != 1.0:  # this dp rank's part of one process's micro-batch loss (tplower.hf.losses)
+            loss = loss * weight
+            result = (loss, *result[1:]) if return_outputs else loss
         last["loss"] = loss
         return result
 
     def step(model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        last["share"] = share_of(inputs)  # the sampler's tag leaves the batch before the trainer reads it
         value = training_step(model, inputs, num_items_in_batch)
+        last.pop("share", None)
         mine = tm.part(last.pop("loss"), value) if "loss" in last else value
         tm.forget()
         return layout.sum_over(mine.detach(), layout.split)
@@ -181,6 +196,38 @@ def _loss_methods(trainer: Any, tm: TrainingModel) -> None:
     trainer.compute_loss = loss_of
     trainer.training_step = step
     trainer.prediction_step = predict
+
+
+class _DataState:
+    """A ``PartialState`` seen by data code: ``num_processes`` and ``process_index`` are the ``dp`` size and
+    rank (the ranks of one tp/cp group read the same rows); every other attribute is the state's own."""
+
+    def __init__(self, state: Any, layout: DataLayout) -> None:
+        self._state, self.num_processes, self.process_index = state, layout.dp_size, layout.dp_rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+def _loader_method(trainer: Any, tm: TrainingModel) -> None:
+    """``get_train_dataloader``: samplers and workers that split data by ``args.world_size`` and
+    ``args.process_index`` (``batch_rebalance``, the workers' seeds) see the ``dp`` size and rank, and the
+    batches come in :class:`~tplower.hf.batches.Rounds` (the last one cut over the ``dp`` ranks, no row
+    repeated)."""
+    get_train_dataloader, args, layout = trainer.get_train_dataloader, trainer.args, tm.layout
+
+    def train_loader() -> Any:
+        state = args.__dict__.get("distributed_state")
+        if state is not None:
+            args.distributed_state = _DataState(state, layout)
+        try:
+            with training_batches(trainer.accelerator, layout):
+                return get_train_dataloader()
+        finally:
+            if state is not None:
+                args.distributed_state = state
+
+    trainer.get_train_dataloader = train_loader
 
 
 def _batch_size_method(trainer: Any, tm: TrainingModel) -> None:
@@ -254,11 +301,14 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
             groups are not the trainer's.
     """
     _check_trainer(trainer, context, token_loss)
+    rule, causal = LossRule.of(trainer, trainer.model, token_loss), is_causal_lm(trainer.model)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
                                   experts=experts, sum_gradients=True, where="prepare_trainer", **options)
     patch_accelerator(trainer.accelerator, tm.layout, tm.model)
     trainer.args.average_tokens_across_devices = False
-    _loss_methods(trainer, tm)
+    Smoother.install(trainer, causal, tm.split)
+    _loss_methods(trainer, tm, rule)
+    _loader_method(trainer, tm)
     trainer.gather_function = lambda value, **_: trainer.accelerator.gather_for_metrics(value)
     _batch_size_method(trainer, tm)
     _save_method(trainer, tm)

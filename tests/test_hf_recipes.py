@@ -1,0 +1,102 @@
+"""Recipes people run through ``tplower.hf.prepare_trainer`` beside the documented path, each against the same
+script's plain trainer in one process with ``dp`` times the per-device batch (:mod:`hf_cases`).
+
+By default (one spawn of 2 ranks): label smoothing over ``dp`` (FSDP2 renames the model's class, which made
+transformers smooth unshifted labels) and under ``cp`` (each rank's labels are shifted already); a sequence
+classifier (its loss a mean over each micro-batch's rows) and a user's ``compute_loss`` returning a mean over the
+micro-batch's examples, both with gradient accumulation over ``dp`` (each rank's mean is its part of one
+process's micro-batch mean, not a mean summed over ``dp``); one epoch over 10 rows at ``dp=2``, batch 2 (the last
+step's 2 rows cut over the ranks, none repeated). With ``TPLOWER_SLOW=1``, on 4 ranks: label smoothing at
+``dp=2 x tp=2`` with gradient accumulation, and an epoch of 9 rows at ``dp=4`` (the last round leaves three
+ranks a stand-in that counts for nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hf_cases import Scenario, announce, candidate, differences, oracle, reloaded
+
+from tplower.testing import run_processes
+
+SLOW = os.environ.get("TPLOWER_SLOW") == "1"
+TOL = {"loss": 1e-4, "grad_norm": 1e-4, "grads": 1e-4, "params": 1e-4, "eval_loss": 1e-4, "predictions": 1e-4,
+       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0}
+SMOOTH = ("label_smoothing_factor", 0.1)
+EPOCH = (("num_train_epochs", 1), ("max_steps", -1))
+DEFAULT = [
+    Scenario("smoothing-dp2", (("dp", 2),), accumulation=2, trainer_args=(SMOOTH,)),
+    Scenario("smoothing-cp2", (("cp", 2),), (("context", "cp"),), trainer_args=(SMOOTH,)),
+    Scenario("classifier-dp2", (("dp", 2),), model="llama_classifier", accumulation=2, predict=True),
+    Scenario("example-mean-dp2", (("dp", 2),), trainer="mean", accumulation=2),
+    Scenario("epoch-of-10-dp2", (("dp", 2),), trainer_args=EPOCH, examples=10),
+]
+SLOW_4 = [
+    Scenario("smoothing-dp2-tp2", (("dp", 2), ("tp", 2)), accumulation=2, trainer_args=(SMOOTH,)),
+    # 9 rows, 4 a step: the last step's one row goes to dp rank 0; ranks 1-3 read a stand-in
+    Scenario("epoch-of-9-dp4", (("dp", 4),), trainer_args=EPOCH, examples=9),
+]
+
+
+def _body(rank: int, world: int, scenarios: list[Scenario], folder: str) -> dict[str, Any]:
+    tempfile.tempdir = folder  # every trainer's output folder in this rank goes where the fixture removes it
+    wants = {sc.name: oracle(sc) for sc in scenarios}  # one process's runs, before the ranks are announced
+    announce(rank, world)
+    out: dict[str, Any] = {}
+    for sc in scenarios:
+        here = os.path.join(folder, sc.name)
+        got, trainer = candidate(sc, here)
+        out[sc.name] = differences(got, wants[sc.name])
+        out[sc.name]["steps"] = (len(got.loss), len(wants[sc.name].loss))
+        trainer.save_model(os.path.join(here, "final"))
+        if rank == 0:
+            out[sc.name]["reloaded"] = reloaded(os.path.join(here, "final"), wants[sc.name].params, sc.model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="tplower-hf-recipes-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ranks(folder: str) -> list[dict[str, Any]]:
+    return run_processes(2, _body, DEFAULT, folder, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ranks4(folder: str) -> list[dict[str, Any]]:
+    return run_processes(4, _body, SLOW_4, folder, timeout=900)
+
+
+def _check(results: list[dict[str, Any]], name: str) -> None:
+    for rank, res in enumerate(results):
+        got = dict(res[name])
+        steps, want_steps = got.pop("steps")
+        assert steps == want_steps, f"{name} rank {rank}: {steps} optimizer steps, one process {want_steps}"
+        for key, value in got.items():
+            assert value <= TOL[key], f"{name} rank {rank}: {key} differs from one process's by {value:.3g}"
+    assert "reloaded" in results[0][name]
+
+
+@pytest.mark.parametrize("name", [sc.name for sc in DEFAULT])
+def test_recipe_matches_one_process(ranks: list[dict[str, Any]], name: str) -> None:
+    _check(ranks, name)
+
+
+def test_the_short_epoch_takes_one_process_s_three_steps(ranks: list[dict[str, Any]]) -> None:
+    """10 rows at 4 a step: 4, 4 and 2 rows, as one process reads them."""
+    assert ranks[0]["epoch-of-10-dp2"]["steps"] == (3, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [sc.name for sc in SLOW_4])
+def test_recipe_on_4_ranks_matches_one_process(ranks4: list[dict[str, Any]], name: str) -> None:
+    _check(ranks4, name)
