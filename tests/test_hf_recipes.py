@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hf_cases import Scenario, announce, candidate, differences, oracle, reloaded
+from hf_cases import METRICS, Scenario, announce, build, candidate, differences, mesh_of, oracle, reloaded
 
 from tplower.testing import run_processes
 
 SLOW = os.environ.get("TPLOWER_SLOW") == "1"
 TOL = {"loss": 1e-4, "grad_norm": 1e-4, "grads": 1e-4, "params": 1e-4, "eval_loss": 1e-4, "predictions": 1e-4,
-       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0}
+       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, **dict.fromkeys(METRICS, 1e-5)}
 SMOOTH = ("label_smoothing_factor", 0.1)
 EPOCH = (("num_train_epochs", 1), ("max_steps", -1))
 DEFAULT = [
@@ -35,6 +35,9 @@ DEFAULT = [
     Scenario("classifier-dp2", (("dp", 2),), model="llama_classifier", accumulation=2, predict=True),
     Scenario("example-mean-dp2", (("dp", 2),), trainer="mean", accumulation=2),
     Scenario("epoch-of-10-dp2", (("dp", 2),), trainer_args=EPOCH, examples=10),
+    Scenario("rebalance-tp2", (("tp", 2),), trainer_args=(("train_sampling_strategy", "batch_rebalance"),)),
+    Scenario("dpo-sync-tp2", (("tp", 2),), trainer="dpo",
+             trainer_args=(("sync_ref_model", True), ("ref_model_sync_steps", 2), ("ref_model_mixup_alpha", 0.5))),
 ]
 SLOW_4 = [
     Scenario("smoothing-dp2-tp2", (("dp", 2), ("tp", 2)), accumulation=2, trainer_args=(SMOOTH,)),
@@ -56,7 +59,34 @@ def _body(rank: int, world: int, scenarios: list[Scenario], folder: str) -> dict
         trainer.save_model(os.path.join(here, "final"))
         if rank == 0:
             out[sc.name]["reloaded"] = reloaded(os.path.join(here, "final"), wants[sc.name].params, sc.model)
+    out["mixing callback"] = _mixing_callback(folder)
     return out
+
+
+def _mixing_callback(folder: str) -> str:
+    """A user's EMA callback over a copy made before ``prepare_trainer`` (whole tensors): its error line."""
+    import copy
+
+    from transformers import TrainerCallback
+
+    import tplower.hf
+
+    sc = DEFAULT[-2]
+    trainer = build(sc, os.path.join(folder, "ema"), 4, 1, {})
+    ema = copy.deepcopy(trainer.model)
+
+    class Ema(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            for mine, theirs in zip(ema.parameters(), model.parameters(), strict=True):
+                mine.data.mul_(0.9).add_(theirs.data, alpha=0.1)
+
+    trainer.add_callback(Ema())
+    tplower.hf.prepare_trainer(trainer, mesh_of(sc))
+    try:
+        trainer.train()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +124,14 @@ def test_recipe_matches_one_process(ranks: list[dict[str, Any]], name: str) -> N
 def test_the_short_epoch_takes_one_process_s_three_steps(ranks: list[dict[str, Any]]) -> None:
     """10 rows at 4 a step: 4, 4 and 2 rows, as one process reads them."""
     assert ranks[0]["epoch-of-10-dp2"]["steps"] == (3, 3)
+
+
+def test_a_callback_mixing_a_whole_copy_is_refused_in_one_line_naming_it(ranks: list[dict[str, Any]]) -> None:
+    for res in ranks:
+        line = res["mixing callback"]
+        assert line.startswith("TPLowerError: prepare_trainer: the callback Ema mixed a whole tensor with the "
+                               "trained model's DTensor parameters in on_step_end"), line
+        assert "copy.deepcopy(trainer.model)" in line and "\n" not in line, line
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from ..state.full_state import placed_by_tplower
 from .batches import SequenceSplit
 from .layout import DataLayout
 
-__all__ = ["ORDER", "TrainingModel", "model_axis", "parallelize_for_training", "shard_over_dp"]
+__all__ = ["ORDER", "TrainingModel", "model_axis", "parallelize_beside", "parallelize_for_training", "shard_over_dp"]
 
 #: the order of calls each entry needs, as its refusals say it
 ORDER = {"prepare_trainer": "build the trainer with the model as loaded, then call prepare_trainer(trainer, mesh, "
@@ -184,3 +184,23 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
     if context is not None:
         model.register_forward_hook(record._record, with_kwargs=True)
     return record
+
+
+def parallelize_beside(model: nn.Module, tm: TrainingModel, plan: Any, *, experts: str | None, where: str,
+                       **options: Any) -> None:
+    """Place ``model``, a model a trainer holds beside the one it trains (TRL's reference model), as
+    :func:`parallelize_for_training` placed ``tm.model``: :func:`tplower.parallelize` with the same plan on the same
+    axis, then FSDP2 over ``dp``. Its parameters are then the same DTensors, shard for shard, as the trained
+    model's, so code that mixes the two parameter by parameter (TRL's ``SyncRefModelCallback``, an EMA update) runs
+    on local shards; its forward takes whole batches (no context split: a reference scores whole sequences).
+
+    Raises:
+        TPLowerError: every refusal of :func:`tplower.parallelize` (the plan does not fit ``model``).
+    """
+    layout = tm.layout
+    axis, plan, mode = model_axis(tuple(layout.mesh.mesh_dim_names or ()), plan, experts, where)
+    if placed_by_tplower(model):
+        return
+    if plan is not None:
+        parallelize(model, layout.mesh, plan, axis=axis, experts=mode, **options)
+    shard_over_dp(model, layout, sum_gradients=True)

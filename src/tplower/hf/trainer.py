@@ -37,6 +37,7 @@ import sys
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
@@ -44,7 +45,7 @@ from .accelerator import check_accelerator, patch_accelerator, pieces_gathered, 
 from .batches import EXAMPLES_KEY, Share, global_count, share_of
 from .layout import DataLayout
 from .losses import LossRule, Smoother, is_causal_lm
-from .model import ORDER, TrainingModel, parallelize_for_training
+from .model import ORDER, TrainingModel, parallelize_beside, parallelize_for_training
 from .saving import (
     OPTIMIZER_FILE,
     OPTIMIZER_FOLDER,
@@ -230,6 +231,48 @@ def _loader_method(trainer: Any, tm: TrainingModel) -> None:
     trainer.get_train_dataloader = train_loader
 
 
+#: the attributes under which TRL's trainers hold a model beside the trained one (a reference model), placed like it
+BESIDE = ("ref_model",)
+#: the words of DTensor's error when an operation mixes a whole tensor with a DTensor
+MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def _culprit(error: BaseException) -> str:
+    """The callback whose code raised ``error`` (the innermost ``TrainerCallback`` on its traceback), by name."""
+    from transformers import TrainerCallback
+
+    found, tb = "a callback", error.__traceback__
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if isinstance(me, TrainerCallback):
+            found = f"the callback {type(me).__name__}"
+        tb = tb.tb_next
+    return found
+
+
+def _guard_callbacks(trainer: Any) -> None:
+    """``callback_handler.call_event``: a callback that mixes a whole tensor with the trained model's DTensor
+    parameters (an EMA or reference copy made before the call, or never placed) ends in one
+    :class:`~tplower.core.support.errors.TPLowerError` naming it and the fix, on every rank alike, instead of
+    DTensor's error from deep inside it."""
+    handler = trainer.callback_handler
+    call_event = handler.call_event
+
+    def guarded(event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        try:
+            return call_event(event, args, state, control, **kwargs)
+        except RuntimeError as e:
+            if MIXED not in str(e):
+                raise
+            raise TPLowerError(f"prepare_trainer: {_culprit(e)} mixed a whole tensor with the trained model's "
+                               f"DTensor parameters in {event} ({MIXED}); a model kept beside the trained one (an "
+                               "EMA copy, a reference model) must be placed like it: make it after prepare_trainer "
+                               "(copy.deepcopy(trainer.model)), or let the trainer hold it as trainer.ref_model, "
+                               "which prepare_trainer places") from e
+
+    handler.call_event = guarded
+
+
 def _batch_size_method(trainer: Any, tm: TrainingModel) -> None:
     """``get_total_train_batch_size``: the stack's count (every process reads its own rows) over ``dp`` alone."""
     total = trainer.get_total_train_batch_size
@@ -304,6 +347,10 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     rule, causal = LossRule.of(trainer, trainer.model, token_loss), is_causal_lm(trainer.model)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
                                   experts=experts, sum_gradients=True, where="prepare_trainer", **options)
+    for name in BESIDE:  # TRL's reference model, placed as the trained model is (shard for shard)
+        other = getattr(trainer, name, None)
+        if isinstance(other, nn.Module) and other is not tm.model:
+            parallelize_beside(other, tm, plan, experts=experts, where="prepare_trainer", **options)
     patch_accelerator(trainer.accelerator, tm.layout, tm.model)
     trainer.args.average_tokens_across_devices = False
     Smoother.install(trainer, causal, tm.split)
@@ -313,4 +360,5 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     _batch_size_method(trainer, tm)
     _save_method(trainer, tm)
     _checkpoint_methods(trainer, tm)
+    _guard_callbacks(trainer)
     return trainer
