@@ -112,7 +112,14 @@ CLASSES = 3
 
 
 def model_of(kind: str) -> nn.Module:
-    """A fresh tiny model (the same weights on every rank): :func:`context_cases.tiny`, or ``llama_classifier``."""
+    """A fresh tiny model (the same weights on every rank): :func:`context_cases.tiny`, ``llama_classifier``, or
+    ``llama_lora`` (PEFT's LoRA of rank 4 on tiny Llama's query and value projections; the adapters' ``A`` drawn
+    from the generator seeded for the model, the same on every rank)."""
+    if kind == "llama_lora":
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(tiny("llama", "sdpa"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                target_modules=["q_proj", "v_proj"]))
     if kind != "llama_classifier":
         return tiny(kind, "sdpa")
     from transformers import LlamaForSequenceClassification
@@ -329,8 +336,13 @@ def reloaded(folder: str, want: dict[str, torch.Tensor], kind: str = "llama") ->
     ``want`` (one process's final parameters); ``kind`` as :attr:`Scenario.model`."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto = AutoModelForSequenceClassification if kind == "llama_classifier" else AutoModelForCausalLM
-    model = auto.from_pretrained(folder)
+    if kind == "llama_lora":  # the adapters alone: on a fresh base model, as one process loads them
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(tiny("llama", "sdpa"), folder)
+    else:
+        auto = AutoModelForSequenceClassification if kind == "llama_classifier" else AutoModelForCausalLM
+        model = auto.from_pretrained(folder)
     got = dict(model.named_parameters())
     assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
     return max(float((got[k].detach() - want[k]).abs().max()) for k in want)
@@ -399,3 +411,13 @@ def resumed_alone(sc: Scenario, checkpoint: str, out: str) -> tuple[dict[str, to
     trainer.train(resume_from_checkpoint=copy)
     return ({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
             [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e])
+
+
+def resumed(sc: Scenario, here: str, name: str, checkpoint: str, batch: int) -> Any:
+    """A fresh trainer prepared on the scenario's mesh, resumed from ``checkpoint`` to the end of the run."""
+    import tplower.hf
+
+    again = build(sc, os.path.join(here, name), batch, sc.accumulation, {})
+    tplower.hf.prepare_trainer(again, mesh_of(sc), **dict(sc.options))
+    again.train(resume_from_checkpoint=checkpoint)
+    return again

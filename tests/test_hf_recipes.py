@@ -20,13 +20,25 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hf_cases import METRICS, Scenario, announce, build, candidate, differences, mesh_of, oracle, reloaded
+from hf_cases import (
+    METRICS,
+    Scenario,
+    announce,
+    build,
+    candidate,
+    differences,
+    mesh_of,
+    oracle,
+    reloaded,
+    resumed,
+    whole,
+)
 
 from tplower.testing import run_processes
 
 SLOW = os.environ.get("TPLOWER_SLOW") == "1"
 TOL = {"loss": 1e-4, "grad_norm": 1e-4, "grads": 1e-4, "params": 1e-4, "eval_loss": 1e-4, "predictions": 1e-4,
-       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, **dict.fromkeys(METRICS, 1e-5)}
+       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, "resumed": 1e-6, **dict.fromkeys(METRICS, 1e-5)}
 SMOOTH = ("label_smoothing_factor", 0.1)
 EPOCH = (("num_train_epochs", 1), ("max_steps", -1))
 DEFAULT = [
@@ -36,6 +48,7 @@ DEFAULT = [
     Scenario("example-mean-dp2", (("dp", 2),), trainer="mean", accumulation=2),
     Scenario("epoch-of-10-dp2", (("dp", 2),), trainer_args=EPOCH, examples=10),
     Scenario("rebalance-tp2", (("tp", 2),), trainer_args=(("train_sampling_strategy", "batch_rebalance"),)),
+    Scenario("lora-tp2", (("tp", 2),), model="llama_lora", checkpoint=True),
     Scenario("dpo-sync-tp2", (("tp", 2),), trainer="dpo",
              trainer_args=(("sync_ref_model", True), ("ref_model_sync_steps", 2), ("ref_model_mixup_alpha", 0.5))),
 ]
@@ -43,6 +56,7 @@ SLOW_4 = [
     Scenario("smoothing-dp2-tp2", (("dp", 2), ("tp", 2)), accumulation=2, trainer_args=(SMOOTH,)),
     # 9 rows, 4 a step: the last step's one row goes to dp rank 0; ranks 1-3 read a stand-in
     Scenario("epoch-of-9-dp4", (("dp", 4),), trainer_args=EPOCH, examples=9),
+    Scenario("lora-dp2-tp2", (("dp", 2), ("tp", 2)), model="llama_lora", checkpoint=True),
 ]
 
 
@@ -57,8 +71,16 @@ def _body(rank: int, world: int, scenarios: list[Scenario], folder: str) -> dict
         out[sc.name] = differences(got, wants[sc.name])
         out[sc.name]["steps"] = (len(got.loss), len(wants[sc.name].loss))
         trainer.save_model(os.path.join(here, "final"))
+        if trainer.eval_dataset is not None:  # collectives after the save: every rank still in step
+            out[sc.name]["eval_loss"] = max(out[sc.name]["eval_loss"],
+                                            abs(trainer.evaluate()["eval_loss"] - wants[sc.name].eval_loss))
         if rank == 0:
             out[sc.name]["reloaded"] = reloaded(os.path.join(here, "final"), wants[sc.name].params, sc.model)
+        if sc.checkpoint:  # written every 3 steps while training: resumed, the run ends where it ended
+            again = resumed(sc, here, "resumed", os.path.join(here, "checkpoint-3"),
+                            trainer.args.per_device_train_batch_size)
+            out[sc.name]["resumed"] = max(float((whole(p) - got.params[n]).abs().max())
+                                          for n, p in again.model.named_parameters())
     out["mixing callback"] = _mixing_callback(folder)
     return out
 
@@ -71,7 +93,7 @@ def _mixing_callback(folder: str) -> str:
 
     import tplower.hf
 
-    sc = DEFAULT[-2]
+    sc = Scenario("ema-tp2", (("tp", 2),))
     trainer = build(sc, os.path.join(folder, "ema"), 4, 1, {})
     ema = copy.deepcopy(trainer.model)
 

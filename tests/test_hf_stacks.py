@@ -40,6 +40,7 @@ from hf_cases import (
     mesh_of,
     oracle,
     reloaded,
+    resumed,
     resumed_alone,
     rows,
     whole,
@@ -195,16 +196,6 @@ def _loop_refusals() -> dict[str, str]:
     return out
 
 
-def _resumed(sc: Scenario, here: str, name: str, checkpoint: str, batch: int) -> Any:
-    """A fresh trainer prepared on the scenario's mesh, resumed from ``checkpoint`` to the end of the run."""
-    import tplower.hf
-
-    again = build(sc, os.path.join(here, name), batch, sc.accumulation, {})
-    tplower.hf.prepare_trainer(again, mesh_of(sc), **dict(sc.options))
-    again.train(resume_from_checkpoint=checkpoint)
-    return again
-
-
 def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: bool,
           slow: bool) -> dict[str, Any]:
     tempfile.tempdir = folder  # every trainer's output folder in this rank goes where the fixture removes it
@@ -225,13 +216,13 @@ def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, naive: 
             if rank == 0:  # one process's end, for the tplower checkpoint resumed in one process (in the test)
                 torch.save({"params": wants[sc.name].params, "lr": wants[sc.name].lr},
                            os.path.join(folder, f"{sc.name}-one-process-end.pt"))
-            again = _resumed(sc, here, "resumed", os.path.join(here, "checkpoint-3"), batch)
+            again = resumed(sc, here, "resumed", os.path.join(here, "checkpoint-3"), batch)
             out[sc.name + "/resumed"] = max(float((whole(p) - got.params[n]).abs().max())
                                             for n, p in again.model.named_parameters())
             # one process's checkpoint-3 (optimizer.pt, scheduler.pt; rank 0's oracle writes it, as the main
             # process), resumed on the mesh: one process's end
             written = os.path.join(folder, f"{sc.name}-one-process-rank0", "checkpoint-3")
-            again = _resumed(sc, here, "resumed-one-process", written, batch)
+            again = resumed(sc, here, "resumed-one-process", written, batch)
             want = wants[sc.name]
             lr = [e["learning_rate"] for e in again.state.log_history if "learning_rate" in e]
             moved = {n: whole(p) for n, p in again.model.named_parameters()}

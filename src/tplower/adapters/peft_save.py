@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..core.support.errors import TPLowerError
 from ..state.full_state import placed_by_tplower, plain_dtensor
 
-__all__ = ["collective_peft_save", "is_peft_model", "whole_adapter_state"]
+__all__ = ["collective_peft_save", "is_peft_model", "plain_peft_save", "whole_adapter_state"]
 
 #: ``{peft.PeftModel: its own save_pretrained}`` once :func:`collective_peft_save` wrapped it
 _PEFT_SAVE: dict[type, Callable[..., Any]] = {}
@@ -103,6 +103,21 @@ def _peft_save(own: Callable[..., Any], self: nn.Module, *args: Any, **kwargs: A
     finally:  # every rank reaches the barrier, the writer too when its write failed
         if dist.is_initialized():
             dist.barrier()
+
+
+def plain_peft_save(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """PEFT's own ``save_pretrained`` of ``model`` (a ``PeftModel``), as if :func:`collective_peft_save` had not
+    wrapped it: no gather, no barrier. For a caller that gathered the state itself on every rank and writes it
+    from one rank (:func:`tplower.hf.saving.writes_whole`).
+
+    Raises:
+        TypeError: ``model`` is not a ``PeftModel``.
+    """
+    cls = _peft_model_class()
+    if cls is None or not isinstance(model, cls):
+        raise TypeError(f"plain_peft_save: model must be a peft.PeftModel, got {type(model).__name__}")
+    own = _PEFT_SAVE.get(cls, cls.__dict__["save_pretrained"])
+    return own(model, *args, **kwargs)
 
 
 def collective_peft_save() -> bool:

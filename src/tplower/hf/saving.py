@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from ..adapters.peft_save import is_peft_model, plain_peft_save, whole_adapter_state
 from ..core.support.errors import TPLowerError
 from ..state.full_state import full_state_dict, shard_of
 
@@ -59,20 +60,31 @@ def _barrier() -> None:
 def writes_whole(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """Inside: ``model.save_pretrained(dir, ...)`` writes the whole weights gathered on entry, with no collective.
 
-    On entry every rank gathers :func:`tplower.full_state_dict` (kept on global rank 0); a ``state_dict`` the
-    caller passes to ``save_pretrained`` still wins. On exit the instance's ``save_pretrained`` is what it was
-    before, and every rank waits at a barrier, so none reads the folder before rank 0 has written it.
+    On entry every rank gathers what the save writes, kept on global rank 0: :func:`tplower.full_state_dict`, or
+    for a PEFT ``PeftModel`` the adapters alone (:func:`~tplower.adapters.peft_save.whole_adapter_state`: never
+    the whole base model). Inside, the instance's ``save_pretrained`` writes that state with the model class's
+    own writer (PEFT's unwrapped one for a ``PeftModel``: its collective wrapper would wait at a barrier the
+    other ranks never reach, as transformers calls ``save_pretrained`` on the writing rank alone); a
+    ``state_dict`` the caller passes still wins. On exit the instance's ``save_pretrained`` is what it was
+    before, and every rank waits at one barrier, so none reads the folder before rank 0 has written it.
     A collective: enter it on every rank.
 
     Yields:
         The gathered state dict (empty on every rank but 0).
     """
-    state = full_state_dict(model, rank0_only=True)
+    peft = is_peft_model(model)
+    if peft:
+        adapters = whole_adapter_state(model, None, list(getattr(model, "peft_config", {})))
+        state = adapters if _main() else {}
+    else:
+        state = full_state_dict(model, rank0_only=True)
     before = model.__dict__.get("save_pretrained")
 
     def save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("state_dict") is None:
             kwargs["state_dict"] = state
+        if peft:
+            return plain_peft_save(self, save_directory, *args, **kwargs)
         return type(self).save_pretrained(self, save_directory, *args, **kwargs)  # type: ignore[attr-defined]
 
     model.__dict__["save_pretrained"] = types.MethodType(save_pretrained, model)
