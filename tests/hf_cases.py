@@ -35,8 +35,9 @@ class Scenario:
     the run, so its per-token accuracy and entropy vary from token to token); ``trainer`` ``trainer``, ``own``
     (a ``Trainer`` subclass whose ``compute_loss`` only calls ``super()``), ``mean`` (a ``Trainer`` subclass whose
     ``compute_loss`` is a mean over the micro-batch's examples of each example's mean token loss), ``sft``
-    (TRL, packing texts to 32 tokens unless ``trainer_args`` say ``packing=False``) or ``dpo`` (TRL, pairs of
-    texts, the reference model a second copy); ``model`` a kind of :func:`context_cases.tiny` or
+    (TRL, packing texts to 32 tokens unless ``trainer_args`` say ``packing=False``), ``dpo`` (TRL, pairs of
+    texts, the reference model a second copy) or ``grpo`` (TRL, prompts of the first 40 words, each step 2
+    prompts of 2 completions, rewarded by :func:`_low_words`, sampled by :func:`_sampled_by_row`); ``model`` a kind of :func:`context_cases.tiny` or
     ``llama_classifier`` (a sequence classifier of 3 labels: a mean over each micro-batch's rows); ``examples``
     the training rows (one epoch when ``trainer_args`` say ``num_train_epochs``)."""
 
@@ -79,6 +80,10 @@ class Run:
 
 #: TRL's per-token metrics, as logged in training and evaluation
 METRICS = ("mean_token_accuracy", "entropy", "eval_mean_token_accuracy", "eval_entropy")
+#: every logged metric compared: TRL's per-token ones and GRPO's mean reward
+COMPARED = (*METRICS, "reward")
+#: GRPO's completions per prompt
+GENERATIONS = 2
 
 
 def rows(n: int, kind: str, seed: int, classes: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -181,6 +186,11 @@ def _args(sc: Scenario, out: str, batch: int, accumulation: int, **extra: Any) -
         from trl import DPOConfig
 
         return DPOConfig(**common, max_length=SEQ, bf16=False)
+    if sc.trainer == "grpo":  # a learning rate that moves the rewards within the run; its batches are prompt lists
+        from trl import GRPOConfig
+
+        common.update(learning_rate=5e-3, include_num_input_tokens_seen="no", per_device_eval_batch_size=batch)
+        return GRPOConfig(**common, num_generations=GENERATIONS, max_completion_length=8, bf16=False)
     from transformers import TrainingArguments
 
     return TrainingArguments(**common)
@@ -190,6 +200,36 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _low_words(completions: list[str], **kwargs: Any) -> list[float]:
+    """GRPO's reward: the share of a completion's words among ``w3 .. w42``."""
+    low = {f"w{i}" for i in range(3, 43)}
+    return [sum(w in low for w in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def _sampled_by_row(generate: Any) -> Any:
+    """``generate`` sampling each row's next token by the Gumbel-max trick with noise seeded by the row's tokens
+    (its padding aside) and its place in its group of ``GENERATIONS`` completions: the same draw for the same row whatever else is in
+    the batch, so one process's batch and the ``dp`` ranks' parts of it sample the same completions (torch's
+    generator would draw a batch's rows in sequence)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class ByRow(LogitsProcessor):  # type: ignore[misc]
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            noise = [torch.empty(scores.shape[-1]).exponential_(generator=torch.Generator().manual_seed(
+                hash((tuple(row[row != 0].tolist()), i % GENERATIONS)) & 0x7FFFFFFF))  # padding (0) aside
+                for i, row in enumerate(input_ids)]
+            return scores - torch.stack(noise).log().to(scores)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import copy
+
+        config = copy.deepcopy(kwargs.pop("generation_config"))
+        config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
+        return generate(*args, generation_config=config, logits_processor=LogitsProcessorList([ByRow()]), **kwargs)
+
+    return run
 
 
 def _first_grads(store: dict[str, torch.Tensor]) -> Any:
@@ -228,6 +268,15 @@ def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str
         return DPOTrainer(model=model, ref_model=tiny(sc.model, "sdpa"), args=args,
                           train_dataset=Dataset.from_dict(pairs), processing_class=tokenizer(),
                           callbacks=[_first_grads(grads)])
+    if sc.trainer == "grpo":
+        from datasets import Dataset
+        from trl import GRPOTrainer
+
+        model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, None
+        model.generate = _sampled_by_row(model.generate)
+        return GRPOTrainer(model=model, reward_funcs=_low_words, args=args,
+                           train_dataset=Dataset.from_dict({"prompt": texts(4 * ROWS * STEPS, seed=11, words=40)}),
+                           processing_class=tokenizer(), callbacks=[_first_grads(grads)])
     from transformers import Trainer
 
     class OwnLoss(Trainer):  # type: ignore[misc]
@@ -266,7 +315,7 @@ def finish(sc: Scenario, trainer: Any, grads: dict[str, torch.Tensor]) -> Run:
               lr=[e["learning_rate"] for e in logs if "learning_rate" in e],
               tokens=float(trainer.state.num_input_tokens_seen),
               total_batch=int(trainer.get_total_train_batch_size(trainer.args)),
-              metrics={k: [e[k] for e in logs if k in e] for k in METRICS if any(k in e for e in logs)})
+              metrics={k: [e[k] for e in logs if k in e] for k in COMPARED if any(k in e for e in logs)})
     if sc.predict:
         classes = CLASSES if sc.model == "llama_classifier" else 0
         run.predictions = torch.as_tensor(trainer.predict(rows(8, sc.data, 2, classes)).predictions)
@@ -307,7 +356,7 @@ def differences(got: Run, want: Run) -> dict[str, float]:
 
     def rel(a: list[float], b: list[float]) -> float:
         assert len(a) == len(b) > 0, (a, b)
-        return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+        return max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(a, b, strict=True))  # GRPO's loss starts at 0
 
     def most(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from hf_cases import (
-    METRICS,
+    COMPARED,
     Scenario,
     announce,
     build,
@@ -38,7 +38,7 @@ from tplower.testing import run_processes
 
 SLOW = os.environ.get("TPLOWER_SLOW") == "1"
 TOL = {"loss": 1e-4, "grad_norm": 1e-4, "grads": 1e-4, "params": 1e-4, "eval_loss": 1e-4, "predictions": 1e-4,
-       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, "resumed": 1e-6, **dict.fromkeys(METRICS, 1e-5)}
+       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, "resumed": 1e-6, **dict.fromkeys(COMPARED, 1e-5)}
 SMOOTH = ("label_smoothing_factor", 0.1)
 EPOCH = (("num_train_epochs", 1), ("max_steps", -1))
 DEFAULT = [
@@ -49,6 +49,9 @@ DEFAULT = [
     Scenario("epoch-of-10-dp2", (("dp", 2),), trainer_args=EPOCH, examples=10),
     Scenario("rebalance-tp2", (("tp", 2),), trainer_args=(("train_sampling_strategy", "batch_rebalance"),)),
     Scenario("lora-tp2", (("tp", 2),), model="llama_lora", checkpoint=True),
+    Scenario("own-loss-dp2", (("dp", 2),), trainer="own", accumulation=2),  # super().compute_loss's, returned
+    Scenario("grpo-tp2", (("tp", 2),), trainer="grpo"),
+    Scenario("grpo-dp2", (("dp", 2),), trainer="grpo"),
     Scenario("dpo-sync-tp2", (("tp", 2),), trainer="dpo",
              trainer_args=(("sync_ref_model", True), ("ref_model_sync_steps", 2), ("ref_model_mixup_alpha", 0.5))),
 ]
@@ -57,10 +60,11 @@ SLOW_4 = [
     # 9 rows, 4 a step: the last step's one row goes to dp rank 0; ranks 1-3 read a stand-in
     Scenario("epoch-of-9-dp4", (("dp", 4),), trainer_args=EPOCH, examples=9),
     Scenario("lora-dp2-tp2", (("dp", 2), ("tp", 2)), model="llama_lora", checkpoint=True),
+    Scenario("grpo-dp2-tp2", (("dp", 2), ("tp", 2)), trainer="grpo"),
 ]
 
 
-def _body(rank: int, world: int, scenarios: list[Scenario], folder: str) -> dict[str, Any]:
+def _body(rank: int, world: int, scenarios: list[Scenario], folder: str, refusals: bool) -> dict[str, Any]:
     tempfile.tempdir = folder  # every trainer's output folder in this rank goes where the fixture removes it
     wants = {sc.name: oracle(sc) for sc in scenarios}  # one process's runs, before the ranks are announced
     announce(rank, world)
@@ -81,8 +85,27 @@ def _body(rank: int, world: int, scenarios: list[Scenario], folder: str) -> dict
                             trainer.args.per_device_train_batch_size)
             out[sc.name]["resumed"] = max(float((whole(p) - got.params[n]).abs().max())
                                           for n, p in again.model.named_parameters())
-    out["mixing callback"] = _mixing_callback(folder)
+    if refusals:
+        out["mixing callback"] = _mixing_callback(folder)
+        out["grpo refusals"] = _grpo_refusals(folder)
     return out
+
+
+def _grpo_refusals(folder: str) -> dict[str, str]:
+    """GRPO where a mesh would train it otherwise than one process: each refusal's line."""
+    import tplower.hf
+
+    def refused(sc: Scenario, **options: Any) -> str:
+        trainer = build(sc, os.path.join(folder, sc.name), 4, 1, {})
+        try:
+            tplower.hf.prepare_trainer(trainer, mesh_of(sc), **options)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    return {"batch std at tp=2": refused(Scenario("grpo-batch-std", (("tp", 2),), trainer="grpo",
+                                                  trainer_args=(("scale_rewards", "batch"),))),
+            "under cp": refused(Scenario("grpo-cp", (("cp", 2),), trainer="grpo"), context="cp")}
 
 
 def _mixing_callback(folder: str) -> str:
@@ -120,12 +143,12 @@ def folder() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def ranks(folder: str) -> list[dict[str, Any]]:
-    return run_processes(2, _body, DEFAULT, folder, timeout=600)
+    return run_processes(2, _body, DEFAULT, folder, True, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def ranks4(folder: str) -> list[dict[str, Any]]:
-    return run_processes(4, _body, SLOW_4, folder, timeout=900)
+    return run_processes(4, _body, SLOW_4, folder, False, timeout=900)
 
 
 def _check(results: list[dict[str, Any]], name: str) -> None:
@@ -154,6 +177,20 @@ def test_a_callback_mixing_a_whole_copy_is_refused_in_one_line_naming_it(ranks: 
         assert line.startswith("TPLowerError: prepare_trainer: the callback Ema mixed a whole tensor with the "
                                "trained model's DTensor parameters in on_step_end"), line
         assert "copy.deepcopy(trainer.model)" in line and "\n" not in line, line
+
+
+#: GRPO's refusals: what would differ from one process, and the fix
+GRPO_REFUSALS = {"batch std at tp=2": "TPLowerError: prepare_trainer: scale_rewards='batch' and "
+                                      "multi_objective_aggregation='normalize_then_sum' take a standard deviation over "
+                                      "the rewards TRL gathers from every process",
+                 "under cp": "TPLowerError: prepare_trainer: context parallelism gives each rank a piece of every "
+                             "sequence; GRPOTrainer.compute_loss is not a loss tplower knows to be a sum over tokens"}
+
+
+@pytest.mark.parametrize("name", sorted(GRPO_REFUSALS))
+def test_grpo_where_a_mesh_would_differ_is_refused(ranks: list[dict[str, Any]], name: str) -> None:
+    for res in ranks:
+        assert res["grpo refusals"][name].startswith(GRPO_REFUSALS[name]), res["grpo refusals"][name]
 
 
 @pytest.mark.slow

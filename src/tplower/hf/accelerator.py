@@ -37,8 +37,8 @@ from ..state.full_state import placed_by_tplower
 from .batches import dp_data_loader
 from .layout import DataLayout
 
-__all__ = ["PATCHED", "check_accelerator", "dp_gather", "gather_over", "patch_accelerator", "pieces_gathered",
-           "training_batches", "unpatch_accelerator"]
+__all__ = ["PATCHED", "check_accelerator", "count_data_processes", "dp_gather", "gather_over", "patch_accelerator",
+           "pieces_gathered", "training_batches", "unpatch_accelerator"]
 
 #: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first four; the last four
 #: :func:`tplower.hf.prepare_accelerator` replaces too)
@@ -203,8 +203,31 @@ def patch_accelerator(accelerator: Any, layout: DataLayout, model: nn.Module | N
     accelerator.gather = gather
 
 
+def count_data_processes(accelerator: Any, layout: DataLayout) -> None:
+    """Make ``accelerator.num_processes`` the ``dp`` size: the processes that read different data.
+
+    Trainers size and normalize their data by it (TRL's GRPO divides its token count by it, its distillation
+    trainer sizes batches with it); a tp/cp/ep group is one such process. ``process_index`` stays the global
+    rank: TRL slices tensors it gathered over every process (``accelerate.utils.gather``) by it. The property is
+    the class's, so the instance's class becomes a subclass that overrides it alone (:func:`unpatch_accelerator`
+    restores the class). Nothing changes without ranks that share data.
+    """
+    cls = type(accelerator)
+    base = cls.__dict__.get("_tplower_base", cls)
+    if layout.dp_size == layout.mesh.size():
+        accelerator.__class__ = base
+        return
+    size = layout.dp_size
+    accelerator.__class__ = type(base.__name__, (base,), {
+        "__module__": base.__module__, "_tplower_base": base,
+        "__doc__": f"{base.__name__} whose num_processes is the data-parallel size, {size} "
+                   "(tplower.hf.accelerator.count_data_processes)",
+        "num_processes": property(lambda self: size)})
+
+
 def unpatch_accelerator(accelerator: Any) -> None:
-    """Undo :func:`patch_accelerator` (and :func:`tplower.hf.prepare_accelerator`): the class's methods apply again
-    (a no-op on an unpatched accelerator)."""
+    """Undo :func:`patch_accelerator` (and :func:`tplower.hf.prepare_accelerator`, :func:`count_data_processes`):
+    the class's methods apply again (a no-op on an unpatched accelerator)."""
     for name in PATCHED:
         accelerator.__dict__.pop(name, None)
+    accelerator.__class__ = type(accelerator).__dict__.get("_tplower_base", type(accelerator))

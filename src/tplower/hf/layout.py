@@ -10,6 +10,7 @@ different data (:meth:`DataLayout.sum_over`), each a lowered ``P(sum) -> R`` (:f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,35 @@ class DataLayout:
         dp = "dp" if "dp" in names else None
         size = mesh.size(names.index(dp)) if dp else 1
         return cls(mesh, dp, context, size, mesh.get_local_rank(dp) if dp else 0)
+
+    @property
+    def shared(self) -> tuple[str, ...]:
+        """The axes whose ranks hold the same data (every axis but ``dp``): ``cp``, ``tp``, ``ep``."""
+        return tuple(a for a in (self.mesh.mesh_dim_names or ()) if a != self.dp)
+
+    def same_random_streams(self) -> None:
+        """Give every rank the random state (Python's, NumPy's, torch's CPU and current CUDA device's) of the
+        rank with coordinate 0 on each of :attr:`shared`, so the ranks of one tp/cp/ep group draw the same
+        dropout masks, shuffles and sampled tokens; ``dp`` ranks keep their own. A collective over each shared
+        axis (one ``broadcast_object_list``); nothing without shared axes.
+
+        Trainers that seed each process apart (TRL's ``GRPOTrainer``: ``set_seed(seed, device_specific=True)``)
+        would otherwise let two tp ranks sample different completions from the same logits and mix them.
+        """
+        import random
+
+        import numpy as np
+
+        for axis in self.shared:
+            state: list[Any] = [random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                                torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized()
+                                else None]
+            dist.broadcast_object_list(state, group=self.mesh.get_group(axis), group_src=0)
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+            torch.set_rng_state(state[2])
+            if state[3] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(state[3])
 
     @property
     def split(self) -> tuple[str, ...]:

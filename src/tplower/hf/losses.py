@@ -15,13 +15,15 @@ kind               the loss is                                                  
                    (a sequence-classification or token-classification head,     (one ``all_reduce`` over ``dp``)
                    a model's loss that took no count)
 ``example_mean``   a mean over the micro-batch's examples (a trainer's own      this rank's examples / the round's
-                   ``compute_loss``: DPO, KTO, a user's per-example mean)       (from the sampler's
-                                                                                :class:`~tplower.hf.batches.Share`)
+                   ``compute_loss``: DPO, KTO, GRPO, a user's per-example       (from the sampler's
+                   mean; unless it returns the model's own loss as it is)       :class:`~tplower.hf.batches.Share`)
 =================  ===========================================================  ==================================
 
 Everything else the trainer does with the loss (dividing by the gradient-accumulation steps or not, its
 documented habit of not dividing a mean when the model accepts loss keywords) runs unchanged, as one process
-runs it, so the mesh follows one process's run, not DDP's.
+runs it, so the mesh follows one process's run, not DDP's. (``Trainer.loss_is_scaled_for_ga`` says whether a
+loss is divided by the accumulation steps already, not what it is a mean over: TRL's GRPO sets it for
+per-sequence means. It is not read here.)
 """
 
 from __future__ import annotations
@@ -113,14 +115,19 @@ class LossRule:
         shifts = bool(getattr(trainer, "_loss_shifts_labels", is_causal_lm(model)))
         return cls(known, token_loss, _takes_count(_base(model)), sft, shifts)
 
-    def kind(self, trainer: Any, counted: bool) -> LossKind:
-        """The kind of the loss ``trainer.compute_loss`` returns, given whether it was passed a
-        ``num_items_in_batch`` (``counted``)."""
-        declared = getattr(trainer, "loss_is_scaled_for_ga", None)  # transformers' own statement of the kind
-        if self.token_loss or declared is True:
+    def kind(self, trainer: Any, counted: bool, models_own: bool) -> LossKind:
+        """The kind of the loss ``trainer.compute_loss`` returned.
+
+        Args:
+            trainer: the trainer.
+            counted: ``compute_loss`` was passed a ``num_items_in_batch``.
+            models_own: the returned loss is the very tensor the model returned as its ``loss`` in a call given
+                that count (a subclass that only adds to ``super().compute_loss`` returns it).
+        """
+        if self.token_loss:
             return LossKind.SUM
-        if declared is False or not self.known:
-            return LossKind.EXAMPLE_MEAN
+        if not self.known:  # a trainer's own loss (DPO's, GRPO's, a user's): a mean over its examples, unless
+            return LossKind.SUM if models_own and self.model_counts else LossKind.EXAMPLE_MEAN  # the model's
         if trainer.compute_loss_func is not None:
             return LossKind.SUM if counted else LossKind.EXAMPLE_MEAN
         if trainer.label_smoother is not None or self.sft:

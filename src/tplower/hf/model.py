@@ -108,7 +108,9 @@ class TrainingModel:
         layout: the mesh's :class:`~tplower.hf.layout.DataLayout`.
         split: the ``cp`` batch splitter (``None`` without ``cp``).
         whole: the losses the model returned since :meth:`forget` (under ``cp``: each is the whole batch's,
-            the same on every ``cp`` rank, since the context install sums the ranks' parts).
+            the same on every ``cp`` rank, since the context install sums the ranks' parts), recorded with
+            ``record_losses`` or ``context``.
+        counted: ``id`` of each loss in :attr:`whole` whose call was given a ``num_items_in_batch``.
         before: the model's parameters as they were before parallelization, by ``id`` (weak references: an
             optimizer built on them keeps them alive; see :meth:`replaced`).
     """
@@ -117,6 +119,7 @@ class TrainingModel:
     layout: DataLayout
     split: SequenceSplit | None
     whole: list[torch.Tensor] = field(default_factory=list)
+    counted: set[int] = field(default_factory=set)
     before: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
 
     def replaced(self, params: Iterable[torch.Tensor]) -> int:
@@ -130,10 +133,17 @@ class TrainingModel:
         loss = output.get("loss") if isinstance(output, Mapping) else None
         if isinstance(loss, torch.Tensor):
             self.whole.append(loss)
+            if kwargs.get("num_items_in_batch") is not None:
+                self.counted.add(id(loss))
 
     def forget(self) -> None:
         """Drop the recorded losses (call before each loss computation)."""
         self.whole.clear()
+        self.counted.clear()
+
+    def models_own(self, loss: Any) -> bool:
+        """Whether ``loss`` is a loss the model returned since :meth:`forget` from a call given a count."""
+        return any(loss is t and id(t) in self.counted for t in self.whole)
 
     def part(self, loss: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the global batch's loss: summed over :attr:`DataLayout.split`, the whole.
@@ -151,7 +161,7 @@ class TrainingModel:
 
 def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, context: str | None,
                              context_mode: str, experts: str | None, sum_gradients: bool, where: str,
-                             **options: Any) -> TrainingModel:
+                             record_losses: bool = False, **options: Any) -> TrainingModel:
     """Parallelize ``model`` in place for training on ``mesh``; refusals come before anything is changed.
 
     :func:`tplower.parallelize` with the plan on the ``tp``/``ep`` axis (:func:`model_axis`) and ``context``
@@ -159,6 +169,7 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
     (with ``context``) the whole-batch splitter and the loss record.
 
     Args:
+        record_losses: record the losses the model returns (:attr:`TrainingModel.whole`; always under ``cp``).
         options: passed to :func:`tplower.parallelize` (``overlap``, ``strict``, ``cover``, ...).
 
     Raises:
@@ -181,7 +192,7 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
     shard_over_dp(model, layout, sum_gradients=sum_gradients)
     split = SequenceSplit(model, layout) if context is not None else None
     record = TrainingModel(model, layout, split, before=before)
-    if context is not None:
+    if context is not None or record_losses:
         model.register_forward_hook(record._record, with_kwargs=True)
     return record
 

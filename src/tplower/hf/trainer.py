@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,8 +42,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
-from .accelerator import check_accelerator, patch_accelerator, pieces_gathered, training_batches
+from .accelerator import (
+    check_accelerator,
+    count_data_processes,
+    patch_accelerator,
+    pieces_gathered,
+    training_batches,
+)
 from .batches import EXAMPLES_KEY, Share, global_count, share_of
+from .generation import check_generation, fit_generation
 from .layout import DataLayout
 from .losses import LossRule, Smoother, is_causal_lm
 from .model import ORDER, TrainingModel, parallelize_beside, parallelize_for_training
@@ -140,7 +148,7 @@ def _checkpoint_methods(trainer: Any, tm: TrainingModel) -> None:
 
 
 def _stand_in(batch: Any) -> bool:
-    share = batch.get(EXAMPLES_KEY) if isinstance(batch, dict) else None
+    share = batch.get(EXAMPLES_KEY) if isinstance(batch, Mapping) else None
     return isinstance(share, Share) and share.mine == 0
 
 
@@ -169,7 +177,8 @@ def _loss_methods(trainer: Any, tm: TrainingModel, rule: LossRule) -> None:
         with pieces_gathered(trainer.accelerator, layout) if pieces is not inputs else contextlib.nullcontext():
             result = compute_loss(model, pieces, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
-        weight = rule.weight(rule.kind(trainer, num_items_in_batch is not None), share, inputs, layout)
+        kind = rule.kind(trainer, num_items_in_batch is not None, tm.models_own(loss))
+        weight = rule.weight(kind, share, inputs, layout)
         if weight != 1.0:  # this dp rank's part of one process's micro-batch loss (tplower.hf.losses)
             loss = loss * weight
             result = (loss, *result[1:]) if return_outputs else loss
@@ -177,7 +186,8 @@ def _loss_methods(trainer: Any, tm: TrainingModel, rule: LossRule) -> None:
         return result
 
     def step(model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        last["share"] = share_of(inputs)  # the sampler's tag leaves the batch before the trainer reads it
+        share = last["share"] = share_of(inputs)  # the sampler's tag leaves the batch before the trainer reads it
+        last["stand-in"] = id(inputs) if share is not None and share.mine == 0 else None
         value = training_step(model, inputs, num_items_in_batch)
         last.pop("share", None)
         mine = tm.part(last.pop("loss"), value) if "loss" in last else value
@@ -193,6 +203,16 @@ def _loss_methods(trainer: Any, tm: TrainingModel, rule: LossRule) -> None:
         tm.forget()
         return loss, logits, labels
 
+    track = getattr(trainer, "_track_num_input_tokens", None)  # transformers' private counter (5.24)
+
+    def tokens_of(inputs: Any) -> Any:
+        """``num_input_tokens_seen``: a stand-in's tokens count for nothing (its rank still joins the count)."""
+        if _stand_in(inputs) or id(inputs) == last.get("stand-in"):  # counted after training_step took the tag
+            inputs = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return track(inputs) if track is not None else None
+
+    if callable(track):
+        trainer._track_num_input_tokens = tokens_of
     trainer.get_batch_samples = batch_samples
     trainer.compute_loss = loss_of
     trainer.training_step = step
@@ -344,14 +364,18 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
             groups are not the trainer's.
     """
     _check_trainer(trainer, context, token_loss)
+    check_generation(trainer.args, DataLayout.of(mesh, context, "prepare_trainer"))
     rule, causal = LossRule.of(trainer, trainer.model, token_loss), is_causal_lm(trainer.model)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
-                                  experts=experts, sum_gradients=True, where="prepare_trainer", **options)
+                                  experts=experts, sum_gradients=True, where="prepare_trainer",
+                                  record_losses=not rule.known, **options)
     for name in BESIDE:  # TRL's reference model, placed as the trained model is (shard for shard)
         other = getattr(trainer, name, None)
         if isinstance(other, nn.Module) and other is not tm.model:
             parallelize_beside(other, tm, plan, experts=experts, where="prepare_trainer", **options)
     patch_accelerator(trainer.accelerator, tm.layout, tm.model)
+    count_data_processes(trainer.accelerator, tm.layout)
+    fit_generation(trainer.args, tm.layout)
     trainer.args.average_tokens_across_devices = False
     Smoother.install(trainer, causal, tm.split)
     _loss_methods(trainer, tm, rule)
@@ -361,4 +385,5 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     _save_method(trainer, tm)
     _checkpoint_methods(trainer, tm)
     _guard_callbacks(trainer)
+    tm.layout.same_random_streams()  # a tp/cp/ep group draws as one process (GRPO seeds each process apart)
     return trainer
