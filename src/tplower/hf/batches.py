@@ -18,6 +18,7 @@ takes them, counted over the whole global batch, and predictions made whole.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -195,7 +196,8 @@ def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader
         examples: read a map-style dataset batched by a plain ``BatchSampler`` in :class:`Rounds` (a trainer's
             training batches: the last round cut over the ranks, not evened out by repeated rows; each batch
             tagged with its :class:`Share`); else accelerate's own sharding (the last batch evened out by
-            repeating rows, as accelerate does for evaluation).
+            repeating rows, as accelerate does for evaluation; for a training ``IterableDataset`` without
+            ``drop_last`` a ``UserWarning`` says so).
 
     Returns:
         accelerate's ``DataLoaderShard`` over ``layout.dp_size`` processes, this rank reading
@@ -211,6 +213,10 @@ def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader
     even = accelerator.even_batches
     if examples and layout.dp_size > 1 and not accelerator.split_batches:
         rounds = _in_rounds(data_loader, layout.dp_size)
+        if rounds is None and isinstance(data_loader.dataset, IterableDataset) and not data_loader.drop_last:
+            warnings.warn("tplower: a training IterableDataset over dp ranks is cut by accelerate, which fills a "
+                          "short last batch with rows from the start: that step weighs them as well, unlike one "
+                          "process; pass dataloader_drop_last=True (TrainingArguments) to drop it", stacklevel=2)
         data_loader, even = (data_loader, even) if rounds is None else (rounds, False)
     prepared: DataLoader[Any] = prepare_data_loader(
         data_loader, accelerator.device, num_processes=layout.dp_size, process_index=layout.dp_rank,

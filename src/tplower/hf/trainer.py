@@ -9,8 +9,9 @@ inside):
   of the step, summed over ``dp``: the whole global batch's count, as one process counts it. (The trainer's own
   cross-process sum is turned off: ``args.average_tokens_across_devices = False``; it would count each tp/cp
   group once per rank.)
-* ``compute_loss``: in evaluation the same global count of the batch; without a count (a model that takes none)
-  the loss divided by the ``dp`` size, so the sums over ``dp`` give DDP's average of the ranks' means. Under
+* ``compute_loss``: each ``dp`` rank's loss weighted to be its part of one process's micro-batch loss, by what the
+  loss is (:mod:`tplower.hf.losses`: a sum over the global count, a mean over labels, a mean over examples); in
+  evaluation the same global count of the batch. Under
   ``cp`` the trainer's ``compute_loss`` gets this rank's piece of the batch (:func:`tplower.shard_sequence`'s
   output: labels shifted over the whole sequence, then cut), and ``accelerator.gather_for_metrics`` inside it
   gathers every ``dp`` and ``cp`` rank's value, so per-token metrics (TRL's ``mean_token_accuracy``,
@@ -19,6 +20,14 @@ inside):
   from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's (the model's logits
   come back whole over ``cp`` in evaluation: :class:`tplower.hf.batches.SequenceSplit`).
 * ``gather_function``: evaluation gathers over ``dp`` only.
+* ``get_train_dataloader``: the batches in :class:`~tplower.hf.batches.Rounds` (a short last batch cut over the
+  ``dp`` ranks, no row repeated), samplers shown the ``dp`` size and rank as ``args.world_size`` and
+  ``args.process_index``; ``_track_num_input_tokens`` (private) counts a stand-in batch as nothing.
+* ``label_smoother``: :class:`~tplower.hf.losses.Smoother` (shifted as the model's own class asks).
+* ``callback_handler.call_event``: a callback mixing whole tensors into DTensor parameters ends in one line.
+* TRL's ``ref_model`` is placed as the trained model (:func:`~tplower.hf.model.parallelize_beside`); a generating
+  trainer's generation batch is counted over ``dp`` (:mod:`tplower.hf.generation`); the ranks of a tp/cp/ep group
+  take one random stream (:meth:`~tplower.hf.layout.DataLayout.same_random_streams`).
 * ``get_total_train_batch_size``: the rows of a step over ``dp`` alone (``num_train_samples``, samples per
   second), not every rank.
 * ``save_model``: every rank gathers the whole weights, rank 0 writes them (``from_pretrained`` loads the
@@ -26,7 +35,8 @@ inside):
 * the optimizer's and scheduler's checkpoint (:func:`_checkpoint_methods`, the one private pair): tplower's
   ``optimizer_dcp/``, or a one-process run's ``optimizer.pt`` (each rank takes its shards).
 
-The accelerator is patched by :func:`tplower.hf.accelerator.patch_accelerator` (no DDP, batches over ``dp``).
+The accelerator is patched by :func:`tplower.hf.accelerator.patch_accelerator` (no DDP, batches over ``dp``) and
+:func:`~tplower.hf.accelerator.count_data_processes` (``num_processes`` the ``dp`` size).
 """
 
 from __future__ import annotations
@@ -322,7 +332,10 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     Call it on every rank, after the trainer is built (with the model as loaded, the same weights on every rank)
     and before ``train()``, ``evaluate()`` or ``predict()``. Afterwards, against one process's plain ``Trainer``
     on the same global batches: the same losses (logged), gradient norms, parameters, ``eval_loss`` and
-    predictions; ``save_model`` writes a folder ``from_pretrained`` loads in one process; checkpoints hold the
+    predictions, whatever the loss is (a token sum, a sequence classifier's mean, label smoothing, TRL's DPO and
+    GRPO losses, a user's per-example mean: :mod:`tplower.hf.losses`) and with a short last batch; TRL's
+    reference model is placed as the model; a ``PeftModel``'s ``save_model`` writes its adapters as one process
+    does; ``save_model`` writes a folder ``from_pretrained`` loads in one process; checkpoints hold the
     whole weights (``model.safetensors``), the optimizer's shards (DCP, ``optimizer_dcp/``), the scheduler and
     each rank's RNG, and ``train(resume_from_checkpoint=...)`` continues as the uninterrupted run (from a
     one-process run's checkpoint too: its ``optimizer.pt`` is read whole, each rank taking its shards). No
@@ -358,10 +371,12 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
             the job, an axis the call would not use (``cp`` without ``context="cp"``, ``tp``/``ep`` with
             ``plan=None``), ``context`` other than ``"cp"``; a model already parallelized; with ``context``, a
             ``compute_loss`` other than ``Trainer``'s or ``SFTTrainer``'s without ``token_loss=True`` (a
-            per-sequence loss such as DPO's would be wrong on pieces of each sequence), label smoothing or a
-            ``compute_loss_func``; and every refusal of :func:`tplower.parallelize`. Later, at a resume: a
-            checkpoint folder the ranks see differently, or a one-process ``optimizer.pt`` whose parameter
-            groups are not the trainer's.
+            per-sequence loss such as DPO's would be wrong on pieces of each sequence) or a
+            ``compute_loss_func``; a generating trainer's arguments TRL's world-wide gather would skew
+            (:func:`tplower.hf.generation.check_generation`); and every refusal of :func:`tplower.parallelize`.
+            Later, at a resume: a checkpoint folder the ranks see differently, or a one-process ``optimizer.pt``
+            whose parameter groups are not the trainer's; in training, a callback that mixes a whole tensor
+            into the model's DTensor parameters (one line naming it, on every rank).
     """
     _check_trainer(trainer, context, token_loss)
     check_generation(trainer.args, DataLayout.of(mesh, context, "prepare_trainer"))
