@@ -37,7 +37,8 @@ class Scenario:
     ``compute_loss`` is a mean over the micro-batch's examples of each example's mean token loss), ``sft``
     (TRL, packing texts to 32 tokens unless ``trainer_args`` say ``packing=False``), ``dpo`` (TRL, pairs of
     texts, the reference model a second copy) or ``grpo`` (TRL, prompts of the first 40 words, each step 2
-    prompts of 2 completions, rewarded by :func:`_low_words`, sampled by :func:`_sampled_by_row`); ``model`` a kind of :func:`context_cases.tiny` or
+    prompts of 2 completions, rewarded by :func:`_low_words`, sampled by :func:`_sampled_by_row`); ``stream``:
+    the training rows as a torch ``IterableDataset`` (:class:`Stream`); ``model`` a kind of :func:`context_cases.tiny` or
     ``llama_classifier`` (a sequence classifier of 3 labels: a mean over each micro-batch's rows); ``examples``
     the training rows (one epoch when ``trainer_args`` say ``num_train_epochs``)."""
 
@@ -52,6 +53,7 @@ class Scenario:
     checkpoint: bool = False
     trainer_args: tuple[tuple[str, Any], ...] = ()
     examples: int = 0
+    stream: bool = False
 
     @property
     def rows(self) -> int:
@@ -110,6 +112,16 @@ def rows(n: int, kind: str, seed: int, classes: int = 0) -> list[dict[str, torch
             labels = torch.tensor((i * 7 + seed) % classes)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Rows as an iterable dataset (no length: the trainer cannot cut it into batches of indices)."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
 
 
 #: the sequence classifier's classes
@@ -301,7 +313,8 @@ def build(sc: Scenario, out: str, batch: int, accumulation: int, grads: dict[str
 
     kind = {"own": OwnLoss, "mean": PerExampleMean}.get(sc.trainer, Trainer)
     classes = CLASSES if sc.model == "llama_classifier" else 0
-    return kind(model=model, args=args, train_dataset=rows(sc.rows, sc.data, 1, classes),
+    train = rows(sc.rows, sc.data, 1, classes)
+    return kind(model=model, args=args, train_dataset=Stream(train) if sc.stream else train,
                 eval_dataset=rows(8, sc.data, 2, classes), callbacks=[_first_grads(grads)])
 
 

@@ -5,9 +5,9 @@ takes them, counted over the whole global batch, and predictions made whole.
   handling it gives every process) told the data-parallel degree and coordinate instead of the world's: each
   ``dp`` rank reads its own micro-batches, every rank of one tp/cp group the same ones. Batches are read on
   every rank (never dispatched from rank 0, which would slice them per process). A trainer's training batches
-  come in :class:`Rounds` (``examples=True``): one process's micro-batch cut into ``dp`` parts, the last one
-  too, each batch tagged with its share of its round (:data:`EXAMPLES_KEY`), where accelerate would repeat
-  rows to even out the last round.
+  come in :class:`Rounds` (``examples=True``; :class:`_Stream` for an iterable dataset): one process's
+  micro-batch cut into ``dp`` parts, the last one too, each batch tagged with its share of its round
+  (:data:`EXAMPLES_KEY`), where accelerate would repeat rows to even out the last round.
 * :class:`SequenceSplit`: a forward pre-hook that passes a whole batch through :func:`tplower.shard_sequence`
   (padded, packed with ``position_ids``, TRL's padding-free batches alike), so a trainer's own code and its
   collators see the batch one process would; in evaluation the logits come back whole.
@@ -17,7 +17,6 @@ takes them, counted over the whole global batch, and predictions made whole.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from ..context.sequence import SPLIT_KEY, ContextSplit, gather_sequence, shard_sequence
 from .layout import DataLayout
@@ -65,57 +64,92 @@ class _Example(int):
         return (_Example, (int(self), self.share))
 
 
-class Rounds(BatchSampler):
-    """One process's micro-batches (``dp * batch_size`` examples in ``sampler``'s order, the last one shorter
-    unless ``drop_last``), each yielded as ``dp`` parts in turn: part ``r`` is ``dp`` rank ``r``'s micro-batch.
+def _cut(n: int, dp: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of each of ``dp`` parts of ``n`` items, in order: equal parts when ``dp`` divides ``n``,
+    else ``torch.tensor_split``'s (the first ``n % dp`` parts one item more)."""
+    out, start = [], 0
+    for r in range(dp):
+        size = n // dp + (r < n % dp)
+        out.append((start, size))
+        start += size
+    return out
 
-    Full rounds give rank ``r`` examples ``[r * batch_size, (r + 1) * batch_size)``, as accelerate's
-    ``BatchSamplerShard`` does; the last, short round is cut as ``torch.tensor_split`` cuts (the first ranks
-    one example more), and a rank it leaves without one gets a stand-in (the round's first example, its
-    :attr:`Share.mine` 0). No example is read twice as a real one, none is left out. Every index is an int that
-    carries its part's :class:`Share` (read by :class:`Tagged`).
+
+class Rounds(BatchSampler):
+    """One process's micro-batches, each yielded as ``dp`` parts in turn: part ``r`` is ``dp`` rank ``r``'s.
+
+    A full micro-batch of ``dp * b`` examples gives rank ``r`` examples ``[r * b, (r + 1) * b)``, as accelerate's
+    ``BatchSamplerShard`` does; a short one (the last) is cut as ``torch.tensor_split`` cuts, and a rank it leaves
+    without an example gets a stand-in (the micro-batch's first example, its :attr:`Share.mine` 0). No example is
+    read twice as a real one, none is left out. Every index is an int that carries its part's :class:`Share`
+    (read by :class:`Tagged`).
 
     Args:
-        sampler: the examples' order (the one process's ``DataLoader`` would use; accelerate may replace it with
-            its seedable copy through :attr:`sampler`).
-        batch_size: examples per ``dp`` rank in a full round (``per_device_train_batch_size``).
+        batches: one process's batch sampler (a ``BatchSampler`` of ``dp * b``, or a trainer's own batch sampler
+            made as for one process).
         dp: the ``dp`` degree (1 or more).
-        drop_last: drop a short last round, as one process drops its short last batch.
     """
 
-    def __init__(self, sampler: Sampler[int] | Iterable[int], batch_size: int, dp: int, drop_last: bool) -> None:
-        if batch_size < 1 or dp < 1:
-            raise ValueError(f"Rounds: batch_size={batch_size} and dp={dp} must be at least 1")
-        self.sampler = sampler
-        self.per_rank, self.dp, self.drop_last = batch_size, dp, drop_last
+    def __init__(self, batches: Iterable[list[int]], dp: int) -> None:
+        if dp < 1:
+            raise ValueError(f"Rounds: dp={dp} must be at least 1")
+        self.batches, self.dp = batches, dp
+        self.drop_last = bool(getattr(batches, "drop_last", False))
         # parts differ in size in the last round: accelerate's shard reads no batch size and evens nothing out
         self.batch_size = None  # type: ignore[assignment]
 
-    def _parts(self, round_: list[int]) -> Iterator[list[int]]:
-        n = len(round_)
-        start = 0
-        for r in range(self.dp):
-            size = n // self.dp + (r < n % self.dp)
-            if size == 0:
-                yield [_Example(round_[0], Share(0, n))]
-            else:
-                share = Share(size, n)
-                yield [_Example(i, share) for i in round_[start:start + size]]
-            start += size
+    @property  # type: ignore[override]
+    def sampler(self) -> Any:
+        """The examples' order: one process's sampler (accelerate replaces it with its seedable copy)."""
+        return getattr(self.batches, "sampler", None)
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:
+        if hasattr(self.batches, "sampler"):
+            self.batches.sampler = value  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[list[int]]:
-        round_: list[int] = []
-        for index in self.sampler:
-            round_.append(int(index))
-            if len(round_) == self.per_rank * self.dp:
-                yield from self._parts(round_)
-                round_ = []
-        if round_ and not self.drop_last:
-            yield from self._parts(round_)
+        for batch in self.batches:
+            round_ = [int(i) for i in batch]
+            n = len(round_)
+            for start, size in _cut(n, self.dp):
+                if size == 0:
+                    yield [_Example(round_[0], Share(0, n))]
+                else:
+                    share = Share(size, n)
+                    yield [_Example(i, share) for i in round_[start:start + size]]
 
     def __len__(self) -> int:
-        n, full = len(self.sampler), self.per_rank * self.dp  # type: ignore[arg-type]
-        return (n // full if self.drop_last else math.ceil(n / full)) * self.dp
+        return len(self.batches) * self.dp  # type: ignore[arg-type]
+
+
+class _Stream(IterableDataset[Any]):
+    """This ``dp`` rank's part of an iterable ``dataset``: its items read in rounds of ``dp * batch_size`` (one
+    process's micro-batch), each cut as :class:`Rounds` cuts, each item with its part's :class:`Share`.
+
+    Every rank reads the whole stream (in a ``DataLoader`` worker, the worker's own stream, as one process's
+    worker reads it), so every rank makes one batch of each round.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, dp: int, rank: int, drop_last: bool) -> None:
+        self.dataset, self.per_rank, self.dp, self.rank, self.drop_last = dataset, batch_size, dp, rank, drop_last
+
+    def _mine(self, round_: list[Any]) -> Iterator[tuple[Any, Share]]:
+        start, size = _cut(len(round_), self.dp)[self.rank]
+        if size == 0:
+            yield round_[0], Share(0, len(round_))
+        for row in round_[start:start + size]:
+            yield row, Share(size, len(round_))
+
+    def __iter__(self) -> Iterator[tuple[Any, Share]]:
+        round_: list[Any] = []
+        for row in self.dataset:
+            round_.append(row)
+            if len(round_) == self.per_rank * self.dp:
+                yield from self._mine(round_)
+                round_ = []
+        if round_ and not self.drop_last:
+            yield from self._mine(round_)
 
 
 class _Examples(Dataset[Any]):
@@ -164,21 +198,27 @@ def share_of(batch: Any) -> Share | None:
     return None
 
 
-def _in_rounds(data_loader: DataLoader[Any], dp: int) -> DataLoader[Any] | None:
-    """``data_loader`` over :class:`Rounds` of ``dp`` parts, or ``None`` where its batches are not the plain
-    kind (an iterable dataset, a batch sampler of its own): those keep accelerate's sharding."""
+def _in_rounds(data_loader: DataLoader[Any], layout: DataLayout) -> tuple[DataLoader[Any], bool] | None:
+    """``data_loader`` over this rank's parts of one process's micro-batches, and whether it is cut already (an
+    iterable dataset: accelerate must not cut it again); ``None`` where its batches are not a kind it knows."""
+    dp = layout.dp_size
+    common: dict[str, Any] = dict(
+        collate_fn=Tagged(data_loader.collate_fn), num_workers=data_loader.num_workers,
+        pin_memory=data_loader.pin_memory, timeout=data_loader.timeout, worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context, generator=data_loader.generator,
+        prefetch_factor=data_loader.prefetch_factor, persistent_workers=data_loader.persistent_workers,
+        in_order=data_loader.in_order)
+    if isinstance(data_loader.dataset, IterableDataset):
+        if data_loader.batch_size is None:
+            return None
+        stream = _Stream(data_loader.dataset, data_loader.batch_size, dp, layout.dp_rank, data_loader.drop_last)
+        return DataLoader(stream, batch_size=data_loader.batch_size, **common), True
     batches = data_loader.batch_sampler
-    if isinstance(data_loader.dataset, IterableDataset) or type(batches) is not BatchSampler \
-            or data_loader.batch_size is None:
+    if batches is None:
         return None
-    return DataLoader(_Examples(data_loader.dataset), batch_sampler=Rounds(batches.sampler, batches.batch_size, dp,
-                                                                          batches.drop_last),
-                      collate_fn=Tagged(data_loader.collate_fn), num_workers=data_loader.num_workers,
-                      pin_memory=data_loader.pin_memory, timeout=data_loader.timeout,
-                      worker_init_fn=data_loader.worker_init_fn,
-                      multiprocessing_context=data_loader.multiprocessing_context,
-                      generator=data_loader.generator, prefetch_factor=data_loader.prefetch_factor,
-                      persistent_workers=data_loader.persistent_workers, in_order=data_loader.in_order)
+    if type(batches) is BatchSampler:  # one process's: dp times the batch, over the same order
+        batches = BatchSampler(batches.sampler, batches.batch_size * dp, batches.drop_last)
+    return DataLoader(_Examples(data_loader.dataset), batch_sampler=Rounds(batches, dp), **common), False
 
 
 def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader[Any],
@@ -193,11 +233,11 @@ def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader
         data_loader: a plain ``DataLoader`` (one already prepared is returned as it is).
         device_placement: as ``Accelerator.prepare_data_loader``'s.
         slice_fn_for_dispatch: accepted for signature parity; batches are never dispatched.
-        examples: read a map-style dataset batched by a plain ``BatchSampler`` in :class:`Rounds` (a trainer's
-            training batches: the last round cut over the ranks, not evened out by repeated rows; each batch
-            tagged with its :class:`Share`); else accelerate's own sharding (the last batch evened out by
-            repeating rows, as accelerate does for evaluation; for a training ``IterableDataset`` without
-            ``drop_last`` a ``UserWarning`` says so).
+        examples: read the batches as one process's micro-batches cut into ``dp`` parts (a trainer's training
+            batches, its sampler made as for one process: :class:`Rounds` over a map-style dataset, the stream
+            of an iterable one cut alike; the last, short micro-batch cut over the ranks, not evened out by
+            repeated rows; each batch tagged with its :class:`Share`); else accelerate's own sharding (the last
+            batch evened out by repeating rows, as accelerate does for evaluation).
 
     Returns:
         accelerate's ``DataLoaderShard`` over ``layout.dp_size`` processes, this rank reading
@@ -210,16 +250,18 @@ def dp_data_loader(accelerator: Any, layout: DataLayout, data_loader: DataLoader
         return data_loader
     if device_placement is None:
         device_placement = bool(accelerator.device_placement)
-    even = accelerator.even_batches
+    even, processes, index = accelerator.even_batches, layout.dp_size, layout.dp_rank
     if examples and layout.dp_size > 1 and not accelerator.split_batches:
-        rounds = _in_rounds(data_loader, layout.dp_size)
-        if rounds is None and isinstance(data_loader.dataset, IterableDataset) and not data_loader.drop_last:
-            warnings.warn("tplower: a training IterableDataset over dp ranks is cut by accelerate, which fills a "
-                          "short last batch with rows from the start: that step weighs them as well, unlike one "
-                          "process; pass dataloader_drop_last=True (TrainingArguments) to drop it", stacklevel=2)
-        data_loader, even = (data_loader, even) if rounds is None else (rounds, False)
+        rounds = _in_rounds(data_loader, layout)
+        if rounds is None:
+            warnings.warn("tplower: this training DataLoader's batches are neither a BatchSampler's nor an "
+                          "iterable dataset's; accelerate cuts them over dp and fills a short last batch with "
+                          "repeated rows, which that step weighs as well, unlike one process", stacklevel=2)
+        else:
+            data_loader, even = rounds[0], False
+            processes, index = (1, 0) if rounds[1] else (processes, index)
     prepared: DataLoader[Any] = prepare_data_loader(
-        data_loader, accelerator.device, num_processes=layout.dp_size, process_index=layout.dp_rank,
+        data_loader, accelerator.device, num_processes=processes, process_index=index,
         split_batches=accelerator.split_batches, put_on_device=device_placement,
         rng_types=list(accelerator.rng_types), dispatch_batches=False, even_batches=even,
         use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
 from ..nn.parallelize import parallelize
-from ..state.full_state import placed_by_tplower
+from ..state.full_state import placed_by_tplower, register_full_load
 from .batches import SequenceSplit
 from .layout import DataLayout
 
@@ -190,6 +190,7 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
         parallelize(model, mesh, plan, axis=axis, experts=mode, context=context, context_mode=context_mode,
                     **options)
     shard_over_dp(model, layout, sum_gradients=sum_gradients)
+    register_full_load(model)  # whole tensors load into FSDP2's shards too (a resume on a mesh of dp alone)
     split = SequenceSplit(model, layout) if context is not None else None
     record = TrainingModel(model, layout, split, before=before)
     if context is not None or record_losses:
@@ -215,3 +216,4 @@ def parallelize_beside(model: nn.Module, tm: TrainingModel, plan: Any, *, expert
     if plan is not None:
         parallelize(model, layout.mesh, plan, axis=axis, experts=mode, **options)
     shard_over_dp(model, layout, sum_gradients=True)
+    register_full_load(model)

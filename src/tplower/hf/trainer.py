@@ -20,9 +20,9 @@ inside):
   from per-token outputs), so the trainer's logged loss and ``eval_loss`` are one process's (the model's logits
   come back whole over ``cp`` in evaluation: :class:`tplower.hf.batches.SequenceSplit`).
 * ``gather_function``: evaluation gathers over ``dp`` only.
-* ``get_train_dataloader``: the batches in :class:`~tplower.hf.batches.Rounds` (a short last batch cut over the
-  ``dp`` ranks, no row repeated), samplers shown the ``dp`` size and rank as ``args.world_size`` and
-  ``args.process_index``; ``_track_num_input_tokens`` (private) counts a stand-in batch as nothing.
+* ``get_train_dataloader``: made as one process with ``dp`` times the batch makes it, each micro-batch then cut
+  over the ``dp`` ranks (:class:`~tplower.hf.batches.Rounds`: a short last batch cut too, no row repeated);
+  ``_track_num_input_tokens`` (private) counts a stand-in batch as nothing.
 * ``label_smoother``: :class:`~tplower.hf.losses.Smoother` (shifted as the model's own class asks).
 * ``callback_handler.call_event``: a callback mixing whole tensors into DTensor parameters ends in one line.
 * TRL's ``ref_model`` is placed as the trained model (:func:`~tplower.hf.model.parallelize_beside`); a generating
@@ -229,32 +229,39 @@ def _loss_methods(trainer: Any, tm: TrainingModel, rule: LossRule) -> None:
     trainer.prediction_step = predict
 
 
-class _DataState:
-    """A ``PartialState`` seen by data code: ``num_processes`` and ``process_index`` are the ``dp`` size and
-    rank (the ranks of one tp/cp group read the same rows); every other attribute is the state's own."""
+class _OneProcess:
+    """A ``PartialState`` seen by data code as one process's: ``num_processes`` 1, ``process_index`` 0; every other
+    attribute is the state's own."""
 
-    def __init__(self, state: Any, layout: DataLayout) -> None:
-        self._state, self.num_processes, self.process_index = state, layout.dp_size, layout.dp_rank
+    num_processes, process_index = 1, 0
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._state, name)
 
 
 def _loader_method(trainer: Any, tm: TrainingModel) -> None:
-    """``get_train_dataloader``: samplers and workers that split data by ``args.world_size`` and
-    ``args.process_index`` (``batch_rebalance``, the workers' seeds) see the ``dp`` size and rank, and the
-    batches come in :class:`~tplower.hf.batches.Rounds` (the last one cut over the ``dp`` ranks, no row
-    repeated)."""
+    """``get_train_dataloader``: made as one process makes it, then cut over ``dp``.
+
+    While the trainer builds its training ``DataLoader``, ``args.world_size`` and ``args.process_index`` read 1 and
+    0 and ``args.per_device_train_batch_size`` reads ``dp`` times its value, so samplers sized or split by them
+    (``group_by_length``'s mega-batches, ``batch_rebalance``, the workers' seeds) order the rows as one process
+    with ``dp`` times the batch orders them; the loader's own batch size stays the per-device one, and
+    :func:`~tplower.hf.batches.dp_data_loader` cuts each of one process's micro-batches into the ``dp`` ranks'
+    parts (:class:`~tplower.hf.batches.Rounds`)."""
     get_train_dataloader, args, layout = trainer.get_train_dataloader, trainer.args, tm.layout
 
     def train_loader() -> Any:
-        state = args.__dict__.get("distributed_state")
+        state, batch = args.__dict__.get("distributed_state"), args.per_device_train_batch_size
         if state is not None:
-            args.distributed_state = _DataState(state, layout)
+            args.distributed_state, args.per_device_train_batch_size = _OneProcess(state), batch * layout.dp_size
         try:
             with training_batches(trainer.accelerator, layout):
                 return get_train_dataloader()
         finally:
+            args.per_device_train_batch_size = batch
             if state is not None:
                 args.distributed_state = state
 
@@ -297,8 +304,10 @@ def _guard_callbacks(trainer: Any) -> None:
             raise TPLowerError(f"prepare_trainer: {_culprit(e)} mixed a whole tensor with the trained model's "
                                f"DTensor parameters in {event} ({MIXED}); a model kept beside the trained one (an "
                                "EMA copy, a reference model) must be placed like it: make it after prepare_trainer "
-                               "(copy.deepcopy(trainer.model)), or let the trainer hold it as trainer.ref_model, "
-                               "which prepare_trainer places") from e
+                               "({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, or "
+                               "copy.deepcopy(trainer.model) on a mesh without 'dp', whose FSDP2 refuses a deep "
+                               "copy), or let the trainer hold it as trainer.ref_model, which prepare_trainer "
+                               "places") from e
 
     handler.call_event = guarded
 
@@ -373,13 +382,20 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
             ``compute_loss`` other than ``Trainer``'s or ``SFTTrainer``'s without ``token_loss=True`` (a
             per-sequence loss such as DPO's would be wrong on pieces of each sequence) or a
             ``compute_loss_func``; a generating trainer's arguments TRL's world-wide gather would skew
-            (:func:`tplower.hf.generation.check_generation`); and every refusal of :func:`tplower.parallelize`.
+            (:func:`tplower.hf.generation.check_generation`); KTO's KL term (``calculate_KL``) over ``dp`` (its
+            pairs are made per device batch); and every refusal of :func:`tplower.parallelize`.
             Later, at a resume: a checkpoint folder the ranks see differently, or a one-process ``optimizer.pt``
             whose parameter groups are not the trainer's; in training, a callback that mixes a whole tensor
             into the model's DTensor parameters (one line naming it, on every rank).
     """
     _check_trainer(trainer, context, token_loss)
-    check_generation(trainer.args, DataLayout.of(mesh, context, "prepare_trainer"))
+    layout = DataLayout.of(mesh, context, "prepare_trainer")
+    check_generation(trainer.args, layout)
+    if getattr(trainer, "calculate_KL", False) and layout.dp_size > 1:
+        raise TPLowerError(f"prepare_trainer: {type(trainer).__name__} pairs each completion with another of its "
+                           "per-device batch for its KL term when it prepares the dataset, so at dp="
+                           f"{layout.dp_size} the pairs are not those of one process with dp times the batch; "
+                           "train it on a mesh without 'dp' (tp, ep), or with a loss_type without the KL term")
     rule, causal = LossRule.of(trainer, trainer.model, token_loss), is_causal_lm(trainer.model)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
                                   experts=experts, sum_gradients=True, where="prepare_trainer",
