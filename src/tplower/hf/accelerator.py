@@ -37,8 +37,8 @@ from ..state.full_state import placed_by_tplower
 from .batches import dp_data_loader
 from .layout import DataLayout
 
-__all__ = ["PATCHED", "check_accelerator", "count_data_processes", "dp_gather", "gather_over", "patch_accelerator",
-           "pieces_gathered", "training_batches", "unpatch_accelerator"]
+__all__ = ["PATCHED", "check_accelerator", "count_data_processes", "dp_gather", "gather_over", "one_process",
+           "patch_accelerator", "pieces_gathered", "training_batches", "unpatch_accelerator"]
 
 #: the Accelerator methods :func:`patch_accelerator` replaces on the instance (the first four; the last four
 #: :func:`tplower.hf.prepare_accelerator` replaces too)
@@ -209,20 +209,35 @@ def count_data_processes(accelerator: Any, layout: DataLayout) -> None:
     Trainers size and normalize their data by it (TRL's GRPO divides its token count by it, its distillation
     trainer sizes batches with it); a tp/cp/ep group is one such process. ``process_index`` stays the global
     rank: TRL slices tensors it gathered over every process (``accelerate.utils.gather``) by it. The property is
-    the class's, so the instance's class becomes a subclass that overrides it alone (:func:`unpatch_accelerator`
-    restores the class). Nothing changes without ranks that share data.
+    the class's, so the instance's class becomes a subclass that overrides it alone, reading the instance's
+    ``_tplower_processes`` (:func:`one_process` sets it to 1 for a while; :func:`unpatch_accelerator` restores the
+    class). Nothing changes in a job of one process.
     """
-    cls = type(accelerator)
-    base = cls.__dict__.get("_tplower_base", cls)
-    if layout.dp_size == layout.mesh.size():
+    base = type(accelerator).__dict__.get("_tplower_base", type(accelerator))
+    accelerator.__dict__["_tplower_processes"] = layout.dp_size
+    if layout.mesh.size() == 1:
         accelerator.__class__ = base
         return
-    size = layout.dp_size
     accelerator.__class__ = type(base.__name__, (base,), {
         "__module__": base.__module__, "_tplower_base": base,
-        "__doc__": f"{base.__name__} whose num_processes is the data-parallel size, {size} "
+        "__doc__": f"{base.__name__} whose num_processes is the data-parallel size "
                    "(tplower.hf.accelerator.count_data_processes)",
-        "num_processes": property(lambda self: size)})
+        "num_processes": property(lambda self: self.__dict__["_tplower_processes"])})
+
+
+@contextlib.contextmanager
+def one_process(accelerator: Any) -> Iterator[None]:
+    """Inside, ``accelerator.num_processes`` is 1 (after :func:`count_data_processes`): data code sized as one
+    process's (a trainer building its training ``DataLoader`` with ``dp`` times the batch)."""
+    before = accelerator.__dict__.get("_tplower_processes")
+    accelerator.__dict__["_tplower_processes"] = 1
+    try:
+        yield
+    finally:
+        if before is None:
+            accelerator.__dict__.pop("_tplower_processes", None)
+        else:
+            accelerator.__dict__["_tplower_processes"] = before
 
 
 def unpatch_accelerator(accelerator: Any) -> None:
@@ -231,3 +246,4 @@ def unpatch_accelerator(accelerator: Any) -> None:
     for name in PATCHED:
         accelerator.__dict__.pop(name, None)
     accelerator.__class__ = type(accelerator).__dict__.get("_tplower_base", type(accelerator))
+    accelerator.__dict__.pop("_tplower_processes", None)

@@ -55,6 +55,7 @@ from ..core.support.errors import TPLowerError
 from .accelerator import (
     check_accelerator,
     count_data_processes,
+    one_process,
     patch_accelerator,
     pieces_gathered,
     training_batches,
@@ -245,8 +246,9 @@ class _OneProcess:
 def _loader_method(trainer: Any, tm: TrainingModel) -> None:
     """``get_train_dataloader``: made as one process makes it, then cut over ``dp``.
 
-    While the trainer builds its training ``DataLoader``, ``args.world_size`` and ``args.process_index`` read 1 and
-    0 and ``args.per_device_train_batch_size`` reads ``dp`` times its value, so samplers sized or split by them
+    While the trainer builds its training ``DataLoader``, ``args.world_size``, ``accelerator.num_processes`` and
+    ``args.process_index`` read 1, 1 and 0 and ``args.per_device_train_batch_size`` reads ``dp`` times its
+    value, so samplers sized or split by them
     (``group_by_length``'s mega-batches, ``batch_rebalance``, the workers' seeds) order the rows as one process
     with ``dp`` times the batch orders them; the loader's own batch size stays the per-device one, and
     :func:`~tplower.hf.batches.dp_data_loader` cuts each of one process's micro-batches into the ``dp`` ranks'
@@ -258,7 +260,7 @@ def _loader_method(trainer: Any, tm: TrainingModel) -> None:
         if state is not None:
             args.distributed_state, args.per_device_train_batch_size = _OneProcess(state), batch * layout.dp_size
         try:
-            with training_batches(trainer.accelerator, layout):
+            with training_batches(trainer.accelerator, layout), one_process(trainer.accelerator):
                 return get_train_dataloader()
         finally:
             args.per_device_train_batch_size = batch
