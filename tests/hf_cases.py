@@ -38,9 +38,10 @@ class Scenario:
     (TRL, packing texts to 32 tokens unless ``trainer_args`` say ``packing=False``), ``dpo`` (TRL, pairs of
     texts, the reference model a second copy) or ``grpo`` (TRL, prompts of the first 40 words, each step 2
     prompts of 2 completions, rewarded by :func:`_low_words`, sampled by :func:`_sampled_by_row`); ``stream``:
-    the training rows as a torch ``IterableDataset`` (:class:`Stream`); ``model`` a kind of :func:`context_cases.tiny` or
-    ``llama_classifier`` (a sequence classifier of 3 labels: a mean over each micro-batch's rows); ``examples``
-    the training rows (one epoch when ``trainer_args`` say ``num_train_epochs``)."""
+    the training rows as a torch ``IterableDataset`` (:class:`Stream`); ``model`` a kind of
+    :func:`context_cases.tiny` or ``llama_classifier`` (a sequence classifier of 3 labels: a mean over each
+    micro-batch's rows); ``examples`` the training rows (one epoch when ``trainer_args`` say
+    ``num_train_epochs``)."""
 
     name: str
     mesh: tuple[tuple[str, int], ...]
@@ -222,9 +223,9 @@ def _low_words(completions: list[str], **kwargs: Any) -> list[float]:
 
 def _sampled_by_row(generate: Any) -> Any:
     """``generate`` sampling each row's next token by the Gumbel-max trick with noise seeded by the row's tokens
-    (its padding aside) and its place in its group of ``GENERATIONS`` completions: the same draw for the same row whatever else is in
-    the batch, so one process's batch and the ``dp`` ranks' parts of it sample the same completions (torch's
-    generator would draw a batch's rows in sequence)."""
+    (its padding aside) and its place in its group of ``GENERATIONS`` completions: the same draw for the same row
+    whatever else is in the batch, so one process's batch and the ``dp`` ranks' parts of it sample the same
+    completions (torch's generator would draw a batch's rows in sequence)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class ByRow(LogitsProcessor):  # type: ignore[misc]

@@ -38,7 +38,8 @@ from tplower.testing import run_processes
 
 SLOW = os.environ.get("TPLOWER_SLOW") == "1"
 TOL = {"loss": 1e-4, "grad_norm": 1e-4, "grads": 1e-4, "params": 1e-4, "eval_loss": 1e-4, "predictions": 1e-4,
-       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, "resumed": 1e-6, **dict.fromkeys(COMPARED, 1e-5)}
+       "reloaded": 1e-4, "lr": 1e-6, "tokens": 0.0, "total_batch": 0.0, "resumed": 1e-6,
+       **dict.fromkeys(COMPARED, 1e-5)}
 SMOOTH = ("label_smoothing_factor", 0.1)
 EPOCH = (("num_train_epochs", 1), ("max_steps", -1))
 DEFAULT = [

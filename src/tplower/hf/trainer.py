@@ -24,7 +24,8 @@ inside):
   over the ``dp`` ranks (:class:`~tplower.hf.batches.Rounds`: a short last batch cut too, no row repeated);
   ``_track_num_input_tokens`` (private) counts a stand-in batch as nothing.
 * ``label_smoother``: :class:`~tplower.hf.losses.Smoother` (shifted as the model's own class asks).
-* ``callback_handler.call_event``: a callback mixing whole tensors into DTensor parameters ends in one line.
+* ``callback_handler.call_event``: a callback mixing whole tensors into DTensor parameters ends in one line
+  (:func:`tplower.hf.callbacks.guard_callbacks`).
 * TRL's ``ref_model`` is placed as the trained model (:func:`~tplower.hf.model.parallelize_beside`); a generating
   trainer's generation batch is counted over ``dp`` (:mod:`tplower.hf.generation`); the ranks of a tp/cp/ep group
   take one random stream (:meth:`~tplower.hf.layout.DataLayout.same_random_streams`).
@@ -61,6 +62,7 @@ from .accelerator import (
     training_batches,
 )
 from .batches import EXAMPLES_KEY, Share, global_count, share_of
+from .callbacks import guard_callbacks
 from .generation import check_generation, fit_generation
 from .layout import DataLayout
 from .losses import LossRule, Smoother, is_causal_lm
@@ -272,48 +274,6 @@ def _loader_method(trainer: Any, tm: TrainingModel) -> None:
 
 #: the attributes under which TRL's trainers hold a model beside the trained one (a reference model), placed like it
 BESIDE = ("ref_model",)
-#: the words of DTensor's error when an operation mixes a whole tensor with a DTensor
-MIXED = "got mixed torch.Tensor and DTensor"
-
-
-def _culprit(error: BaseException) -> str:
-    """The callback whose code raised ``error`` (the innermost ``TrainerCallback`` on its traceback), by name."""
-    from transformers import TrainerCallback
-
-    found, tb = "a callback", error.__traceback__
-    while tb is not None:
-        me = tb.tb_frame.f_locals.get("self")
-        if isinstance(me, TrainerCallback):
-            found = f"the callback {type(me).__name__}"
-        tb = tb.tb_next
-    return found
-
-
-def _guard_callbacks(trainer: Any) -> None:
-    """``callback_handler.call_event``: a callback that mixes a whole tensor with the trained model's DTensor
-    parameters (an EMA or reference copy made before the call, or never placed) ends in one
-    :class:`~tplower.core.support.errors.TPLowerError` naming it and the fix, on every rank alike, instead of
-    DTensor's error from deep inside it."""
-    handler = trainer.callback_handler
-    call_event = handler.call_event
-
-    def guarded(event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        try:
-            return call_event(event, args, state, control, **kwargs)
-        except RuntimeError as e:
-            if MIXED not in str(e):
-                raise
-            raise TPLowerError(f"prepare_trainer: {_culprit(e)} mixed a whole tensor with the trained model's "
-                               f"DTensor parameters in {event} ({MIXED}); a model kept beside the trained one (an "
-                               "EMA copy, a reference model) must be placed like it: make it after prepare_trainer "
-                               "({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, or "
-                               "copy.deepcopy(trainer.model) on a mesh without 'dp', whose FSDP2 refuses a deep "
-                               "copy), or let the trainer hold it as trainer.ref_model, which prepare_trainer "
-                               "places") from e
-
-    handler.call_event = guarded
-
-
 def _batch_size_method(trainer: Any, tm: TrainingModel) -> None:
     """``get_total_train_batch_size``: the stack's count (every process reads its own rows) over ``dp`` alone."""
     total = trainer.get_total_train_batch_size
@@ -417,6 +377,6 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
     _batch_size_method(trainer, tm)
     _save_method(trainer, tm)
     _checkpoint_methods(trainer, tm)
-    _guard_callbacks(trainer)
+    guard_callbacks(trainer)
     tm.layout.same_random_streams()  # a tp/cp/ep group draws as one process (GRPO seeds each process apart)
     return trainer
