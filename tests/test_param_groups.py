@@ -3,14 +3,19 @@
 Four parameters replicated over a ``cp`` axis, each rank computing on its own data (as under context
 parallelism): their gradients must be the sum over the ranks of what one process computes on each rank's data,
 with one collective for the four, also when one parameter is unused on one rank only (the ranks' collectives still
-line up), and no gradient at all (``None``, as one process leaves it) for one that no rank uses. Two gloo ranks;
-the reference is one process per rank's data, summed by hand.
+line up), and no gradient at all (``None``, as one process leaves it) for one that no rank uses, or when the views
+get no gradient on any rank; every gradient can be saved, pickled and deep-copied. Two gloo ranks; the reference is
+one process per rank's data, summed by hand.
 """
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -49,7 +54,44 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     grads = [p.grad for p in params]
     return {"counts": dict(comm.counts),
             "dtensor": all(g is None or (isinstance(g, DTensor) and g.placements == (Replicate(),)) for g in grads),
-            "grads": [None if g is None else g.to_local() for g in grads]}
+            "grads": [None if g is None else g.to_local() for g in grads],
+            "kept": _kept(grads), "none": _no_gradient(params, layout)}
+
+
+def _kept(grads: list[torch.Tensor | None]) -> list[bool]:
+    """Each gradient through ``torch.save``/``torch.load``, ``pickle`` and ``copy.deepcopy``: its values back."""
+    out = []
+    for g in grads:
+        if g is None:
+            continue
+        buffer = io.BytesIO()
+        torch.save(g, buffer)
+        buffer.seek(0)
+        copies = [torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(g)), copy.deepcopy(g)]
+        out.append(all(torch.equal(c.to_local(), g.to_local()) for c in copies))
+    return out
+
+
+class _NoWeightGradient(torch.autograd.Function):
+    """``x * (a.sum() + b.sum())`` whose backward gives the weights no gradient (a user's own function)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * (a.sum() + b.sum())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return grad, None, None
+
+
+def _no_gradient(params: list[torch.Tensor], layout: Any) -> list[bool]:
+    """Two grouped parameters whose views get no gradient on any rank: ``None``, as one process leaves them."""
+    fresh = [torch.nn.Parameter(DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements))
+             for p in params[:2]]
+    x = torch.ones(3, requires_grad=True)
+    views = local_parameters(fresh, [layout] * 2)
+    _NoWeightGradient.apply(x, *views).sum().backward()
+    return [p.grad is None for p in fresh]
 
 
 def _one_process() -> list[torch.Tensor | None]:
@@ -66,11 +108,27 @@ def _one_process() -> list[torch.Tensor | None]:
     return total
 
 
-def test_summed_gradients_share_one_all_reduce_and_equal_the_ranks_sum() -> None:
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_processes(2, _body)
+
+
+def test_summed_gradients_share_one_all_reduce_and_equal_the_ranks_sum(ranks: list[dict[str, Any]]) -> None:
     want = _one_process()
-    for r in run_processes(2, _body):
+    for r in ranks:
         assert r["dtensor"]
         assert sum(r["counts"].values()) == 1, r["counts"]  # one collective for the four gradients
         assert want[3] is None and r["grads"][3] is None  # no gradient where no rank used it: weight decay skips it
         for got, ref in zip(r["grads"][:3], want[:3], strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_every_gradient_can_be_saved_pickled_and_deep_copied(ranks: list[dict[str, Any]]) -> None:
+    """The grouped gradients each own their storage (a DTensor over a slice of the shared buffer could not be)."""
+    for r in ranks:
+        assert r["kept"] == [True, True, True], r["kept"]
+
+
+def test_a_grouped_backward_without_any_gradient_leaves_none_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["none"] == [True, True], r["none"]

@@ -208,6 +208,8 @@ class _LocalView(torch.autograd.Function):
             grad = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, grad.shape,
                                                      grad.device.type)(grad)
         grad = grad.contiguous()
+        if grad.storage_offset() or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+            grad = grad.clone()  # a slice of a larger gradient: storage of its own (torch.save, deepcopy take it)
         return DTensor(grad, ctx.spec, requires_grad=False), None
 
 
@@ -227,15 +229,18 @@ class _LocalViews(torch.autograd.Function):
     gradient (``None``, as in one process, so weight decay and momentum leave
     it alone), one that some rank used gets the sum, zeros standing in for the
     ranks that did not; every rank issues the same collective. The flags are
-    read only on a rank that lacks a gradient (on a GPU, the one host sync).
-    The gradients handed back share the buffer's storage (as DDP's
-    ``gradient_as_bucket_view``).
+    read only on a rank that lacks a gradient (on a GPU, the one host sync);
+    a rank whose views got no gradient at all still takes part, with zeros.
+    Each gradient handed back has storage of its own (a copy of its slice of
+    the buffer): ``torch.save``, pickling and ``copy.deepcopy`` take it, which
+    they refuse for a DTensor over a view at an offset into a shared buffer.
     """
 
     @staticmethod
     def forward(ctx: Any, layout: ParamLayout, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs, ctx.layout = tuple(p._spec for p in params), layout
         ctx.shapes = tuple(p._local_tensor.shape for p in params)
+        ctx.dtype, ctx.device = params[0]._local_tensor.dtype, params[0]._local_tensor.device
         ctx.set_materialize_grads(False)
         return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
 
@@ -243,11 +248,10 @@ class _LocalViews(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:  # type: ignore[override]
         layout: ParamLayout = ctx.layout
         assert layout.grad is not None
-        some = next(g for g in grads if g is not None)  # autograd calls this only when a view got a gradient
         missing = any(g is None for g in grads)
-        flags = some.new_tensor([0.0 if g is None else 1.0 for g in grads])
-        flat = torch.cat([*(some.new_zeros(shape).reshape(-1) if g is None else g.reshape(-1)
-                            for g, shape in zip(grads, ctx.shapes, strict=True)), flags])
+        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=ctx.dtype, device=ctx.device)
+        flat = torch.cat([*(torch.zeros(shape, dtype=ctx.dtype, device=ctx.device).reshape(-1) if g is None
+                            else g.reshape(-1) for g, shape in zip(grads, ctx.shapes, strict=True)), flags])
         flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
                                                  flat.device.type).run_owned(flat)
         used = (flat[-len(grads):] > 0).tolist() if missing else [True] * len(grads)
@@ -255,7 +259,10 @@ class _LocalViews(torch.autograd.Function):
         start = 0
         for shape, spec, any_rank in zip(ctx.shapes, ctx.specs, used, strict=True):
             n = shape.numel()
-            out.append(DTensor(flat[start:start + n].view(shape), spec, requires_grad=False) if any_rank else None)
+            if any_rank:
+                out.append(DTensor(flat[start:start + n].view(shape).clone(), spec, requires_grad=False))
+            else:
+                out.append(None)
             start += n
         return tuple(out)
 
