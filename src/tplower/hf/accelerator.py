@@ -120,26 +120,34 @@ def _gather_for_metrics(accelerator: Any, layout: DataLayout) -> Any:
 
 
 @contextlib.contextmanager
+def _instead(accelerator: Any, name: str, value: Any) -> Iterator[None]:
+    """Inside, the instance attribute ``name`` of ``accelerator`` is ``value``; on exit it is what it was (or,
+    where the instance had none, the class's applies again)."""
+    missing = object()
+    before = accelerator.__dict__.get(name, missing)
+    accelerator.__dict__[name] = value
+    try:
+        yield
+    finally:
+        if before is missing:
+            accelerator.__dict__.pop(name, None)
+        else:
+            accelerator.__dict__[name] = before
+
+
+@contextlib.contextmanager
 def training_batches(accelerator: Any, layout: DataLayout) -> Iterator[None]:
     """Inside, ``accelerator.prepare_data_loader`` reads a trainer's training batches in
     :class:`~tplower.hf.batches.Rounds` (:func:`~tplower.hf.batches.dp_data_loader` with ``examples=True``); on
     exit the method is what it was."""
-    before = accelerator.__dict__.get("prepare_data_loader")
-
     def prepare_data_loader(data_loader: Any, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
         """``Accelerator.prepare_data_loader`` over ``dp``, in rounds (:func:`training_batches`)."""
         return dp_data_loader(accelerator, layout, data_loader, device_placement, slice_fn_for_dispatch,
                               examples=True)
 
-    accelerator.prepare_data_loader = prepare_data_loader
-    try:
+    with _instead(accelerator, "prepare_data_loader", prepare_data_loader):
         yield
-    finally:
-        if before is None:
-            accelerator.__dict__.pop("prepare_data_loader", None)
-        else:
-            accelerator.prepare_data_loader = before
 
 
 @contextlib.contextmanager
@@ -148,20 +156,12 @@ def pieces_gathered(accelerator: Any, layout: DataLayout) -> Iterator[None]:
     (:func:`gather_over` over :attr:`DataLayout.split`, nothing dropped): for values each rank computed from its
     own piece of a ``cp``-cut batch (a count of its tokens, a sum over them), whose sum over the gathered values
     is the whole global batch's. On exit the method is what it was. Not re-entrant across threads."""
-    before = accelerator.__dict__.get("gather_for_metrics")
-
     def gather_pieces(input_data: Any, use_gather_object: bool = False) -> Any:
         """``Accelerator.gather_for_metrics`` of per-piece values: over ``dp`` and ``cp``."""
         return gather_over(input_data, layout, layout.split)
 
-    accelerator.gather_for_metrics = gather_pieces
-    try:
+    with _instead(accelerator, "gather_for_metrics", gather_pieces):
         yield
-    finally:
-        if before is None:
-            accelerator.__dict__.pop("gather_for_metrics", None)
-        else:
-            accelerator.gather_for_metrics = before
 
 
 def patch_accelerator(accelerator: Any, layout: DataLayout, model: nn.Module | None = None) -> None:
@@ -229,15 +229,8 @@ def count_data_processes(accelerator: Any, layout: DataLayout) -> None:
 def one_process(accelerator: Any) -> Iterator[None]:
     """Inside, ``accelerator.num_processes`` is 1 (after :func:`count_data_processes`): data code sized as one
     process's (a trainer building its training ``DataLoader`` with ``dp`` times the batch)."""
-    before = accelerator.__dict__.get("_tplower_processes")
-    accelerator.__dict__["_tplower_processes"] = 1
-    try:
+    with _instead(accelerator, "_tplower_processes", 1):
         yield
-    finally:
-        if before is None:
-            accelerator.__dict__.pop("_tplower_processes", None)
-        else:
-            accelerator.__dict__["_tplower_processes"] = before
 
 
 def unpatch_accelerator(accelerator: Any) -> None:
