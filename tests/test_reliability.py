@@ -11,6 +11,7 @@ import contextlib
 import glob
 import multiprocessing
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -120,11 +121,14 @@ def _dying_body(rank, world, how, stamp):
             f.write(repr(time.time()))
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "aborts":  # as glibc's heap checks end a process: SIGABRT (no core file of this one)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.abort()
         raise RuntimeError("rank 1 gives up mid-run")
     return redistribute_local(x, mesh, "P(sum)", "R")  # rank 0 now waits for a peer that is gone
 
 
-@pytest.mark.parametrize("how", ["killed", "raises"])
+@pytest.mark.parametrize("how", ["killed", "aborts", "raises"])
 def test_a_dying_rank_is_named_and_nothing_is_left(how, reliability_report, tmp_path, monkeypatch):
     # the run's temp folders go to a folder of this test's own: other tplower processes on the machine leave theirs
     # in the shared one meanwhile
@@ -139,8 +143,12 @@ def test_a_dying_rank_is_named_and_nothing_is_left(how, reliability_report, tmp_
         run_processes(2, _dying_body, how, stamp, timeout=900, pg_timeout=300)
     after_death = time.time() - float(open(stamp).read())
     failed = info.value.failures
-    assert 1 in failed and (("exited with code -9" in failed[1]) if how == "killed" else
-                            ("rank 1 gives up mid-run" in failed[1])), failed
+    said = {"killed": "exited with code -9", "raises": "rank 1 gives up mid-run",
+            # an abort leaves the rank's Python stack (faulthandler), down to the line that aborted
+            "aborts": "exited with code -6; its threads when the signal came (faulthandler)"}[how]
+    assert 1 in failed and said in failed[1], failed
+    if how == "aborts":
+        assert "_dying_body" in failed[1], failed[1]
     assert after_death < 30  # the survivor is ended soon after, not at the process group's timeout
     assert multiprocessing.active_children() == []
     assert not glob.glob(os.path.join(private, "tplower-*"))  # nothing of this run is left

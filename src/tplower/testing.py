@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
@@ -110,6 +111,10 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
         os.environ.update(env)
     if caller is not None:
         _exit_with(caller, os.path.dirname(init_file))
+    # a rank killed by a signal (a native abort, a segfault) leaves every thread's Python stack in this file,
+    # which the harness names with the rank's death (:func:`_name_the_dead`)
+    fault = open(_fault_file(init_file, rank), "w")
+    faulthandler.enable(file=fault, all_threads=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -125,7 +130,7 @@ def _process_entry(rank: int, world_size: int, backend: str, init_file: str, tim
 
 
 def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: dict[int, Any],
-             failures: dict[int, str]) -> None:
+             failures: dict[int, str], init_file: str) -> None:
     """Fill ``out``/``failures`` from the ranks' reports until every rank reported or the run must stop.
 
     The run stops ``grace`` seconds after the first rank fails or dies (its peers are then
@@ -147,12 +152,12 @@ def _collect(procs: list[Any], results: Any, timeout: float, grace: float, out: 
         try:
             rank, ok, value = results.get(timeout=0.2)
         except queue.Empty:
-            _name_the_dead(procs, out, failures)
+            _name_the_dead(procs, out, failures, init_file)
         else:
             _report(out, failures, rank, ok, value)
         if failures and first_failure is None:
             first_failure = time.monotonic()
-    _drain(procs, results, out, failures)
+    _drain(procs, results, out, failures, init_file)
     for r in range(len(procs)):
         if r not in out and r not in failures:
             failures[r] = reason
@@ -166,7 +171,7 @@ def _report(out: dict[int, Any], failures: dict[int, str], rank: int, ok: bool, 
         failures[rank] = value
 
 
-def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[int, str]) -> None:
+def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[int, str], init_file: str) -> None:
     """Last look before the run is ended: reports already queued, and ranks already dead, named as such.
 
     A rank that died just before the deadline is then named for its death,
@@ -178,14 +183,27 @@ def _drain(procs: list[Any], results: Any, out: dict[int, Any], failures: dict[i
         except queue.Empty:
             break
         _report(out, failures, rank, ok, value)
-    _name_the_dead(procs, out, failures)
+    _name_the_dead(procs, out, failures, init_file)
 
 
-def _name_the_dead(procs: list[Any], out: dict[int, Any], failures: dict[int, str]) -> None:
-    """Ranks whose process has exited without a report, named by their exit code."""
+def _fault_file(init_file: str, rank: int) -> str:
+    """Where rank ``rank``'s ``faulthandler`` writes, beside the store (removed with it)."""
+    return os.path.join(os.path.dirname(init_file), f"fault-rank{rank}.txt")
+
+
+def _name_the_dead(procs: list[Any], out: dict[int, Any], failures: dict[int, str], init_file: str) -> None:
+    """Ranks whose process has exited without a report, named by their exit code, with the Python stacks
+    ``faulthandler`` wrote when a signal ended it (a native abort: glibc's heap checks, a segfault)."""
     for r, p in enumerate(procs):
         if not p.is_alive() and r not in out and r not in failures and p.exitcode != 0:
             failures[r] = f"process exited with code {p.exitcode}"
+            try:
+                with open(_fault_file(init_file, r)) as f:
+                    trace = f.read().strip()
+            except OSError:
+                trace = ""
+            if trace:
+                failures[r] += f"; its threads when the signal came (faulthandler):\n{trace}"
 
 
 @contextlib.contextmanager
@@ -260,7 +278,7 @@ def run_processes(world_size: int, fn: RankFn, *args: Any, backend: str = "gloo"
         failures: dict[int, str] = {}
         stopped = False  # interrupted (Ctrl-C, a signal turned into an exception): end the ranks at once
         try:
-            _collect(procs, results, timeout, grace, out, failures)
+            _collect(procs, results, timeout, grace, out, failures, init_file)
         except BaseException:
             stopped = True
             raise
