@@ -202,7 +202,7 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: 
         out = model(**part)
         out.loss.backward()
     logits = None if out.logits is None else float(
-        (gather_sequence(out.logits.detach(), mesh, "cp", balance=case.balance) - want.logits.detach()).abs().max())
+        (gather_sequence(out.logits.detach(), mesh, "cp", split=part) - want.logits.detach()).abs().max())
     grads = _grads(model)
     # a gradient where one process has none (or none where it has one) is wrong whatever its values: optimizers
     # decay and move a parameter with a zero gradient, and leave one without a gradient alone

@@ -49,8 +49,9 @@ def _body(rank: int, world: int) -> dict[str, tuple[float, float]]:
         par = tplower.parallelize(copy.deepcopy(MODELS[impl]), mesh, None, context="cp", context_mode=mode)
         want = ref(**batch).last_hidden_state
         (want.square() * mask[..., None]).sum().backward()
-        got = par(**tplower.shard_sequence(batch, mesh, "cp", balance=balance)).last_hidden_state
-        whole = tplower.gather_sequence(got, mesh, "cp", balance=balance)
+        part = tplower.shard_sequence(batch, mesh, "cp", balance=balance)
+        got = par(**part).last_hidden_state
+        whole = tplower.gather_sequence(got, mesh, "cp", split=part)
         (whole.square() * mask[..., None]).sum().backward()
         grads = [(q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad, p.grad)
                  for p, q in zip(ref.parameters(), par.parameters(), strict=True) if p.grad is not None]

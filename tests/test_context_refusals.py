@@ -91,7 +91,7 @@ def _without_context(mesh: Any) -> dict[str, Any]:
 
 def _gathered(mesh: Any) -> dict[str, Any]:
     """Logits cut with balance=True at an even length (20 tokens, cp=2: 10 a rank either way), made whole with the
-    part's split, against one process; a balance= that is not the split's is refused."""
+    part's split, against one process; a balance= that is not the split's, or one without a split, is refused."""
     ref = tiny("llama", "sdpa")
     model = tplower.parallelize(copy.deepcopy(ref), mesh, None, context="cp")
     whole = batch("plain", 20)
@@ -109,6 +109,8 @@ def _gathered(mesh: Any) -> dict[str, Any]:
     return {"diff": float((got - want).abs().max()), "gathered": _issued() - before,
             "split_only": float((alone - want).abs().max()),
             "mismatch": _refused(lambda: tplower.gather_sequence(logits, mesh, balance=False, split=part)),
+            # cut with balance=True; at 20 tokens balance=False gives every rank 10 too: only the split can tell
+            "balance_alone": _refused(lambda: tplower.gather_sequence(logits, mesh, balance=False)),
             "wrong_dim": _refused(lambda: tplower.gather_sequence(ids["input_ids"], mesh, dim=0, split=ids)),
             "right_dim": (right, right_collectives)}
 
@@ -228,6 +230,7 @@ def test_gather_reads_the_balance_from_the_split(ranks: list[dict[str, Any]]) ->
         assert got["diff"] <= TOL and got["split_only"] <= TOL, got  # one process's token order
         assert got["gathered"] > 0, got  # the counter sees this rank's collectives
         _check(got["mismatch"], "balance=False", "balance=True", "drop balance=")
+        _check(got["balance_alone"], "balance=False without split=", "pass split=")
 
 
 def test_gather_refuses_a_dim_that_is_not_the_split_sequence(ranks: list[dict[str, Any]]) -> None:

@@ -233,10 +233,14 @@ def _split_of(split: ContextSplit | Mapping[str, Any], axis: str, n: int) -> Con
 
 
 def _balance(split: ContextSplit | Mapping[str, Any] | None, balance: bool | None, axis: str, n: int) -> bool:
-    """The balance to gather with: the split's (a ``balance`` given beside it must agree), else ``balance``,
-    else ``True`` (:func:`shard_sequence`'s default)."""
+    """The balance to gather with: the split's (a ``balance`` given beside it must agree), else ``True``
+    (:func:`shard_sequence`'s default); a ``balance`` without a split is refused."""
     if split is None:
-        return True if balance is None else bool(balance)
+        if balance is not None:
+            raise TPLowerError(f"gather_sequence: balance={balance!r} without split=: at an even length both cuts "
+                               "give every rank as many tokens, so it cannot be checked against how the tensor was "
+                               "cut; pass split= (shard_sequence's output, or its context_split) instead")
+        return True
     cut = _split_of(split, axis, n).layout.balance
     if balance is not None and bool(balance) != cut:
         raise TPLowerError(f"gather_sequence: balance={balance!r}, but shard_sequence cut this batch with "
@@ -267,12 +271,14 @@ def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: in
         t: this rank's part, e.g. logits ``[B, local S, V]``.
         mesh, axis: as given to :func:`shard_sequence`.
         dim: the sequence dim of ``t``.
-        balance: as given to :func:`shard_sequence`; default: the ``split``'s,
-            else ``True`` (its default). At an even length both cuts give
-            every rank as many tokens, so a wrong ``balance`` cannot be told
-            from ``t``: pass ``split`` and the cut is read from it.
+        balance: only beside ``split``, which it must agree with. At an
+            even length both cuts give every rank as many tokens, so a
+            ``balance`` alone could not be checked against how ``t`` was
+            cut: pass ``split`` and the cut is read from it.
         split: the part :func:`shard_sequence` returned (or its
-            ``context_split``): the balance is read from it.
+            ``context_split``): the balance is read from it. Without it the
+            tensor is taken as cut with :func:`shard_sequence`'s default
+            (``balance=True``).
 
     Returns:
         ``[..., S, ...]`` on every rank of the axis. Differentiable: the
@@ -281,7 +287,7 @@ def gather_sequence(t: torch.Tensor, mesh: DeviceMesh, axis: str = "cp", dim: in
     Raises:
         TPLowerError: an axis the mesh lacks (naming the axis it most likely
             means), a ``split`` cut over another axis, a ``balance`` that is
-            not the ``split``'s (all before any collective), or local lengths
+            not the ``split``'s or without one (all before any collective), or local lengths
             that are not the pieces of one layout; with a ``split``, a ``dim``
             whose size on some rank is not that rank's local length (naming
             the dim and the sizes; these two alike on every rank, after the

@@ -58,8 +58,9 @@ def compare_context(ref: torch.nn.Module, mesh: Any, batch: Mapping[str, Any], m
     ref.zero_grad()
     no_cache = {"use_cache": False} if "use_cache" in inspect.signature(ref.forward).parameters else {}
     want = ref(**batch, **no_cache)
-    got = model(**shard_sequence(batch, mesh, "cp", balance=balance, shift_labels=shift_labels))
-    whole = gather_sequence(got[out], mesh, "cp", balance=balance)
+    part = shard_sequence(batch, mesh, "cp", balance=balance, shift_labels=shift_labels)
+    got = model(**part)
+    whole = gather_sequence(got[out], mesh, "cp", split=part)
     losses = [(o.loss, w) if o.get("loss") is not None else (_square(w, batch), w) for o, w in ((want, want[out]),
                                                                                                (got, whole))]
     for loss, _ in losses:

@@ -134,11 +134,13 @@ def verify_context(build_model: Callable[[], nn.Module], plan: Mapping[str, Plan
     par_rec: dict[str, dict[str, torch.Tensor]] = {}
     _hook(ref, installed.modules, ref_rec)
     _hook(par, installed.modules, par_rec)
+    part = shard_sequence(batch, mesh, context, balance=balance)
+
     def whole(t: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(t, mesh, context, balance=balance)
+        return gather_sequence(t, mesh, context, split=part)
 
     want = ref(**batch, **({"use_cache": False} if _accepts(ref, "use_cache") else {}))
-    got = par(**shard_sequence(batch, mesh, context, balance=balance))
+    got = par(**part)
     own_loss = getattr(want, "loss", None) is not None
     if own_loss:
         want_loss, got_loss = want.loss, got.loss
