@@ -102,7 +102,7 @@ def _check_trainer(trainer: Any, context: str | None, token_loss: bool) -> None:
     if missing:
         raise TPLowerError(f"prepare_trainer: this transformers release has no Trainer.{missing[0]}, through which "
                            "tplower checkpoints the optimizer's shards; use the transformers version tplower is "
-                           "tested with (5.24)")
+                           "tested with (5.24, 5.25)")
     if not isinstance(token_loss, bool):
         raise TypeError(f"prepare_trainer: token_loss must be True or False, got {token_loss!r}")
     if context is not None and not token_loss:
