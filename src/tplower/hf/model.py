@@ -204,7 +204,8 @@ def parallelize_beside(model: nn.Module, tm: TrainingModel, plan: Any, *, expert
     :func:`parallelize_for_training` placed ``tm.model``: :func:`tplower.parallelize` with the same plan on the same
     axis, then FSDP2 over ``dp``. Its parameters are then the same DTensors, shard for shard, as the trained
     model's, so code that mixes the two parameter by parameter (TRL's ``SyncRefModelCallback``, an EMA update) runs
-    on local shards; its forward takes whole batches (no context split: a reference scores whole sequences).
+    on local shards; its forward takes whole batches (no context split: a reference scores whole sequences) and,
+    under FSDP2, shards the parameters again when it ends (no backward follows to do it).
 
     Raises:
         TPLowerError: every refusal of :func:`tplower.parallelize` (the plan does not fit ``model``).
@@ -215,5 +216,8 @@ def parallelize_beside(model: nn.Module, tm: TrainingModel, plan: Any, *, expert
         return
     if plan is not None:
         parallelize(model, layout.mesh, plan, axis=axis, experts=mode, **options)
-    shard_over_dp(model, layout, sum_gradients=True)
+    if shard_over_dp(model, layout, sum_gradients=True):
+        # FSDP2 keeps its root's parameters whole after a forward, for the backward a reference never runs:
+        # shard them again, so the reference's parameters are the trained model's layout between steps
+        model.register_forward_hook(lambda module, args, output: module.reshard())  # type: ignore[operator]
     register_full_load(model)
