@@ -37,7 +37,7 @@ PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "all_to_all_splits", 
           "explain_plan_lines", "format_placement", "format_placements", "full_state_dict", "gather_sequence",
           "load_plan", "load_safetensors", "mesh_lowerer", "parallelize", "plan_for",
           "parse_placement", "parse_placements", "plan_steps", "plan_transition", "redistribute_local",
-          "replicate_partials", "set_cache_size", "shard_sequence", "shutdown", "verify",
+          "replicate_partials", "set_cache_size", "shard_sequence", "shutdown", "sum_context_in_fsdp", "verify",
           "vocab_parallel_cross_entropy"]
 
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .plans.entries import BoundaryEntry, load_plan
     from .plans.forms import BoundaryForm, classify_boundary_form, explain_plan_lines
     from .plans.hf import plan_for
+    from .runtime.grad_sums import sum_context_in_fsdp
     from .runtime.operators import TPOperators
     from .state.full_state import full_state_dict
     from .state.loading import load_safetensors
@@ -97,6 +98,7 @@ _HOMES: dict[str, str] = {
     "explain_plan_lines": ".plans.forms",
     "plan_for": ".plans.hf",
     "TPOperators": ".runtime.operators",
+    "sum_context_in_fsdp": ".runtime.grad_sums",
     "full_state_dict": ".state.full_state",
     "load_safetensors": ".state.loading",
     "VerifyReport": ".verification.report",
@@ -144,6 +146,7 @@ __all__ = [
     "set_cache_size",
     "shard_sequence",
     "shutdown",
+    "sum_context_in_fsdp",
     "verify",
     "vocab_parallel_cross_entropy",
 ]

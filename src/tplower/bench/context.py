@@ -34,7 +34,6 @@ chunks (``context_loss_chunk``).
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import statistics
@@ -140,16 +139,6 @@ def _ratios(mine: list[float], theirs: list[float] | None) -> dict[str, float] |
     return {"median": statistics.median(r), "low": min(r), "high": max(r)}
 
 
-def _grouped(model: torch.nn.Module) -> int:
-    """Parameters that share their gradients' ``all_reduce`` over cp with others: a parameter is swapped in by its
-    module's parent's call (the outer one), with the parent's own and its other children's parameters
-    (:mod:`tplower.runtime.rest_params`), so those of a parent holding two or more are grouped."""
-    calls: collections.Counter[str] = collections.Counter()
-    for qual, module in model.named_modules():
-        calls[qual.rpartition(".")[0]] += sum(p is not None for p in module._parameters.values())
-    return sum(n for n in calls.values() if n > 1)
-
-
 def _step_rows(rank: int, world: int, seq: int, layers: int, rounds: int,
                batches: tuple[str, ...]) -> list[dict[str, Any]]:
     from ..context.explain import explain_context
@@ -169,7 +158,7 @@ def _step_rows(rank: int, world: int, seq: int, layers: int, rounds: int,
         return []
     params = sum(p.numel() for p in v.models["one process"].parameters())
     predicted = explain_context(1, seq, _HIDDEN, _HEADS, _KV, world, layers=layers, head_dim=_HEAD_DIM, params=params,
-                                grouped=_grouped(v.models["one process"]))
+                                tensors=len(list(v.models["one process"].parameters())))
     rows = []
     for key, times in samples.items():
         variant, kind = key.split("|")

@@ -143,14 +143,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--mesh axis (e.g. tokens=4096,hidden=2048,top_k=8,experts=128)")
     parser.add_argument("--context", default=None, metavar="batch=B,seq=S,hidden=H,heads=A,kv_heads=K[,layers=L]",
                         help="context parallelism (--mesh cp=N[,tp=M]): the collectives and bytes per rank of a "
-                             "train step in each mode (ulysses, allgather, hybrid); params=P adds the gradient sums, "
-                             "ulysses=U sets the hybrid's Ulysses degree (default: from the heads)")
+                             "train step in each mode (ulysses, allgather, hybrid); params=P adds the gradient sums "
+                             "(tensors=T: P's parameter tensors, one flag each), ulysses=U sets the hybrid's "
+                             "Ulysses degree (default: from the heads)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 _MOE_KEYS = ("tokens", "hidden", "top_k", "experts")
 _CONTEXT_KEYS = ("batch", "seq", "hidden", "heads", "kv_heads")
-_CONTEXT_OPTIONAL = ("layers", "head_dim", "params", "ulysses")
+_CONTEXT_OPTIONAL = ("layers", "head_dim", "params", "tensors", "ulysses")
 
 
 def parse_sizes(option: str, text: str, keys: tuple[str, ...], optional: tuple[str, ...], example: str, *,
@@ -193,7 +194,7 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
         raise TPLowerError(f"--context needs a cp axis in --mesh (e.g. cp=2,tp=2); --mesh {args.mesh} has "
                            f"{', '.join(names)}")
     c = parse_sizes("--context", args.context, _CONTEXT_KEYS, _CONTEXT_OPTIONAL,
-                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32", zero_ok=("params",))
+                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32", zero_ok=("params", "tensors"))
     tp = sizes[names.index("tp")] if "tp" in names else 1
     if problem := head_problem(c["hidden"], c["heads"], c["kv_heads"], tp, c.get("head_dim")):
         raise TPLowerError(f"--context {args.context!r}" + (f" with --mesh {args.mesh}" if tp > 1 else "") +
@@ -201,7 +202,8 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
     try:
         info = explain_context(c["batch"], c["seq"], c["hidden"], c["heads"], c["kv_heads"],
                                sizes[names.index("cp")], tp, layers=c.get("layers", 1), head_dim=c.get("head_dim"),
-                               params=c.get("params", 0), dtype=dtype_of(args.dtype), ulysses=c.get("ulysses"))
+                               params=c.get("params", 0), tensors=c.get("tensors", 0), dtype=dtype_of(args.dtype),
+                               ulysses=c.get("ulysses"))
     except ValueError as exc:
         raise TPLowerError(f"--context {args.context!r}: {exc}") from None
     print(json.dumps(info, indent=2) if args.json else context_to_table(info))

@@ -18,6 +18,7 @@ import torch
 
 from ..core.language.explain import format_bytes
 from ..core.support.words import count
+from ..runtime.grad_sums import sum_chunks
 from .exchange import hybrid_degree
 from .layout import SequenceLayout
 
@@ -88,7 +89,7 @@ def _hybrid_rows(h_q: int, h_kv: int, n: int, u: int, piece: int, layers: int) -
 
 
 def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int, cp: int, tp: int = 1, *,
-                    layers: int = 1, head_dim: int | None = None, params: int = 0, grouped: int = 0,
+                    layers: int = 1, head_dim: int | None = None, params: int = 0, tensors: int = 0,
                     balance: bool = True, dtype: torch.dtype = torch.float32, ulysses: int | None = None
                     ) -> dict[str, Any]:
     """The collectives and bytes each rank sends per train step under each context-parallel mode.
@@ -99,11 +100,11 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
         cp: ranks of the context-parallel axis; ``tp``: of the tensor-parallel one (it splits the heads).
         layers: attention layers.
         head_dim: default ``hidden // heads``.
-        params: parameter elements each rank holds (after tp): their gradients are summed over cp,
-            one ``all_reduce`` a module call (0: left out).
-        grouped: parameter tensors whose gradients share a module call's ``all_reduce`` with others: each
-            adds one element, the flag that says whether a rank used it
-            (:func:`tplower.runtime.params.local_parameters`).
+        params: parameter elements each rank holds (after tp): their gradients are summed over cp once, at
+            the end of backward, in chunks of at most 25 MiB, one ``all_reduce`` each
+            (:mod:`tplower.runtime.grad_sums`; 0: left out).
+        tensors: parameter tensors: each adds one element to the sums, the flag that says whether a rank
+            used it.
         balance: as :func:`tplower.shard_sequence` cuts the sequence.
         dtype: activations' and gradients' dtype.
         ulysses: the hybrid mode's Ulysses degree (a divisor of ``cp``); default: the one
@@ -158,8 +159,10 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
     common = [{"what": "the loss (P(sum) -> R)", "collective": "all_reduce", "count": 1,
                "bytes_per_rank": 2 * (n - 1) * 4 // n}]
     if params:
-        common.append({"what": f"parameter gradients ({params} elements, P(sum) -> R)", "collective": "all_reduce",
-                       "count": -1, "bytes_per_rank": 2 * (n - 1) * (params + grouped) * item // n})
+        chunks = sum_chunks(params + tensors, item)
+        common.append({"what": f"parameter gradients ({params} elements, P(sum) -> R, at the end of backward)",
+                       "collective": "all_reduce", "count": len(chunks),
+                       "bytes_per_rank": sum(2 * (n - 1) * c * item // n for c in chunks)})
     out: dict[str, Any] = {"inputs": {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads,
                                       "kv_heads": kv_heads, "head_dim": d, "cp": cp, "tp": tp, "layers": layers,
                                       "local_width": width, "dtype": str(dtype).removeprefix("torch."),
@@ -195,7 +198,7 @@ def context_to_table(info: dict[str, Any]) -> str:
             continue
         lines += ["", title]
         head = ("what", "collective", "count", "bytes/rank")
-        rows = [(r["what"], r["collective"], "one a module" if r["count"] < 0 else str(r["count"]),
+        rows = [(r["what"], r["collective"], str(r["count"]),
                  format_bytes(r["bytes_per_rank"])) for r in part["rows"]]
         widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
 from ..nn.parallelize import parallelize
+from ..runtime.grad_sums import sum_context_in_fsdp
 from ..state.full_state import placed_by_tplower, register_full_load
 from .batches import SequenceSplit
 from .layout import DataLayout
@@ -67,7 +68,7 @@ def model_axis(names: tuple[str, ...], plan: Any, experts: str | None, where: st
     return axis, plan, mode
 
 
-def shard_over_dp(model: nn.Module, layout: DataLayout, *, sum_gradients: bool) -> int:
+def shard_over_dp(model: nn.Module, layout: DataLayout, *, sum_gradients: bool, context: bool = False) -> int:
     """FSDP2 (``fully_shard``) over the ``dp`` axis: each decoder layer, then the whole model.
 
     The layers are the modules whose class a transformers model names in ``_no_split_modules`` (the classes
@@ -78,6 +79,10 @@ def shard_over_dp(model: nn.Module, layout: DataLayout, *, sum_gradients: bool) 
             ``set_force_sum_reduction_for_comms(True)``),
             for losses divided by the whole global batch's token count; ``False``: it averages them (its
             default, DDP's rule, for losses that are each rank's own mean).
+        context: the model was parallelized with ``context=layout.cp``: FSDP2 sums the gradients over ``cp`` too,
+            in its own order, zeros for a parameter a rank did not use
+            (:func:`tplower.runtime.grad_sums.sum_context_in_fsdp`), so ranks that call different modules get
+            one process's gradients.
 
     Returns:
         The number of modules sharded (0 without a ``dp`` axis).
@@ -96,6 +101,8 @@ def shard_over_dp(model: nn.Module, layout: DataLayout, *, sum_gradients: bool) 
             if isinstance(module, FSDPModule):  # a plain SUM (gloo has no PREMUL_SUM), divided by 1
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(1.0)
+    if context and layout.cp is not None:
+        sum_context_in_fsdp(model, layout.mesh, layout.cp)
     return len(targets)
 
 
@@ -189,7 +196,7 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, plan: Any, *, c
     if plan is not None or context is not None:  # a dp mesh alone: FSDP2 is all there is to do
         parallelize(model, mesh, plan, axis=axis, experts=mode, context=context, context_mode=context_mode,
                     **options)
-    shard_over_dp(model, layout, sum_gradients=sum_gradients)
+    shard_over_dp(model, layout, sum_gradients=sum_gradients, context=context is not None)
     register_full_load(model)  # whole tensors load into FSDP2's shards too (a resume on a mesh of dp alone)
     split = SequenceSplit(model, layout) if context is not None else None
     record = TrainingModel(model, layout, split, before=before)

@@ -54,7 +54,7 @@ from ..plans.entries import PlanValue, plan_name
 from ..runtime.boundary import InstalledBoundary, installed_boundary
 from .coverage import COVER_MODES
 from .install import install_boundaries, install_hooks
-from .place import place_parameters, place_rest_parameters
+from .place import place_parameters, place_rest_parameters, sum_at_end
 from .resolve import ResolvedPlan, resolve_plan
 
 __all__ = ["InstalledBoundary", "attention_tp", "installed_boundary", "parallelize"]
@@ -156,9 +156,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
             all-gather across the groups: for a cp size beyond the heads a
             rank holds, or grouped key/value heads fewer than it).
         context_grads: who reduces the parameters' gradients over
-            ``context``: ``"sum"`` (default: ``parallelize``; parameters are
+            ``context``: ``"sum"`` (default: ``parallelize``, once at the end
+            of backward, in the model's parameter order, zeros and a flag for
+            a parameter a rank did not use, so ranks that call different
+            modules get one process's gradients,
+            :mod:`tplower.runtime.grad_sums`; parameters are
             DTensors replicated over it, FSDP2 may shard them over another
-            axis such as ``dp``) or ``"mean"`` (the caller averages them over
+            axis such as ``dp``: then :func:`tplower.sum_context_in_fsdp`) or ``"mean"`` (the caller averages them over
             it, as FSDP2 does over a mesh that flattens ``dp`` and
             ``context``, torchtitan's layout: parameters are placed as
             without ``context`` and the loss's gradient is the axis size, so
@@ -302,8 +306,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, PlanValue
     for mp in resolved:
         if mp.info is not None and mp.info.reason is not None:
             warnings.warn(f"tplower: module {mp.qual!r} runs its boundary on DTensor: {mp.info.reason}", stacklevel=2)
-    place_parameters(model, resolved)
+    placed = place_parameters(model, resolved)
     install_boundaries(model, resolved, mesh, overlap)
     rest = place_rest_parameters(model, resolved, mesh) if replicate_rest else None
     install_hooks(model, resolved, mesh, rest, cover)
+    if resolved.context is not None:  # gradients summed over cp once, in one order, at the end of backward
+        sum_at_end(model, resolved.context, placed, rest)
     return model

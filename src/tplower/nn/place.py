@@ -13,15 +13,20 @@ boundaries and the LoRA adapters placed from them are installed
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial
 
+from ..runtime.grad_sums import GradientSums
 from ..runtime.params import ParamLayout, shard_parameter
 from ..runtime.rest_params import RestParams, place_rest
 from ..state import packed_checkpoint
 from .resolve import ModulePlan, ResolvedPlan
 
-__all__ = ["place_module", "place_parameters", "place_rest_parameters"]
+__all__ = ["place_module", "place_parameters", "place_rest_parameters", "sum_at_end"]
 
 #: ``id`` of an original parameter -> (its layout, the placed parameter, the original, kept so its id stays taken)
 Placed = dict[int, tuple[ParamLayout, nn.Parameter, nn.Parameter]]
@@ -42,10 +47,13 @@ def place_module(module: nn.Module, mp: ModulePlan, placed: Placed) -> None:
             packed_checkpoint.register(module, name)
 
 
-def place_parameters(model: nn.Module, resolved: ResolvedPlan) -> None:
+def place_parameters(model: nn.Module, resolved: ResolvedPlan) -> dict[int, ParamLayout]:
     """Place every parameter of ``resolved`` on ``model``.
 
     Modules outside the plan that hold a placed parameter (a tie) get the placed object too.
+
+    Returns:
+        The layout of each placed parameter, by ``id`` of the new (DTensor) parameter.
     """
     modules = dict(model.named_modules())
     placed: Placed = {}
@@ -55,6 +63,34 @@ def place_parameters(model: nn.Module, resolved: ResolvedPlan) -> None:
         for name, p in module._parameters.items():
             if p is not None and id(p) in placed:
                 module._parameters[name] = placed[id(p)][1]
+    return {id(new): layout for layout, new, _ in placed.values()}
+
+
+def sum_at_end(model: nn.Module, context: str, placed: dict[int, ParamLayout], rest: RestParams | None
+               ) -> GradientSums | None:
+    """The pass that sums the gradients over ``context`` at the end of backward (:mod:`tplower.runtime.grad_sums`):
+    every parameter whose layout sums it there and nothing else, in ``model.parameters()`` order; ``None`` when
+    there is none."""
+    sums = GradientSums()
+    for p in model.parameters():
+        if id(p) in placed:
+            sums_at(sums, p, context, functools.partial(_fixed, placed[id(p)]))
+        elif rest is not None and id(p) in rest.layouts:
+            sums_at(sums, p, context, functools.partial(rest.layouts.__getitem__, id(p)))
+    return sums if sums.entries else None
+
+
+def _fixed(layout: ParamLayout) -> ParamLayout:
+    return layout
+
+
+def sums_at(sums: GradientSums, p: nn.Parameter, context: str, layout: Callable[[], ParamLayout]) -> None:
+    """Take ``p`` into ``sums`` when its layout's gradient is ``P(sum)`` on ``context`` and only summed."""
+    now = layout()
+    names = tuple(now.mesh.mesh_dim_names or ())
+    if now.sums_only and now.grad is not None and context in names \
+            and isinstance(now.grad[names.index(context)], Partial):
+        sums.add(p, layout)
 
 
 def place_rest_parameters(model: nn.Module, resolved: ResolvedPlan, mesh: DeviceMesh) -> RestParams | None:

@@ -20,7 +20,9 @@ partial local gradient: ``R -> R`` with gradient ``P(sum)``, i.e. an
 identity forward and an ``all_reduce`` backward (Megatron's
 ``copy_to_tp_region``). The reduction belongs to this differentiable step,
 never to a hook on the ``Parameter`` object, which FSDP2 and other wrappers
-replace.
+replace. The one exception is the sum over a context-parallel axis, whose
+ranks may call different modules: it waits for the end of backward and runs
+for the whole model at once (:mod:`tplower.runtime.grad_sums`).
 
 Mesh of a parameter: where the plan places it on the tensor-parallel axis
 only (every other axis ``Replicate``), the DTensor lives on ``mesh[axis]``,
@@ -30,6 +32,7 @@ own axis; otherwise on the whole mesh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,7 @@ from ..core.language.transitions import chunk_size_and_offset
 from ..core.lower.program import Program
 from ..core.lower.redistribute import mesh_lowerer
 from ..core.support.errors import TPLowerError
+from .grad_sums import defer_gradients, folded_axis, owners
 
 __all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "local_parameters", "param_layout",
            "shard_parameter"]
@@ -197,12 +201,14 @@ class _LocalView(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, param: DTensor, layout: ParamLayout) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec, ctx.layout = param._spec, layout
+        ctx.spec, ctx.layout, ctx.owned = param._spec, layout, owners((param,))
         local = param._local_tensor
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None]:  # type: ignore[override]
+        if ctx.owned is not None and defer_gradients(ctx, ctx.owned, (grad,))[0]:
+            return None, None  # summed with the model's others at the end of backward (grad_sums)
         layout: ParamLayout = ctx.layout
         if layout.grad is not None:  # e.g. P(sum) -> R: all_reduce (no autograd here: grad mode is off)
             grad = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, grad.shape,
@@ -234,11 +240,17 @@ class _LocalViews(torch.autograd.Function):
     Each gradient handed back has storage of its own (a copy of its slice of
     the buffer): ``torch.save``, pickling and ``copy.deepcopy`` take it, which
     they refuse for a DTensor over a view at an offset into a shared buffer.
+
+    Parameters :func:`tplower.parallelize` placed with a context axis are not
+    summed here when the backward accumulates into their ``.grad``: their
+    local gradients go to the model's end-of-backward pass
+    (:mod:`tplower.runtime.grad_sums`), which sums every such parameter in one
+    order on every rank, whichever modules a rank called.
     """
 
     @staticmethod
     def forward(ctx: Any, layout: ParamLayout, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.specs, ctx.layout = tuple(p._spec for p in params), layout
+        ctx.specs, ctx.layout, ctx.owned = tuple(p._spec for p in params), layout, owners(params)
         ctx.shapes = tuple(p._local_tensor.shape for p in params)
         ctx.dtype, ctx.device = params[0]._local_tensor.dtype, params[0]._local_tensor.device
         ctx.set_materialize_grads(False)
@@ -248,23 +260,41 @@ class _LocalViews(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:  # type: ignore[override]
         layout: ParamLayout = ctx.layout
         assert layout.grad is not None
+        taken = defer_gradients(ctx, ctx.owned, grads) if ctx.owned is not None else None
+        if taken is not None and all(taken):
+            return (None,) * (len(grads) + 1)  # summed with the model's others at the end of backward (grad_sums)
+        if taken is not None and any(taken):  # some views' gradients are not for .grad here: not deferred
+            rest = [k for k, t in enumerate(taken) if not t]
+            sub = _LocalViews._reduce(ctx, layout, [grads[k] for k in rest], [ctx.shapes[k] for k in rest],
+                                      [ctx.specs[k] for k in rest])
+            out: list[DTensor | None] = [None] * (len(grads) + 1)
+            for k, g in zip(rest, sub, strict=True):
+                out[k + 1] = g
+            return tuple(out)
+        return (None, *_LocalViews._reduce(ctx, layout, grads, ctx.shapes, ctx.specs))
+
+    @staticmethod
+    def _reduce(ctx: Any, layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size],
+                specs: Sequence[Any]) -> list[DTensor | None]:
+        """The gradients summed here, in one all_reduce with the flags (the class docstring)."""
+        assert layout.grad is not None
         missing = any(g is None for g in grads)
         flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=ctx.dtype, device=ctx.device)
         flat = torch.cat([*(torch.zeros(shape, dtype=ctx.dtype, device=ctx.device).reshape(-1) if g is None
-                            else g.reshape(-1) for g, shape in zip(grads, ctx.shapes, strict=True)), flags])
+                            else g.reshape(-1) for g, shape in zip(grads, shapes, strict=True)), flags])
         flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
                                                  flat.device.type).run_owned(flat)
         used = (flat[-len(grads):] > 0).tolist() if missing else [True] * len(grads)
-        out: list[DTensor | None] = [None]
+        out: list[DTensor | None] = []
         start = 0
-        for shape, spec, any_rank in zip(ctx.shapes, ctx.specs, used, strict=True):
+        for shape, spec, any_rank in zip(shapes, specs, used, strict=True):
             n = shape.numel()
             if any_rank:
                 out.append(DTensor(flat[start:start + n].view(shape).clone(), spec, requires_grad=False))
             else:
                 out.append(None)
             start += n
-        return tuple(out)
+        return out
 
 
 def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[ParamLayout]
@@ -275,7 +305,8 @@ def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[Pa
     parameter on sharded activations, every parameter under context parallelism) of one mesh, placements,
     dtype and device share one ``all_reduce`` in backward (:class:`_LocalViews`) instead of one each; the
     gradients are those :func:`local_parameter` gives. Under ``torch.compile``, without grad mode, and for
-    every other parameter, each is :func:`local_parameter`'s.
+    every other parameter, each is :func:`local_parameter`'s. A parameter whose sum over a context axis FSDP2
+    runs (:func:`tplower.sum_context_in_fsdp`) is summed here over its other axes only.
 
     Args:
         params: one module's parameters (DTensors, or what a wrapper put there).
@@ -287,9 +318,12 @@ def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[Pa
     out: list[torch.Tensor | None] = [None] * len(params)
     groups: dict[tuple[Any, ...], list[int]] = {}
     eager = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    layouts = list(layouts)
     for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         if p is None:
             continue
+        if (axis := folded_axis(p)) is not None:  # FSDP2 sums this gradient over the axis (grad_sums)
+            layouts[i] = layout = _without_sum(layout, axis)
         if eager and layout.sums_only and isinstance(p, DTensor) and p.requires_grad:
             groups.setdefault((layout.mesh, layout.placements, layout.grad, p.dtype, p.device), []).append(i)
         else:
@@ -302,6 +336,18 @@ def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[Pa
         for i, view in zip(members, views, strict=True):
             out[i] = view
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _without_sum(layout: ParamLayout, axis: str) -> ParamLayout:
+    """``layout`` with its gradient no longer summed over ``axis`` (``P(sum)`` there read as the placement)."""
+    names = tuple(layout.mesh.mesh_dim_names or ())
+    if layout.grad is None or axis not in names:
+        return layout
+    j = names.index(axis)
+    grad = tuple(layout.placements[j] if k == j else g for k, g in enumerate(layout.grad))
+    return ParamLayout(layout.mesh, layout.placements, None if grad == tuple(layout.placements) else grad,
+                       layout.packed, layout.use)
 
 
 def _reduce_program(layout: ParamLayout, local: torch.Tensor) -> Program:
@@ -334,6 +380,8 @@ def local_parameter(p: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     """
     if not isinstance(p, DTensor):
         return p
+    if (axis := folded_axis(p)) is not None:  # FSDP2 sums this gradient over the axis (grad_sums)
+        layout = _without_sum(layout, axis)
     local: torch.Tensor
     if torch.compiler.is_compiling():
         local = p.to_local()

@@ -1,0 +1,311 @@
+"""Gradient sums over the context axis, in one fixed order at the end of backward.
+
+Under context parallelism every rank of the ``cp`` axis holds every
+parameter whole (``Replicate``) and computes on its own tokens, so each local
+gradient is ``P(sum)`` there and must be summed over the axis. Summing it
+where the module's backward runs pairs each rank's reductions with the others'
+in the order the ranks happen to call modules; a model whose own code calls a
+module for this rank's data alone (a mixture-of-experts loop that skips an
+expert no token of this rank reached) makes the ranks' reductions differ, and
+the same-sized ones pair up across modules: wrong gradients without an error,
+or a wait until the process group's timeout.
+
+So the gradients of the parameters :func:`tplower.parallelize` places with a
+context axis are not summed in their module's backward. Each local gradient
+waits here (added to what the same parameter got earlier in this backward),
+and when the backward ends (an autograd engine callback) every rank sums
+*every* such parameter of the model, in the model's own parameter order: a
+parameter this rank did not use stands in as zeros, and one flag per parameter
+(1 where this rank used it) is summed with the gradients, as DDP's
+``find_unused_parameters`` and FSDP2's ``reduce_scatter_unused_params`` do. The
+ranks issue identical collectives whatever modules they called. A parameter
+some rank used gets the sum; one no rank used gets no gradient (``None``, as in
+one process); the result is added to ``.grad`` as autograd accumulates (so
+gradient accumulation over several backward calls sums them).
+
+The gradients go in chunks of at most :data:`BUCKET_BYTES` (25 MiB, DDP's
+default bucket) of the gradients laid end to end, flags last, one ``all_reduce``
+a chunk per group of parameters that sum over the same axes with the same dtype
+and device (:func:`sum_chunks`).
+
+Where the gradient is not for ``.grad`` (``torch.autograd.grad``), where the
+parameter is not the one :func:`tplower.parallelize` placed (FSDP2's unsharded
+parameters, a deep copy of the model) and under ``torch.compile``, the
+gradient is summed in its module's backward as before (:mod:`tplower.runtime.params`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..core.lower.redistribute import mesh_lowerer
+
+#: a :class:`tplower.runtime.params.ParamLayout` (not imported: that module imports this one)
+ParamLayout = Any
+
+__all__ = ["BUCKET_BYTES", "GradientSums", "defer_gradients", "folded_axis", "owners", "sum_chunks",
+           "sum_context_in_fsdp"]
+
+#: the most bytes one ``all_reduce`` of the pass carries (DDP's default ``bucket_cap_mb=25``)
+BUCKET_BYTES = 25 * 2 ** 20
+
+#: each placed parameter -> (the model's :class:`GradientSums`, its index there)
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_numbers = itertools.count()
+#: by autograd graph task (ids unique in the process; a CUDA backward runs nodes on the device's own thread): the
+#: sums waiting for that backward to end
+_TASKS: dict[int, dict[int, GradientSums]] = {}
+_LOCK = threading.Lock()
+
+
+def sum_chunks(elements: int, item: int) -> list[int]:
+    """The elements each ``all_reduce`` of the pass carries, for ``elements`` of ``item`` bytes in one group.
+
+    Args:
+        elements: the parameter elements of one group plus one flag per parameter tensor.
+        item: bytes per element (4 for float32).
+
+    Returns:
+        ``ceil(elements * item / BUCKET_BYTES)`` chunk sizes, each ``BUCKET_BYTES // item`` elements but the
+        last (the rest); ``[]`` for no elements.
+    """
+    step = max(1, BUCKET_BYTES // item)
+    return [min(step, elements - lo) for lo in range(0, max(elements, 0), step)]
+
+
+def summed_axes(layout: ParamLayout) -> tuple[Any, ...]:
+    """The placements the pass sums a gradient of ``layout`` from: ``P(sum)`` where it is partial, else ``R``."""
+    assert layout.grad is not None
+    return tuple(Partial() if isinstance(g, Partial) else Replicate() for g in layout.grad)
+
+
+class GradientSums:
+    """One model's context-parallel gradient sums, deferred to the end of backward (module docstring).
+
+    Made by :func:`tplower.parallelize` with ``context=``; holds the placed
+    parameters (weakly) in the model's parameter order, each with a function
+    giving its current layout (a replicated parameter's layout can change once
+    after the first call, :class:`~tplower.runtime.rest_params.RestParams`).
+    """
+
+    def __init__(self) -> None:
+        self.number = next(_numbers)  # the order in which the sums of several models run, the same on every rank
+        self.entries: list[tuple[weakref.ref[nn.Parameter], Callable[[], ParamLayout]]] = []
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}  # by graph task, by entry
+
+    def add(self, param: nn.Parameter, layout: Callable[[], ParamLayout]) -> None:
+        """Take ``param`` (a DTensor whose layout sums its gradient over the context axis) into the pass."""
+        if param in _OWNER:
+            return
+        _OWNER[param] = (self, len(self.entries))
+        self.entries.append((weakref.ref(param), layout))
+
+    def forget(self) -> None:
+        """Drop every waiting gradient (those a backward that raised left behind); no collective."""
+        self.pending.clear()
+
+    def wait(self, index: int, grad: torch.Tensor | None) -> None:
+        """Keep local gradient ``grad`` of entry ``index`` for the pass (added to what it has this backward);
+        ``None``: nothing to keep, but the pass runs at the end of this backward all the same."""
+        task = queue(self)
+        if grad is not None:
+            mine = self.pending.setdefault(task, {})
+            have = mine.get(index)
+            mine[index] = grad if have is None else have + grad
+
+    def flush(self, task: int) -> None:
+        """Sum every entry's gradient waiting in graph task ``task`` over its axes, zeros and flags for the rest;
+        accumulate into ``.grad``.
+
+        Runs on every rank at the end of a backward that reached any of the model's deferred parameters (a
+        reentrant backward inside another, as reentrant activation checkpointing runs, at its own end). The
+        gradients of a backward that raised never reach ``.grad``; those of a reentrant one are dropped when the
+        backward around it ends, those of an outermost one stay held until :meth:`forget`.
+        """
+        pending = self.pending.pop(task, {})
+        for stale in [t for t in self.pending if t > task]:
+            del self.pending[stale]
+        groups: dict[tuple[Any, ...], list[tuple[int, Any, ParamLayout]]] = {}  # (index, DTensor parameter, layout)
+        for index, (ref, layout_of) in enumerate(self.entries):
+            p: Any = ref()  # a DTensor parameter
+            if p is None or not p.requires_grad:
+                continue
+            layout = layout_of()
+            if layout.grad is None:
+                continue
+            key = (layout.mesh, summed_axes(layout), p._local_tensor.dtype, p._local_tensor.device)
+            groups.setdefault(key, []).append((index, p, layout))
+        for (mesh, src, dtype, device), members in groups.items():
+            _sum_group(mesh, src, dtype, device, members, pending)
+
+
+def _sum_group(mesh: Any, src: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
+               members: Sequence[tuple[int, Any, ParamLayout]], pending: dict[int, torch.Tensor]) -> None:
+    """The pass for one group: the virtual concatenation ``[grad_0, grad_1, ..., flags]`` summed in chunks."""
+    sizes = [p._local_tensor.numel() for _, p, _ in members]
+    flags = torch.tensor([0.0 if pending.get(i) is None else 1.0 for i, _, _ in members], dtype=dtype,
+                         device=device)
+    pieces: list[torch.Tensor | None] = [None if (g := pending.get(i)) is None else g.reshape(-1)
+                                         for i, _, _ in members]
+    sizes.append(flags.numel())
+    pieces.append(flags)
+    total = sum(sizes)
+    step = max(1, BUCKET_BYTES // torch.empty((), dtype=dtype).element_size())
+    out = [torch.empty(n, dtype=dtype, device=device) for n in sizes]
+    rep = tuple(Replicate() for _ in src)
+    starts = list(itertools.accumulate([0, *sizes]))
+    for lo in range(0, total, step):
+        hi = min(lo + step, total)
+        parts, where = [], []
+        for j, n in enumerate(sizes):
+            a, b = max(lo, starts[j]), min(hi, starts[j] + n)
+            if a >= b:
+                continue
+            piece = pieces[j]
+            parts.append(torch.zeros(b - a, dtype=dtype, device=device) if piece is None
+                         else piece[a - starts[j]:b - starts[j]])
+            where.append((j, a - starts[j], b - starts[j]))
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        flat = mesh_lowerer(mesh).program(src, rep, flat.shape, flat.device.type).run_owned(flat)
+        at = 0
+        for j, a, b in where:
+            out[j][a:b].copy_(flat[at:at + b - a])
+            at += b - a
+    used = (out[-1] > 0).tolist()  # one host sync for the group
+    for k, (_, p, _) in enumerate(members):
+        if not used[k]:
+            continue
+        g = out[k].view(p._local_tensor.shape)
+        have = p.grad
+        if have is None:
+            p.grad = DTensor(g, p._spec, requires_grad=False)
+        elif isinstance(have, DTensor) and have._local_tensor.shape == g.shape:
+            have._local_tensor.add_(g)
+        else:
+            p.grad = have + DTensor(g, p._spec, requires_grad=False)
+
+
+def queue(sums: GradientSums) -> int:
+    """Run ``sums.flush`` when the current backward ends (each model's once, in creation order); its graph task."""
+    task = int(torch._C._current_graph_task_id())
+    with _LOCK:
+        new = task not in _TASKS
+        waiting = _TASKS.setdefault(task, {})
+        waiting[sums.number] = sums
+    if new:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush_all(task))
+    return task
+
+
+def _flush_all(task: int) -> None:
+    with _LOCK:
+        waiting = _TASKS.pop(task, {})
+    for number in sorted(waiting):
+        waiting[number].flush(task)
+
+
+def _for_grad(node: Any) -> bool:
+    """Whether autograd will accumulate into ``.grad`` through ``node`` (an ``AccumulateGrad``) in this backward."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
+        return False
+
+
+def owners(params: Sequence[Any]) -> tuple[tuple[GradientSums, int] | None, ...] | None:
+    """For each of ``params``, the pass and index that sum its gradient (``None``: summed where it is used);
+    ``None`` when no parameter has one (read in forward, kept on the views' autograd context)."""
+    found = tuple(_OWNER.get(p) for p in params)
+    return found if any(f is not None for f in found) else None
+
+
+def defer_gradients(ctx: Any, owned: Sequence[tuple[GradientSums, int] | None],
+                    grads: Sequence[torch.Tensor | None]) -> list[bool]:
+    """Hand each of ``grads`` whose parameter the pass sums to it; which ones it took, by position.
+
+    Called from the backward of :mod:`tplower.runtime.params`' views, with :func:`owners` of the parameters
+    given in forward (``ctx.next_functions`` lines up with them). A parameter is taken (its gradient summed at the
+    end of backward, ``None`` returned to autograd here) when :func:`tplower.parallelize` placed it with a
+    context axis and this backward accumulates into its ``.grad``; a ``None`` gradient of such a parameter is
+    taken too (it stands in as zeros, and the pass runs on this rank as on the others).
+    """
+    taken = [False] * len(owned)
+    nodes = ctx.next_functions
+    for k, owner in enumerate(owned):
+        if owner is None or not _for_grad(nodes[k][0]):
+            continue
+        owner[0].wait(owner[1], grads[k])
+        taken[k] = True
+    return taken
+
+
+#: FSDP2's unsharded parameter -> the context axis whose gradient sum FSDP2's all-reduce hook runs
+_FOLDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def folded_axis(param: Any) -> str | None:
+    """The context axis whose sum FSDP2 runs for ``param`` (:func:`sum_context_in_fsdp`), else ``None``."""
+    return _FOLDED.get(param) if param is not None else None
+
+
+def sum_context_in_fsdp(model: nn.Module, mesh: Any, axis: str = "cp") -> int:
+    """Let FSDP2 sum the gradients over the context axis too, in its own fixed order, with zeros for unused ones.
+
+    For a model :func:`tplower.parallelize`\\ d with ``context=axis`` and then sharded with ``fully_shard`` over a
+    data-parallel axis beside ``axis``: FSDP2 reduce-scatters each of its groups' gradients once, in its own order,
+    at the group's end of backward, so this folds the sum over ``axis`` into it (FSDP2's ``set_all_reduce_hook``:
+    an ``all_reduce`` over ``axis`` of the reduce-scatter's output) and has FSDP2 include an unused parameter as
+    zeros (``set_reduce_scatter_unused_params``); tplower then leaves the sum over ``axis`` out of each module's
+    backward. Ranks that call different modules inside an FSDP2 group (a mixture-of-experts loop that skips an
+    expert) still issue the same collectives, and get one process's gradients; a parameter no rank used gets
+    zeros (FSDP2's rule with unused parameters), not ``None``. One ``all_gather`` per group runs here, once (each
+    group is gathered and sharded again, to find the parameter objects FSDP2 hands the forward).
+
+    Args:
+        model: the model, after ``fully_shard`` of its groups and itself.
+        mesh: the mesh ``parallelize`` was given (with ``axis``).
+        axis: the context-parallel axis.
+
+    Returns:
+        The number of FSDP2 groups changed.
+
+    Raises:
+        TPLowerError: ``axis`` not on ``mesh``, or no module of ``model`` is sharded by FSDP2.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..core.support.errors import TPLowerError
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if axis not in names:
+        raise TPLowerError(f"sum_context_in_fsdp: axis={axis!r} is not an axis of the mesh; it has {names}")
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not groups:
+        raise TPLowerError("sum_context_in_fsdp: no module of the model is sharded by FSDP2; call it after "
+                           "fully_shard(layer) for each layer and fully_shard(model)")
+    group = mesh[axis].get_group()
+
+    def over_axis(reduced: torch.Tensor) -> None:
+        dist.all_reduce(reduced, group=group)
+
+    for m in groups:
+        m.set_reduce_scatter_unused_params(True, recurse=False)
+        m.set_all_reduce_hook(over_axis)
+        m.unshard()  # its parameters, as the forward gets them: FSDP2 keeps these objects from step to step
+        for p in m.parameters():
+            if isinstance(p, DTensor):
+                _FOLDED[p] = axis
+        m.reshard()
+    return len(groups)
