@@ -250,13 +250,14 @@ def defer_gradients(ctx: Any, owned: Sequence[tuple[GradientSums, int] | None],
     return taken
 
 
-#: FSDP2's unsharded parameter -> the context axis whose gradient sum FSDP2's all-reduce hook runs
-_FOLDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the attribute an FSDP2 unsharded parameter carries: the context axis whose gradient sum FSDP2's all-reduce hook
+#: runs (an attribute, not a table: a ``torch.compile`` trace reads it as it reads the parameter)
+_FOLDED = "_tplower_summed_by_fsdp"
 
 
 def folded_axis(param: Any) -> str | None:
     """The context axis whose sum FSDP2 runs for ``param`` (:func:`sum_context_in_fsdp`), else ``None``."""
-    return _FOLDED.get(param) if param is not None else None
+    return getattr(param, _FOLDED, None)
 
 
 def sum_context_in_fsdp(model: nn.Module, mesh: Any, axis: str = "cp") -> int:
@@ -306,6 +307,6 @@ def sum_context_in_fsdp(model: nn.Module, mesh: Any, axis: str = "cp") -> int:
         m.unshard()  # its parameters, as the forward gets them: FSDP2 keeps these objects from step to step
         for p in m.parameters():
             if isinstance(p, DTensor):
-                _FOLDED[p] = axis
+                setattr(p, _FOLDED, axis)
         m.reshard()
     return len(groups)
