@@ -7,8 +7,11 @@ holds): under ``cp=2`` (one contiguous piece per rank) rank 0 calls expert 0 onl
 once, in one order, at the end of backward (:mod:`tplower.runtime.grad_sums`), so the ranks issue the same
 collectives: the loss, every gradient and the parameters after two AdamW steps are one process's on the whole
 sequence; an expert no rank's token reaches keeps no gradient. Then the same with two micro-batches accumulated,
-with reentrant activation checkpointing, and through ``torch.autograd.grad``. 2 gloo ranks; the reference is one
-process with ``use_cache=False``. ``TPLOWER_SLOW=1``: a ``(cp=2, tp=2)`` mesh with the model's plan, 4 ranks.
+with reentrant activation checkpointing, with two backward calls through one graph (``retain_graph``), with the
+pass in many small chunks (one ``all_reduce`` each), and through ``torch.autograd.grad`` (summed where each module
+runs: every rank calls the same modules there). 2 gloo ranks; the reference is one process with
+``use_cache=False``. On 4 threaded ranks: a ``(cp=2, tp=2)`` mesh with the model's plan, and FSDP2 over ``dp``
+beside ``cp`` with the sum over ``cp`` folded into FSDP2's (:func:`tplower.sum_context_in_fsdp`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from torch.distributed.tensor import DTensor
 
 import tplower
 from tplower.core.lower.traffic import CollectiveTraffic
+from tplower.runtime import grad_sums
+from tplower.runtime.grad_sums import BUCKET_BYTES
 from tplower.testing import run_processes, run_threaded
 
 pytest.importorskip("transformers")
@@ -153,7 +158,10 @@ def _train(model: nn.Module, mesh: Any, how: str) -> dict[str, Any]:
             else:
                 batch["position_ids"] = torch.arange(SEQ).unsqueeze(0)
             loss = model(**batch).loss
-            if how == "grad":  # gradients returned, not accumulated: .grad set by hand
+            if how == "retain":  # two backward calls through one graph: twice the gradient, summed twice
+                loss.backward(retain_graph=True)
+                loss.backward()
+            elif how == "grad":  # gradients returned, not accumulated: .grad set by hand
                 params = [p for p in model.parameters() if p.requires_grad]
                 for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
                     p.grad = g
@@ -175,6 +183,7 @@ def _ranks(rank: int, world: int, runs: list[tuple[str, str]], tp: int) -> dict[
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     out: dict[str, Any] = {}
     for pattern, how in runs:
+        grad_sums.BUCKET_BYTES = SMALL_BUCKET if how == "chunks" else BUCKET_BYTES
         model = _model(pattern)
         if how == "checkpoint":
             _checkpointed(model)
@@ -210,7 +219,10 @@ PATTERNS = ["disjoint", "skip", "unused"]
 HOWS = ["step", "accumulate", "checkpoint"]
 #: what each rank runs: every pattern one step; accumulation and checkpointing where the ranks call different
 #: experts; torch.autograd.grad (summed in each module's backward) where every rank calls the same ones
-RUNS = [(p, h) for p in PATTERNS for h in HOWS if h == "step" or p != "unused"] + [("unused", "grad")]
+RUNS = [(p, h) for p in PATTERNS for h in HOWS if h == "step" or p != "unused"] + [
+    ("unused", "grad"), ("skip", "retain"), ("skip", "chunks")]
+#: ``chunks``: the pass in chunks of this many bytes (not 25 MiB): the model's gradients take several
+SMALL_BUCKET = 4096
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +241,20 @@ def test_ranks_calling_different_experts_get_one_process_gradients(cp2: list[dic
 
 @pytest.mark.parametrize(("pattern", "how"), [r for r in RUNS if r[1] != "step"], ids=[f"{p}-{h}" for p, h in RUNS
                                                                                       if h != "step"])
-def test_accumulation_checkpointing_and_autograd_grad(cp2: list[dict[str, Any]], pattern: str, how: str) -> None:
-    want = _one_process(pattern, how)
+def test_accumulation_checkpointing_retain_graph_chunks_and_autograd_grad(cp2: list[dict[str, Any]], pattern: str,
+                                                                          how: str) -> None:
+    want = _one_process(pattern, "step" if how == "chunks" else how)
     for rank in cp2:
         _check(rank[f"{pattern}-{how}"], want, pattern)
+
+
+def test_the_pass_in_chunks_sends_one_all_reduce_a_chunk(cp2: list[dict[str, Any]]) -> None:
+    model = _model("skip")
+    elements = sum(p.numel() for p in model.parameters()) + len(list(model.parameters()))  # gradients and flags
+    chunks = -(-elements * 4 // SMALL_BUCKET)  # float32: ceil(bytes / chunk bytes)
+    assert chunks > 10
+    for rank in cp2:
+        assert rank["skip-chunks"]["counts"]["all_reduce"] == 2 * (1 + chunks)  # two steps: the loss, the chunks
 
 
 @pytest.fixture(scope="module")

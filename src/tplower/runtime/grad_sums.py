@@ -150,48 +150,68 @@ class GradientSums:
 
 def _sum_group(mesh: Any, src: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
                members: Sequence[tuple[int, Any, ParamLayout]], pending: dict[int, torch.Tensor]) -> None:
-    """The pass for one group: the virtual concatenation ``[grad_0, grad_1, ..., flags]`` summed in chunks."""
-    sizes = [p._local_tensor.numel() for _, p, _ in members]
+    """The pass for one group: the virtual concatenation ``[grad_0, grad_1, ..., flags]`` summed in chunks.
+
+    A waiting gradient is let go once its last chunk is summed, and a sum lands in the parameter's ``.grad`` where
+    it has one (added in place) or in a tensor of its own: the pass holds about one chunk beyond the gradients.
+    """
     flags = torch.tensor([0.0 if pending.get(i) is None else 1.0 for i, _, _ in members], dtype=dtype,
                          device=device)
-    pieces: list[torch.Tensor | None] = [None if (g := pending.get(i)) is None else g.reshape(-1)
+    pieces: list[torch.Tensor | None] = [None if (g := pending.pop(i, None)) is None else g.reshape(-1)
                                          for i, _, _ in members]
-    sizes.append(flags.numel())
     pieces.append(flags)
-    total = sum(sizes)
-    step = max(1, BUCKET_BYTES // torch.empty((), dtype=dtype).element_size())
-    out = [torch.empty(n, dtype=dtype, device=device) for n in sizes]
+    sizes = [p._local_tensor.numel() for _, p, _ in members] + [flags.numel()]
+    into: list[torch.Tensor | None] = [_accumulating(p) for _, p, _ in members] + [None]
+    out: list[torch.Tensor | None] = [None] * len(sizes)  # the sums of those without a .grad to add to
     rep = tuple(Replicate() for _ in src)
     starts = list(itertools.accumulate([0, *sizes]))
-    for lo in range(0, total, step):
-        hi = min(lo + step, total)
+    chunks = sum_chunks(starts[-1], flags.element_size())
+    for lo, n in zip(itertools.accumulate([0, *chunks[:-1]]), chunks, strict=True):
+        hi = lo + n
         parts, where = [], []
-        for j, n in enumerate(sizes):
-            a, b = max(lo, starts[j]), min(hi, starts[j] + n)
+        for j, size in enumerate(sizes):
+            a, b = max(lo, starts[j]), min(hi, starts[j] + size)
             if a >= b:
                 continue
             piece = pieces[j]
             parts.append(torch.zeros(b - a, dtype=dtype, device=device) if piece is None
                          else piece[a - starts[j]:b - starts[j]])
             where.append((j, a - starts[j], b - starts[j]))
+            if b == starts[j] + size:
+                pieces[j] = None  # its last chunk: the waiting gradient goes
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        del parts
         flat = mesh_lowerer(mesh).program(src, rep, flat.shape, flat.device.type).run_owned(flat)
         at = 0
         for j, a, b in where:
-            out[j][a:b].copy_(flat[at:at + b - a])
+            target = into[j]
+            if target is not None:
+                target[a:b].add_(flat[at:at + b - a])
+            else:
+                if out[j] is None:
+                    out[j] = torch.empty(sizes[j], dtype=dtype, device=device)
+                out[j][a:b].copy_(flat[at:at + b - a])  # type: ignore[index]
             at += b - a
+    assert out[-1] is not None
     used = (out[-1] > 0).tolist()  # one host sync for the group
     for k, (_, p, _) in enumerate(members):
-        if not used[k]:
+        g = out[k]
+        if g is None or not used[k]:  # added to .grad in place, or no rank used it: no gradient, as one process
             continue
-        g = out[k].view(p._local_tensor.shape)
         have = p.grad
-        if have is None:
-            p.grad = DTensor(g, p._spec, requires_grad=False)
-        elif isinstance(have, DTensor) and have._local_tensor.shape == g.shape:
-            have._local_tensor.add_(g)
-        else:
-            p.grad = have + DTensor(g, p._spec, requires_grad=False)
+        g = g.view(p._local_tensor.shape)
+        p.grad = DTensor(g, p._spec, requires_grad=False) if have is None else have + DTensor(g, p._spec,
+                                                                                                requires_grad=False)
+
+
+def _accumulating(p: Any) -> torch.Tensor | None:
+    """The flat local tensor of ``p.grad`` where the sum can be added to it in place (a DTensor of ``p``'s local
+    shape, contiguous), else ``None``."""
+    have = p.grad
+    if isinstance(have, DTensor) and have._local_tensor.shape == p._local_tensor.shape \
+            and have._local_tensor.is_contiguous():
+        return have._local_tensor.view(-1)
+    return None
 
 
 def queue(sums: GradientSums) -> int:
