@@ -43,6 +43,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_h3": ("llama", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48}),
     "qwen2": ("qwen2", {}),
     "mistral": ("mistral", {"sliding_window": 8}),
+    # windows that a cp=2 piece of 64 tokens (16 balanced) holds, and that spans pieces
+    "mistral_w4": ("mistral", {"sliding_window": 4}),
+    "mistral_w24": ("mistral", {"sliding_window": 24}),
     "gemma2": ("gemma2", {"sliding_window": 8}),  # sliding and global layers alternate; softcapping
     "qwen3_moe": ("qwen3_moe", {}),  # experts see this rank's tokens
     "gpt_oss": ("gpt_oss", {"sliding_window": 8}),  # per-head sinks the eager kernel reads from the module

@@ -52,7 +52,14 @@ CASES = [
 #: process's step holds a [B, 1, S, S] mask, and its math path [B, H, S, S] scores, for a padded or packed batch)
 LONG = 509
 SQUARES = [Case("llama", mode, "sdpa", LONG, True, kind) for mode in ("ulysses", "allgather")
-           for kind in ("plain", "padded", "ragged", "packed")]
+           for kind in ("plain", "padded", "ragged", "packed")] + [
+    # a sliding window (sdpa): blocks of the window, each against the keys it sees, no whole-sequence mask
+    Case("mistral_w24", mode, "sdpa", LONG, True, kind) for mode in ("ulysses", "allgather")
+    for kind in ("plain", "ragged", "packed")]
+#: sliding windows under cp=2 (sdpa, blocks of the window with a band mask): a window smaller than a piece (4 of
+#: 16 tokens) and one spanning pieces (24), every batch kind, each mode
+WINDOWS = [Case(model, mode, "sdpa", 64, True, kind) for model in ("mistral_w4", "mistral_w24")
+           for mode in ("ulysses", "allgather", "hybrid") for kind in ("plain", "ragged", "packed")]
 #: the cases whose collectives are counted at the dispatcher and compared with what explain_context computes: a
 #: 2-layer model's exchanges (Ulysses moves q, k, v and the output each way; all-gather gathers k and v and
 #: reduce-scatters their gradients; the hybrid as 1 x 2 runs Ulysses inside the one group, as 2 x 1 gathers across
@@ -187,7 +194,7 @@ def _body(rank: int, world: int, cases: list[Case], folder: str) -> dict[str, An
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in cases}
+    results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in [*cases, *WINDOWS]}
     results.update({c.name: named(run_case, c, mesh, squares=True) for c in SQUARES})
     return {"cases": results, "refusals": _refusals(mesh, world), "stack": _stack(mesh, world, folder)}
 
@@ -209,6 +216,12 @@ def test_activation_checkpointing_and_a_checkpoint_read_at_another_layout(ranks:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_one_process(ranks: list[dict[str, Any]], case: Case) -> None:
+    for got in (r["cases"][case.name] for r in ranks):
+        matches(case, got, TOL)
+
+
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: c.name)
+def test_sliding_windows_match_one_process(ranks: list[dict[str, Any]], case: Case) -> None:
     for got in (r["cases"][case.name] for r in ranks):
         matches(case, got, TOL)
 

@@ -42,7 +42,7 @@ SHUT_RANK = [Case("llama", mode, "sdpa", 8, False, "leftpad") for mode in ("allg
 
 #: cp=4 as 2 x 2: Ulysses inside pairs of ranks, all-gather across the pairs (Llama's 4 query and 2 key/value heads:
 #: Ulysses degree 2 repeats none); one key/value head (degree 1: all-gather across 4 single ranks); layers with a
-#: dense mask (eager, a sliding window) run the all-gather mode over the whole axis
+#: dense mask (eager) run the all-gather mode over the whole axis; a sliding window under sdpa runs on the runs
 HYBRID = [Case("llama", "hybrid", "sdpa", 64, True, "plain"), Case("llama", "hybrid", "sdpa", 37, True, "padded"),
           Case("llama", "hybrid", "sdpa", 37, False, "packed"),
           Case("llama", "hybrid", "sdpa", 61, True, "ragged", loss_chunk=8),

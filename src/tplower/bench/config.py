@@ -50,6 +50,7 @@ class BenchConfig:
         context_seqs: sequence lengths of the ``context`` phase (:class:`tplower.bench.context.ContextSweep`).
         context_cps: its cp sizes (a spawn of that many ranks each).
         context_budget: bytes per rank of its longest-sequence search (0: none).
+        context_window: the sliding window of its window rows, in keys (0: none).
     """
 
     worlds: tuple[int, ...] = (2, 4)
@@ -73,6 +74,7 @@ class BenchConfig:
     context_seqs: tuple[int, ...] = (8192,)
     context_cps: tuple[int, ...] = (2,)
     context_budget: int = 64 << 20
+    context_window: int = 1024
 
     @staticmethod
     def quick() -> BenchConfig:

@@ -27,9 +27,11 @@ peak tensor memory over a step (:func:`tplower.bench.memory.peak_tensor_bytes`);
 the collectives and bytes a rank sends (:class:`tplower.core.lower.traffic.CollectiveTraffic`)
 and, for plain batches, the bytes ``tplower explain --context`` predicts.
 Then the longest plain sequence whose train step peaks within
-``sweep.budget`` bytes per rank (:mod:`tplower.bench.context_budget`), and
+``sweep.budget`` bytes per rank (:mod:`tplower.bench.context_budget`),
 the loss rows: a vocabulary of 32000, the whole logits against the loss in
-chunks (``context_loss_chunk``).
+chunks (``context_loss_chunk``), and the sliding-window rows: a window of
+``sweep.window`` keys at fixed size over growing sequences
+(:mod:`tplower.bench.context_window`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch.distributed as dist
 
 from ..testing import run_processes
 from .context_budget import BATCHES, budget_rows, context_batch, context_model, loss_rows
+from .context_window import window_rows
 from .memory import peak_tensor_bytes
 from .timing import barrier_rounds
 
@@ -70,6 +73,9 @@ class ContextSweep:
             every size of ``cps``.
         loss_vocab, loss_seq, loss_chunk: the loss rows (in the spawn of the first cp size): a vocabulary of
             ``loss_vocab``, ``loss_seq`` tokens, chunks of ``loss_chunk`` positions (0: no loss rows).
+        window, window_seqs: the sliding-window rows (in the spawn of the first cp size,
+            :mod:`tplower.bench.context_window`): a window of ``window`` keys over each of ``window_seqs``
+            (0: no window rows).
     """
 
     seqs: tuple[int, ...] = (CONTEXT_SEQ,)
@@ -79,6 +85,8 @@ class ContextSweep:
     loss_vocab: int = 32000
     loss_seq: int = CONTEXT_SEQ
     loss_chunk: int = 512
+    window: int = 1024
+    window_seqs: tuple[int, ...] = (8192, 16384, 32768)
 
     def check(self) -> None:
         """Raises ValueError for sizes below what the phase runs: a sequence below 16 tokens, a cp size below 2,
@@ -89,8 +97,11 @@ class ContextSweep:
             raise ValueError(f"context phase: cps={self.cps}; each at least 2 ranks")
         if not self.batches or set(self.batches) - set(BATCHES):
             raise ValueError(f"context phase: batches={self.batches}; allowed: {', '.join(BATCHES)}")
-        if self.budget < 0 or self.loss_chunk < 0:
-            raise ValueError(f"context phase: budget={self.budget} and loss_chunk={self.loss_chunk} are >= 0")
+        if self.budget < 0 or self.loss_chunk < 0 or self.window < 0:
+            raise ValueError(f"context phase: budget={self.budget}, loss_chunk={self.loss_chunk} and "
+                             f"window={self.window} are >= 0")
+        if self.window and (not self.window_seqs or min(self.window_seqs) < 16):
+            raise ValueError(f"context phase: window_seqs={self.window_seqs}; each at least 16 tokens")
 
 
 class _Variants:
@@ -184,6 +195,8 @@ def context_rank(rank: int, world: int, sweep: ContextSweep, layers: int, rounds
         rows += budget_rows(rank, world, sweep.budget, layers, one_process=world == min(sweep.cps))
     if loss and sweep.loss_chunk:
         rows += loss_rows(rank, world, sweep.loss_seq, sweep.loss_vocab, sweep.loss_chunk, layers, rounds)
+    if loss and sweep.window:
+        rows += window_rows(rank, world, sweep.window_seqs, sweep.window, layers, rounds)
     return rows if rank == 0 else []
 
 

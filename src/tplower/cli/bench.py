@@ -74,6 +74,18 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _window(text: str) -> int:
+    """A sliding window in keys: a whole number of at least 0 (0: none).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 0 (keys; 0: no window rows), "
+                                         "e.g. 1024")
+    return int(text)
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(";" if "->" in text else ",") if p.strip())
 
@@ -111,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-budget", type=parse_size, default=None, metavar="SIZE",
                         help="context phase: bytes per rank for the longest sequence that trains within them, at "
                              "cp=1 and each cp size (default 64MiB; 0: no search)")
+    parser.add_argument("--context-window", type=_window, default=None, metavar="W",
+                        help="context phase: the sliding window of its window rows, in keys, over 8192, 16384 and "
+                             "32768 tokens (default 1024; 0: no window rows)")
     parser.add_argument("--timeout", type=positive_int, default=None, metavar="SECONDS",
                         help="seconds each spawned group of ranks may run (default 900; the context phase's full "
                              "sweep at 32768 tokens and cp=4 needs hours on 2 busy cores)")
@@ -126,7 +141,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     changes = {k: v for k, v in (("phases", args.phases), ("worlds", args.worlds), ("sizes", args.sizes),
                                  ("cases", args.cases), ("impls", args.impls), ("reps", args.reps),
                                  ("context_seqs", args.context_seqs), ("context_cps", args.context_cps),
-                                 ("context_budget", args.context_budget), ("timeout", args.timeout))
+                                 ("context_budget", args.context_budget), ("context_window", args.context_window),
+                                 ("timeout", args.timeout))
                if v is not None}
     if args.worlds is not None:
         changes["multi_axis_only_at"] = ()

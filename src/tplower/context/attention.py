@@ -20,10 +20,12 @@ implementation the model had (``eager``, ``sdpa``, ...) unchanged:
   all-gather mode over the whole axis.
 
 Pieces of uneven length are padded to the longest before the exchange and
-the padding dropped after it. A causal ``sdpa`` layer without a sliding
-window takes no mask: the batch's runs (:mod:`tplower.context.runs`: packed
-documents, padding on either side) run the kernel once each, with no mask
-(:mod:`tplower.context.kernels`). Every other layer's mask is transformers' own
+the padding dropped after it. A causal ``sdpa`` layer takes no
+whole-sequence mask: the batch's runs (:mod:`tplower.context.runs`: packed
+documents, padding on either side) run the kernel once each, with no mask, or
+with a sliding window in blocks of the window, each against the keys its
+queries see with a band mask (:mod:`tplower.context.kernels`). Every other
+layer's mask is transformers' own
 for the whole sequence (``create_causal_mask`` or ``create_sliding_window_causal_mask``
 with the batch's global ``attention_mask`` and ``position_ids``, so padding,
 sliding windows and packed documents are as one process builds them; an
@@ -50,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
 from .exchange import allgather, hybrid, ulysses
-from .runs import batch_runs
+from .runs import batch_runs, windowed
 from .sequence import SPLIT_KEY, ContextSplit
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]
@@ -182,16 +184,26 @@ class _Windowed:
 
 def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     """The batch's runs (:func:`~tplower.context.runs.batch_runs`, cached per batch) where this layer takes them:
-    ``sdpa`` (no mask means ``is_causal`` to it), causal, no sliding window, no position bias, and for the
-    all-gather and hybrid modes' offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask)."""
+    ``sdpa`` (no mask means ``is_causal`` to it), causal, no position bias, and for the all-gather and hybrid
+    modes' offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask). A layer with a sliding
+    window takes them through it (:func:`~tplower.context.runs.windowed`: blocks of the window, each against the
+    keys it sees, no whole-sequence mask)."""
     if ca.inner != "sdpa" or not ca.causal or not getattr(ca.config, "is_causal", True) \
-            or kwargs.get("sliding_window") is not None or kwargs.get("position_bias") is not None:
+            or kwargs.get("position_bias") is not None:
         return None  # (a config whose is_causal is off makes transformers' causal mask bidirectional)
+    window = kwargs.get("sliding_window")
     if ca.mode != "ulysses" and (like.device.type != "cpu" or kwargs.get("dropout")):
+        return None
+    if window is not None and (kwargs.get("dropout") or not isinstance(window, int) or window < 1):
         return None
     if "runs" not in split.cache:
         split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
-    return split.cache["runs"]
+    runs = split.cache["runs"]
+    if window is None or runs is None:
+        return runs
+    if ("runs", window) not in split.cache:
+        split.cache[("runs", window)] = windowed(runs, window)
+    return split.cache[("runs", window)]
 
 
 def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -130,11 +130,13 @@ def _heads(ca: ContextAttention, module: Any, q: torch.Tensor, k: torch.Tensor, 
 
 
 def kernel_call(ca: ContextAttention, module: Any, kwargs: dict[str, Any]) -> Kernel:
-    """The model's kernel with no mask: ``is_causal`` as the module has it, or ``False`` for a full run."""
+    """The model's kernel with no mask: ``is_causal`` as the module has it, or ``False`` for a full run; or with an
+    additive ``mask`` (a sliding window's band, :func:`~tplower.context.kernels.attend_runs`), ``is_causal`` false."""
 
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        kw = kwargs if causal else {**kwargs, "is_causal": False}
-        out: torch.Tensor = ca.kernel(module, q, k, v, None, **kw)[0]
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        kw = kwargs if causal and mask is None else {**kwargs, "is_causal": False}
+        out: torch.Tensor = ca.kernel(module, q, k, v, mask, **kw)[0]
         return out
     return call
 
@@ -173,7 +175,8 @@ def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         for start, length in layout.pieces(r):
             mine = clip(runs, start, start + length)
             used = used or bool(mine)
-            parts.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale))
+            parts.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale,
+                                     split.cache.setdefault("bands", {})))
             at += length
         if width is not None and at < (i + 1) * width:
             parts.append(q.new_zeros((q.shape[0], (i + 1) * width - at, q.shape[1], v.shape[3])))
@@ -194,7 +197,7 @@ def ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Ten
     qh, kh, vh = (_to_heads(t, ca.mesh, axis, n, width).index_select(2, order) for t in (q, k, v))
     if isinstance(mask, tuple):  # the runs: the kernel once per run, no mask
         out = attend_runs(kernel_call(ca, view, kw), qh, kh, vh, clip(mask, 0, layout.length), 0, layout.length, 0,
-                          kw.get("scaling"))
+                          kw.get("scaling"), split.cache.setdefault("bands", {}))
     else:
         out = ca.kernel(view, qh, kh, vh, mask, **kw)[0]  # [B, S, H/n, D]
     if width * n > layout.length:  # a zero row for the padding slots (index_select saves no input; index_copy did)

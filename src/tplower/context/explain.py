@@ -115,7 +115,7 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
         ``{"ulysses": {...}, "allgather": {...}, "hybrid": {...}, "inputs": {...}}``; each mode has ``rows``
         (``what``, ``collective``, ``count``, ``bytes_per_rank``) and ``step_bytes_per_rank`` (forward and
         backward); ``inputs`` has the hybrid's ``ulysses`` degree. The hybrid's rows are those of a layer that
-        runs on the batch's runs (``sdpa``, causal, no sliding window); a layer with a dense mask runs the
+        runs on the batch's runs (``sdpa``, causal, a sliding window or none); a layer with a dense mask runs the
         all-gather mode's exchanges (:mod:`tplower.context.attention`).
 
         A mode that cannot run with these sizes (Ulysses, or the hybrid's Ulysses degree, where the query heads

@@ -34,8 +34,9 @@ from .runs import Run
 
 __all__ = ["OffsetCausal", "attend_runs", "offset_causal"]
 
-#: ``(q, k, v, causal) -> [B', L, H, D]``: the model's kernel with no mask
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+#: ``(q, k, v, causal, mask) -> [B', L, H, D]``: the model's kernel, with no mask (``None``) or an additive one
+#: ``[1, 1, L, K]`` (0 where a key is seen, ``-inf`` elsewhere; ``causal`` is then false)
+Kernel = Callable[..., torch.Tensor]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -117,20 +118,72 @@ def _assemble(batch: int, lo: int, hi: int, pieces: list[tuple[Run, torch.Tensor
     return torch.cat(rows, dim=0)
 
 
+def window_blocks(run: Run) -> list[tuple[int, int, int, int]] | None:
+    """The blocks ``(a, b, kl, kh)`` a run with a sliding window is computed in: queries ``[a, b)`` (at most
+    ``window`` of them) against keys ``[kl, kh)``, every key any of them sees and no other (at most
+    ``2 * window - 1``); ``None`` where the window hides no key from any query of the run (it runs whole).
+
+    A causal run's query ``q`` sees ``[max(key_start, q - window + 1), q]``; a full run's (padding after a span)
+    sees ``[max(key_start, q - window + 1), key_stop)``, none from ``key_stop + window - 1`` on (those queries are
+    left out: zeros, a fully masked row's answer).
+    """
+    w = run.window
+    if w is None or run.stop - w <= run.key_start:
+        return None
+    stop = run.stop if run.causal else min(run.stop, run.key_stop + w - 1)
+    blocks = []
+    for a in range(run.start, stop, w):
+        b = min(a + w, stop)
+        blocks.append((a, b, max(run.key_start, a - w + 1), b if run.causal else run.key_stop))
+    return blocks
+
+
+def _band(a: int, b: int, kl: int, kh: int, causal: bool, window: int, like: torch.Tensor,
+          made: dict[Any, torch.Tensor]) -> torch.Tensor:
+    """The additive mask ``[1, 1, b - a, kh - kl]`` of a window block: 0 where query ``q`` sees key ``j``
+    (``q - window < j``, and ``j <= q`` when causal), ``-inf`` elsewhere; blocks of one shape share one."""
+    key = (b - a, kh - kl, a - kl, int(causal), window, like.dtype, like.device)
+    if key not in made:
+        rows = torch.arange(a, b, device=like.device).unsqueeze(1)
+        cols = torch.arange(kl, kh, device=like.device).unsqueeze(0)
+        seen = cols > rows - window
+        if causal:
+            seen = seen & (cols <= rows)
+        made[key] = torch.zeros(seen.shape, dtype=like.dtype, device=like.device).masked_fill_(
+            seen.logical_not(), float("-inf")).view(1, 1, *seen.shape)
+    return made[key]
+
+
 def attend_runs(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[Run], lo: int,
-                hi: int, q_at: int, scale: float | None) -> torch.Tensor:
+                hi: int, q_at: int, scale: float | None, bands: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
     """The attention output ``[B, hi - lo, H, D]`` of the queries at global positions ``[lo, hi)``.
 
+    A run with a sliding window (:attr:`Run.window`) is computed in blocks of ``window`` queries, each against
+    the ``2 * window - 1`` keys at most that its queries see, with an additive band mask
+    (:func:`window_blocks`): ``O(S * window)`` time and memory where the whole mask is ``O(S^2)``.
+
     Args:
-        kernel: the model's kernel with no mask, ``causal`` or full (:data:`Kernel`).
+        kernel: the model's kernel with no mask, ``causal`` or full, or with a band mask (:data:`Kernel`).
         q: ``[B, H, *, D]`` holding those queries from index ``q_at`` on.
         k, v: ``[B, H_kv, S, D]`` every key, in global order.
         runs: the runs of the batch clipped to ``[lo, hi)`` (:func:`~tplower.context.runs.clip`).
         scale: the softmax scale the model passes (``None``: ``1/sqrt(D)``), for the offset blocks.
+        bands: the window blocks' masks made so far (one per block shape), shared by the calls of a batch (its
+            layers: one mask a shape for the whole model, saved once for backward); ``None``: this call's own.
     """
     batch, heads, dim = q.shape[0], q.shape[1], v.shape[3]
     pieces = []
+    bands = {} if bands is None else bands
     for run in runs:
+        blocks = window_blocks(run)
+        if blocks is not None:
+            assert run.window is not None
+            for a, b, kl, kh in blocks:
+                qs = _rows(q, run.rows).narrow(2, q_at + a - lo, b - a)
+                ks, vs = (_rows(t, run.rows).narrow(2, kl, kh - kl) for t in (k, v))
+                mask = _band(a, b, kl, kh, run.causal, run.window, q, bands)
+                pieces.append((Run(run.rows, a, b, kl, kh, run.causal, run.window), kernel(qs, ks, vs, False, mask)))
+            continue
         qs = _rows(q, run.rows).narrow(2, q_at + run.start - lo, run.stop - run.start)
         keys = (_rows(k, run.rows).narrow(2, run.key_start, run.key_stop - run.key_start),
                 _rows(v, run.rows).narrow(2, run.key_start, run.key_stop - run.key_start))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Run", "batch_runs", "clip"]
+__all__ = ["Run", "batch_runs", "clip", "windowed"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Run:
         key_start, key_stop: the keys: ``causal`` runs see ``[key_start, q]`` for the query at ``q``
             (``key_stop == stop``); full runs see all of ``[key_start, key_stop)``.
         causal: whether each query sees only the keys up to its own position.
+        window: a sliding window of this many keys (``None``: none): the query at ``q`` sees only keys after
+            ``q - window``, itself included (transformers' causal sliding mask, ``q - k < window``).
     """
 
     rows: tuple[int, ...]
@@ -51,6 +53,7 @@ class Run:
     key_start: int
     key_stop: int
     causal: bool
+    window: int | None = None
 
 
 _Span = tuple[int, int, int, int, bool]
@@ -106,5 +109,10 @@ def clip(runs: tuple[Run, ...], lo: int, hi: int) -> list[Run]:
     for r in runs:
         start, stop = max(r.start, lo), min(r.stop, hi)
         if stop > start:
-            out.append(Run(r.rows, start, stop, r.key_start, stop if r.causal else r.key_stop, r.causal))
+            out.append(Run(r.rows, start, stop, r.key_start, stop if r.causal else r.key_stop, r.causal, r.window))
     return out
+
+
+def windowed(runs: tuple[Run, ...], window: int) -> tuple[Run, ...]:
+    """``runs`` seen through a sliding window of ``window`` keys (:attr:`Run.window`)."""
+    return tuple(Run(r.rows, r.start, r.stop, r.key_start, r.key_stop, r.causal, window) for r in runs)
