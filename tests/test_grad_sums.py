@@ -7,11 +7,16 @@ holds): under ``cp=2`` (one contiguous piece per rank) rank 0 calls expert 0 onl
 once, in one order, at the end of backward (:mod:`tplower.runtime.grad_sums`), so the ranks issue the same
 collectives: the loss, every gradient and the parameters after two AdamW steps are one process's on the whole
 sequence; an expert no rank's token reaches keeps no gradient. Then the same with two micro-batches accumulated,
-with reentrant activation checkpointing, with two backward calls through one graph (``retain_graph``), with the
-pass in many small chunks (one ``all_reduce`` each), and through ``torch.autograd.grad`` (summed where each module
-runs: every rank calls the same modules there). 2 gloo ranks; the reference is one process with
-``use_cache=False``. On 4 threaded ranks: a ``(cp=2, tp=2)`` mesh with the model's plan, and FSDP2 over ``dp``
-beside ``cp`` with the sum over ``cp`` folded into FSDP2's (:func:`tplower.sum_context_in_fsdp`).
+with reentrant activation checkpointing per layer and around each expert call (one pass a backward either way),
+with two backward calls through one graph (``retain_graph``), with the pass in many small chunks (one
+``all_reduce`` each), with ``backward(inputs=...)`` naming one MLP's parameters, on a deep copy of the parallelized
+model, with a one-token step whose placeholder token on the empty rank reaches an expert no real token reaches (no
+gradient, as one process), and through ``torch.autograd.grad`` (summed where each module runs: every rank calls
+the same modules there). 2 gloo ranks; the reference is one process with
+``use_cache=False``. On 4 threaded ranks: a ``(cp=2, tp=2)`` mesh with the experts colwise and
+rowwise around a scalar the coverage probe finds (decided alike on the cp ranks whichever experts they called),
+and FSDP2 over ``dp`` beside ``cp`` with the sum over ``cp`` folded into FSDP2's
+(:func:`tplower.sum_context_in_fsdp`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import io
 import os
 import pickle
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -29,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 import tplower
 from tplower.core.lower.traffic import CollectiveTraffic
@@ -40,6 +47,9 @@ pytest.importorskip("transformers")
 
 SEQ, HIDDEN, VOCAB = 24, 32, 64
 TOL = dict(atol=2e-5, rtol=1e-4)
+#: parameters after AdamW steps (lr 1e-2): Adam divides by the gradient's own size, so rounding in a tiny gradient
+#: moves a parameter by up to the step size times its relative error
+PARAM_TOL = dict(atol=1e-4, rtol=1e-3)
 
 
 def _routes(pattern: str) -> torch.Tensor:
@@ -67,20 +77,37 @@ class SkipMoE(nn.Module):
         super().__init__()
         self.positions, self.routes = positions, routes
         self.router = nn.Linear(HIDDEN, 2, bias=False)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.SiLU(),
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), _Scaled(),
                                                    nn.Linear(2 * HIDDEN, HIDDEN)) for _ in range(2))
+        self.checkpointed = False  # each expert call under reentrant activation checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.positions.ids is not None
-        choice = self.routes[self.positions.ids].expand(x.shape[:2])  # [B, S]
+        ids = self.positions.ids
+        assert ids is not None
+        if ids.shape[-1] != x.shape[1]:  # a rank without a token runs one placeholder token: to expert 1
+            ids = torch.full((1, x.shape[1]), -1, dtype=torch.long)
+        choice = torch.cat([self.routes, torch.ones(1, dtype=torch.long)])[ids].expand(x.shape[:2])  # [B, S]
         gates = self.router(x).softmax(-1)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             mask = choice == e
             if not bool(mask.any()):
                 continue
-            out[mask] = expert(x[mask]) * gates[mask][:, e:e + 1]
+            y = checkpoint(expert, x[mask], use_reentrant=True) if self.checkpointed else expert(x[mask])
+            out[mask] = y * gates[mask][:, e:e + 1]
         return out
+
+
+class _Scaled(nn.Module):
+    """SiLU times a learnable scalar: under tp (colwise before, rowwise after) a parameter the plan leaves whole on
+    sharded activations, which the coverage probe finds in the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor([1.3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(x) * self.alpha
 
 
 _SEEDED = threading.Lock()  # threaded ranks share the global generator: one model made at a time
@@ -102,12 +129,20 @@ def _seeded_model(pattern: str) -> nn.Module:
     for layer in model.model.layers:
         layer.mlp = SkipMoE(positions, _routes(pattern))
 
-    def remember(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        ids = kwargs.get("position_ids")
-        positions.ids = ids if ids is not None else torch.arange(kwargs["input_ids"].shape[1]).unsqueeze(0)
-
-    model.register_forward_pre_hook(remember, with_kwargs=True)
+    model.register_forward_pre_hook(_Remember(positions), with_kwargs=True)
     return model
+
+
+class _Remember:
+    """The model's forward pre-hook that keeps the call's positions (an object: a deep copy of the model copies
+    it with the copy's own :class:`_Positions`)."""
+
+    def __init__(self, positions: _Positions) -> None:
+        self.positions = positions
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("position_ids")
+        self.positions.ids = ids if ids is not None else torch.arange(kwargs["input_ids"].shape[1]).unsqueeze(0)
 
 
 def _checkpointed(model: nn.Module) -> None:
@@ -152,15 +187,19 @@ def _train(model: nn.Module, mesh: Any, how: str) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         losses = []
         for ids in (_batches() if how == "accumulate" else _batches()[:1]):
+            if how == "short" and step == 1:  # one token: at cp=2 rank 1 holds none (a placeholder token)
+                ids = ids[:, :1]
             batch: dict[str, Any] = {"input_ids": ids, "labels": ids}
             if mesh is not None:
                 batch = tplower.shard_sequence(batch, mesh, "cp", balance=False)
             else:
-                batch["position_ids"] = torch.arange(SEQ).unsqueeze(0)
+                batch["position_ids"] = torch.arange(ids.shape[1]).unsqueeze(0)
             loss = model(**batch).loss
             if how == "retain":  # two backward calls through one graph: twice the gradient, summed twice
                 loss.backward(retain_graph=True)
                 loss.backward()
+            elif how == "inputs":  # the last layer's MLP's gradients alone (rank 0 never calls its expert 1)
+                loss.backward(inputs=list(model.model.layers[-1].mlp.parameters()))
             elif how == "grad":  # gradients returned, not accumulated: .grad set by hand
                 params = [p for p in model.parameters() if p.requires_grad]
                 for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
@@ -185,9 +224,12 @@ def _ranks(rank: int, world: int, runs: list[tuple[str, str]], tp: int) -> dict[
     for pattern, how in runs:
         grad_sums.BUCKET_BYTES = SMALL_BUCKET if how == "chunks" else BUCKET_BYTES
         model = _model(pattern)
-        if how == "checkpoint":
-            _checkpointed(model)
-        tplower.parallelize(model, mesh, "auto" if tp > 1 else None, context="cp")
+        _prepare(model, how)
+        with warnings.catch_warnings():  # the coverage probe names the scales it reduces over tp
+            warnings.simplefilter("ignore")
+            tplower.parallelize(model, mesh, PLAN if tp > 1 else None, context="cp")
+        if how == "copy":  # a deep copy of the parallelized model is what trains
+            model = copy.deepcopy(model)
         with CollectiveTraffic() as comm:
             got = _train(model, mesh, how)
         got["counts"] = dict(comm.counts)
@@ -196,10 +238,17 @@ def _ranks(rank: int, world: int, runs: list[tuple[str, str]], tp: int) -> dict[
     return out
 
 
-def _one_process(pattern: str, how: str) -> dict[str, Any]:
-    model = _model(pattern)
+def _prepare(model: nn.Module, how: str) -> None:
     if how == "checkpoint":
         _checkpointed(model)
+    if how == "expert_checkpoint":
+        for layer in model.model.layers:
+            layer.mlp.checkpointed = True
+
+
+def _one_process(pattern: str, how: str) -> dict[str, Any]:
+    model = _model(pattern)
+    _prepare(model, how)
     return _train(model, None, how)
 
 
@@ -211,7 +260,7 @@ def _check(got: dict[str, Any], want: dict[str, Any], pattern: str) -> None:
         else:
             torch.testing.assert_close(got["grads"][name], g, **TOL, msg=lambda m, n=name: f"{pattern} {n}: {m}")
     for name, p in want["params"].items():
-        torch.testing.assert_close(got["params"][name], p, **TOL, msg=lambda m, n=name: f"{pattern} {n}: {m}")
+        torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda m, n=name: f"{pattern} {n}: {m}")
     assert got["kept"]
 
 
@@ -220,7 +269,11 @@ HOWS = ["step", "accumulate", "checkpoint"]
 #: what each rank runs: every pattern one step; accumulation and checkpointing where the ranks call different
 #: experts; torch.autograd.grad (summed in each module's backward) where every rank calls the same ones
 RUNS = [(p, h) for p in PATTERNS for h in HOWS if h == "step" or p != "unused"] + [
-    ("unused", "grad"), ("skip", "retain"), ("skip", "chunks")]
+    ("unused", "grad"), ("skip", "retain"), ("skip", "chunks"), ("skip", "expert_checkpoint"), ("skip", "inputs"),
+    ("disjoint", "copy"), ("skip", "short")]
+#: beside tp: the experts' first Linear colwise and last rowwise (the scalar between them found by the coverage
+#: probe: its gradient is summed over tp too, decided alike on the cp ranks whichever experts they called)
+PLAN = {"model.layers.*.mlp.experts.*.0": "colwise", "model.layers.*.mlp.experts.*.2": "rowwise"}
 #: ``chunks``: the pass in chunks of this many bytes (not 25 MiB): the model's gradients take several
 SMALL_BUCKET = 4096
 
@@ -246,6 +299,12 @@ def test_accumulation_checkpointing_retain_graph_chunks_and_autograd_grad(cp2: l
     want = _one_process(pattern, "step" if how == "chunks" else how)
     for rank in cp2:
         _check(rank[f"{pattern}-{how}"], want, pattern)
+
+
+def test_one_pass_a_backward_with_reentrant_checkpointing(cp2: list[dict[str, Any]]) -> None:
+    for rank in cp2:  # per layer, and around each expert call (whose count differs between the ranks)
+        for how in ("checkpoint", "expert_checkpoint"):
+            assert rank[f"skip-{how}"]["counts"]["all_reduce"] == 2 * 2, (how, rank[f"skip-{how}"]["counts"])
 
 
 def test_the_pass_in_chunks_sends_one_all_reduce_a_chunk(cp2: list[dict[str, Any]]) -> None:
@@ -312,4 +371,5 @@ def test_under_fsdp2_the_sum_over_cp_folds_into_fsdp2s(pattern: str) -> None:
         for name, g in grads.items():
             torch.testing.assert_close(got["grads"][name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
         for name, p in model.named_parameters():
-            torch.testing.assert_close(got["params"][name], p.detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(got["params"][name], p.detach(), **PARAM_TOL,
+                                       msg=lambda m, n=name: f"{n}: {m}")

@@ -110,7 +110,7 @@ class Coverage:
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, axis: str, rest: RestParams | None, cover: str) -> None:
-        self.model, self.axis, self.rest, self.cover = model, axis, rest, cover
+        self.model, self.axis, self.rest, self.cover, self.mesh = model, axis, rest, cover, mesh
         self.axis_index = tuple(mesh.mesh_dim_names or ()).index(axis)
         self.names: dict[int, tuple[str, str]] = {}
         self.trainable: set[int] = set()
@@ -260,6 +260,27 @@ class Coverage:
 
     # ---- deciding --------------------------------------------------------------------------------------
 
+    def _agree(self) -> None:
+        """Make :attr:`uses` what every rank saw: the union over the mesh's axes other than ``axis``, whose
+        ranks see other data (context or data parallelism: a rank whose tokens never reached a module saw no
+        use of its parameters), so every rank decides alike. One ``all_reduce`` (max) a such axis, once."""
+        others = [d for d in range(self.mesh.ndim) if d != self.axis_index and self.mesh.size(d) > 1]
+        if not others:
+            return
+        import torch.distributed as dist
+
+        keys = sorted(self.names, key=lambda k: self.names[k])
+        kinds = (SHARDED, PARTIAL, WHOLE)
+        flags = torch.zeros((len(keys), len(kinds)), device=self.mesh.device_type)
+        for i, key in enumerate(keys):
+            for j, kind in enumerate(kinds):
+                flags[i, j] = float(kind in self.uses.get(key, ()))
+        for d in others:
+            dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.mesh.get_group(d))
+        seen = flags.cpu().tolist()
+        self.uses = {key: {kind for kind, f in zip(kinds, row, strict=True) if f > 0}
+                     for key, row in zip(keys, seen, strict=True) if any(row)}
+
     def decide(self) -> None:
         """Give each parameter used on sharded activations its gradient reduction, or refuse (see the module).
 
@@ -268,6 +289,7 @@ class Coverage:
                 ``cover="refuse"`` or plain parameters) on sharded ones; the message lists each with the
                 plan entry that fixes it.
         """
+        self._agree()
         problems: list[str] = []
         for key, kinds in self.uses.items():
             if key not in self.trainable or kinds == {WHOLE}:

@@ -36,6 +36,7 @@ gradient is summed in its module's backward as before (:mod:`tplower.runtime.par
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import weakref
@@ -52,8 +53,8 @@ from ..core.lower.redistribute import mesh_lowerer
 #: a :class:`tplower.runtime.params.ParamLayout` (not imported: that module imports this one)
 ParamLayout = Any
 
-__all__ = ["BUCKET_BYTES", "GradientSums", "defer_gradients", "folded_axis", "owners", "sum_chunks",
-           "sum_context_in_fsdp"]
+__all__ = ["BUCKET_BYTES", "GradientSums", "context_sum", "defer_gradients", "folded_axis", "owners", "sum_chunks",
+           "sum_context_in_fsdp", "will_accumulate"]
 
 #: the most bytes one ``all_reduce`` of the pass carries (DDP's default ``bucket_cap_mb=25``)
 BUCKET_BYTES = 25 * 2 ** 20
@@ -82,10 +83,11 @@ def sum_chunks(elements: int, item: int) -> list[int]:
     return [min(step, elements - lo) for lo in range(0, max(elements, 0), step)]
 
 
-def summed_axes(layout: ParamLayout) -> tuple[Any, ...]:
-    """The placements the pass sums a gradient of ``layout`` from: ``P(sum)`` where it is partial, else ``R``."""
-    assert layout.grad is not None
-    return tuple(Partial() if isinstance(g, Partial) else Replicate() for g in layout.grad)
+def context_sum(layout: ParamLayout, axis: str) -> tuple[Any, ...]:
+    """The placements the pass sums a gradient of ``layout`` from: ``P(sum)`` on ``axis``, ``R`` on every other
+    axis of its mesh (a sum over another axis, tensor parallelism's, runs where the module's backward runs)."""
+    names = tuple(layout.mesh.mesh_dim_names or ())
+    return tuple(Partial() if n == axis else Replicate() for n in names)
 
 
 class GradientSums:
@@ -95,12 +97,31 @@ class GradientSums:
     parameters (weakly) in the model's parameter order, each with a function
     giving its current layout (a replicated parameter's layout can change once
     after the first call, :class:`~tplower.runtime.rest_params.RestParams`).
+    A deep copy of the model gets a pass of its own over the copy's parameters.
+
+    Attributes:
+        axis: the context axis.
+        open: the graph task of the backward that started at the model's output and has not ended (``None``:
+            none): a reentrant backward inside it (reentrant activation checkpointing) leaves its gradients to
+            it, so every rank runs one pass a backward however many reentrant ones its modules ran.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, axis: str) -> None:
+        self.axis = axis
         self.number = next(_numbers)  # the order in which the sums of several models run, the same on every rank
         self.entries: list[tuple[weakref.ref[nn.Parameter], Callable[[], ParamLayout]]] = []
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # by graph task, by entry
+        self.open: int | None = None
+        self.empty: set[int] = set()  # graph tasks whose forward ran this rank on a placeholder token alone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradientSums:
+        new = GradientSums(self.axis)
+        memo[id(self)] = new
+        for ref, layout in self.entries:
+            p = ref()
+            if p is not None:
+                new.add(copy.deepcopy(p, memo), layout)  # the copy's own parameter (memo: the model's copy)
+        return new
 
     def add(self, param: nn.Parameter, layout: Callable[[], ParamLayout]) -> None:
         """Take ``param`` (a DTensor whose layout sums its gradient over the context axis) into the pass."""
@@ -109,29 +130,56 @@ class GradientSums:
         _OWNER[param] = (self, len(self.entries))
         self.entries.append((weakref.ref(param), layout))
 
+    def live(self) -> Any:
+        """A parameter of the pass still alive (``None``: none)."""
+        return next((p for ref, _ in self.entries if (p := ref()) is not None), None)
+
+    def start(self, empty: bool) -> None:
+        """A backward reaches the model's output (the first node of its part of the graph): the pass runs at this
+        graph task's end, whatever the rest of the backward reaches; ``empty``: this rank's forward held a
+        placeholder token alone, so it used no parameter (its flags are 0, as for a module it did not call).
+        Waiting gradients of an earlier backward that raised are dropped."""
+        task = int(torch._C._current_graph_task_id())
+        for stale in [t for t in self.pending if t != task]:
+            del self.pending[stale]
+        self.open = task
+        if empty:
+            self.empty.add(task)
+        queue(self, task)
+
     def forget(self) -> None:
         """Drop every waiting gradient (those a backward that raised left behind); no collective."""
         self.pending.clear()
+        self.open = None
+        self.empty.clear()
 
     def wait(self, index: int, grad: torch.Tensor | None) -> None:
         """Keep local gradient ``grad`` of entry ``index`` for the pass (added to what it has this backward);
         ``None``: nothing to keep, but the pass runs at the end of this backward all the same."""
-        task = queue(self)
+        task = int(torch._C._current_graph_task_id())
+        if self.open is not None:  # the backward through the model's output, or a reentrant one inside it
+            task = self.open
+        else:
+            queue(self, task)
         if grad is not None:
             mine = self.pending.setdefault(task, {})
             have = mine.get(index)
             mine[index] = grad if have is None else have + grad
 
     def flush(self, task: int) -> None:
-        """Sum every entry's gradient waiting in graph task ``task`` over its axes, zeros and flags for the rest;
-        accumulate into ``.grad``.
+        """Sum every entry's gradient waiting in graph task ``task`` over the context axis, zeros and flags for the
+        rest; accumulate into ``.grad``.
 
-        Runs on every rank at the end of a backward that reached any of the model's deferred parameters (a
-        reentrant backward inside another, as reentrant activation checkpointing runs, at its own end). The
-        gradients of a backward that raised never reach ``.grad``; those of a reentrant one are dropped when the
-        backward around it ends, those of an outermost one stay held until :meth:`forget`.
+        Runs on every rank at the end of a backward that reached the model's output or any of its deferred
+        parameters (a reentrant backward inside one that reached the output leaves its gradients to it). The
+        gradients of a backward that raised never reach ``.grad``; the next backward through the model's output
+        drops them, or :meth:`forget`.
         """
         pending = self.pending.pop(task, {})
+        empty = task in self.empty
+        self.empty.discard(task)
+        if self.open == task:
+            self.open = None
         for stale in [t for t in self.pending if t > task]:
             del self.pending[stale]
         groups: dict[tuple[Any, ...], list[tuple[int, Any, ParamLayout]]] = {}  # (index, DTensor parameter, layout)
@@ -140,22 +188,21 @@ class GradientSums:
             if p is None or not p.requires_grad:
                 continue
             layout = layout_of()
-            if layout.grad is None:
-                continue
-            key = (layout.mesh, summed_axes(layout), p._local_tensor.dtype, p._local_tensor.device)
+            key = (layout.mesh, context_sum(layout, self.axis), p._local_tensor.dtype, p._local_tensor.device)
             groups.setdefault(key, []).append((index, p, layout))
         for (mesh, src, dtype, device), members in groups.items():
-            _sum_group(mesh, src, dtype, device, members, pending)
+            _sum_group(mesh, src, dtype, device, members, pending, empty)
 
 
 def _sum_group(mesh: Any, src: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
-               members: Sequence[tuple[int, Any, ParamLayout]], pending: dict[int, torch.Tensor]) -> None:
+               members: Sequence[tuple[int, Any, ParamLayout]], pending: dict[int, torch.Tensor],
+               empty: bool = False) -> None:
     """The pass for one group: the virtual concatenation ``[grad_0, grad_1, ..., flags]`` summed in chunks.
 
     A waiting gradient is let go once its last chunk is summed, and a sum lands in the parameter's ``.grad`` where
     it has one (added in place) or in a tensor of its own: the pass holds about one chunk beyond the gradients.
     """
-    flags = torch.tensor([0.0 if pending.get(i) is None else 1.0 for i, _, _ in members], dtype=dtype,
+    flags = torch.tensor([0.0 if empty or pending.get(i) is None else 1.0 for i, _, _ in members], dtype=dtype,
                          device=device)
     pieces: list[torch.Tensor | None] = [None if (g := pending.pop(i, None)) is None else g.reshape(-1)
                                          for i, _, _ in members]
@@ -214,16 +261,14 @@ def _accumulating(p: Any) -> torch.Tensor | None:
     return None
 
 
-def queue(sums: GradientSums) -> int:
-    """Run ``sums.flush`` when the current backward ends (each model's once, in creation order); its graph task."""
-    task = int(torch._C._current_graph_task_id())
+def queue(sums: GradientSums, task: int) -> None:
+    """Run ``sums.flush(task)`` when graph task ``task`` ends (each model's once, in creation order)."""
     with _LOCK:
         new = task not in _TASKS
         waiting = _TASKS.setdefault(task, {})
         waiting[sums.number] = sums
     if new:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush_all(task))
-    return task
 
 
 def _flush_all(task: int) -> None:
@@ -231,6 +276,16 @@ def _flush_all(task: int) -> None:
         waiting = _TASKS.pop(task, {})
     for number in sorted(waiting):
         waiting[number].flush(task)
+
+
+def will_accumulate(param: Any) -> bool:
+    """Whether the running backward accumulates into ``.grad`` at all (``False`` under ``torch.autograd.grad``,
+    which returns the gradients): read from ``param``'s ``AccumulateGrad`` node."""
+    try:
+        torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _for_grad(node: Any) -> bool:
@@ -250,24 +305,16 @@ def owners(params: Sequence[Any]) -> tuple[tuple[GradientSums, int] | None, ...]
     return found if any(f is not None for f in found) else None
 
 
-def defer_gradients(ctx: Any, owned: Sequence[tuple[GradientSums, int] | None],
-                    grads: Sequence[torch.Tensor | None]) -> list[bool]:
-    """Hand each of ``grads`` whose parameter the pass sums to it; which ones it took, by position.
+def defer_gradients(ctx: Any, owned: Sequence[tuple[GradientSums, int] | None]) -> list[bool]:
+    """Which of a views node's parameters the pass takes, by position (their gradients go to
+    :meth:`GradientSums.wait`, ``None`` to autograd).
 
     Called from the backward of :mod:`tplower.runtime.params`' views, with :func:`owners` of the parameters
-    given in forward (``ctx.next_functions`` lines up with them). A parameter is taken (its gradient summed at the
-    end of backward, ``None`` returned to autograd here) when :func:`tplower.parallelize` placed it with a
-    context axis and this backward accumulates into its ``.grad``; a ``None`` gradient of such a parameter is
-    taken too (it stands in as zeros, and the pass runs on this rank as on the others).
+    given in forward (``ctx.next_functions`` lines up with them). A parameter is taken when
+    :func:`tplower.parallelize` placed it with a context axis and this backward accumulates into its ``.grad``.
     """
-    taken = [False] * len(owned)
     nodes = ctx.next_functions
-    for k, owner in enumerate(owned):
-        if owner is None or not _for_grad(nodes[k][0]):
-            continue
-        owner[0].wait(owner[1], grads[k])
-        taken[k] = True
-    return taken
+    return [owner is not None and _for_grad(nodes[k][0]) for k, owner in enumerate(owned)]
 
 
 #: the attribute an FSDP2 unsharded parameter carries: the context axis whose gradient sum FSDP2's all-reduce hook

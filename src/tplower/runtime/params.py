@@ -32,7 +32,6 @@ own axis; otherwise on the whole mesh.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,7 +206,8 @@ class _LocalView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None]:  # type: ignore[override]
-        if ctx.owned is not None and defer_gradients(ctx, ctx.owned, (grad,))[0]:
+        if ctx.owned is not None and _defer(ctx, ctx.layout, (grad,), (grad.shape,), (ctx.spec,), grad.dtype,
+                                            grad.device)[0]:
             return None, None  # summed with the model's others at the end of backward (grad_sums)
         layout: ParamLayout = ctx.layout
         if layout.grad is not None:  # e.g. P(sum) -> R: all_reduce (no autograd here: grad mode is off)
@@ -241,11 +241,9 @@ class _LocalViews(torch.autograd.Function):
     the buffer): ``torch.save``, pickling and ``copy.deepcopy`` take it, which
     they refuse for a DTensor over a view at an offset into a shared buffer.
 
-    Parameters :func:`tplower.parallelize` placed with a context axis are not
-    summed here when the backward accumulates into their ``.grad``: their
-    local gradients go to the model's end-of-backward pass
-    (:mod:`tplower.runtime.grad_sums`), which sums every such parameter in one
-    order on every rank, whichever modules a rank called.
+    Over a context axis, the sum waits for the model's end-of-backward pass
+    (:mod:`tplower.runtime.grad_sums`: one order on every rank, whichever
+    modules a rank called) when the backward accumulates into ``.grad``.
     """
 
     @staticmethod
@@ -260,41 +258,64 @@ class _LocalViews(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:  # type: ignore[override]
         layout: ParamLayout = ctx.layout
         assert layout.grad is not None
-        taken = defer_gradients(ctx, ctx.owned, grads) if ctx.owned is not None else None
+        taken = _defer(ctx, layout, grads, ctx.shapes, ctx.specs, ctx.dtype, ctx.device) \
+            if ctx.owned is not None else None
         if taken is not None and all(taken):
             return (None,) * (len(grads) + 1)  # summed with the model's others at the end of backward (grad_sums)
         if taken is not None and any(taken):  # some views' gradients are not for .grad here: not deferred
             rest = [k for k, t in enumerate(taken) if not t]
-            sub = _LocalViews._reduce(ctx, layout, [grads[k] for k in rest], [ctx.shapes[k] for k in rest],
-                                      [ctx.specs[k] for k in rest])
+            sub = _sum_views(layout, [grads[k] for k in rest], [ctx.shapes[k] for k in rest],
+                             [ctx.specs[k] for k in rest], ctx.dtype, ctx.device)
             out: list[DTensor | None] = [None] * (len(grads) + 1)
             for k, g in zip(rest, sub, strict=True):
                 out[k + 1] = g
             return tuple(out)
-        return (None, *_LocalViews._reduce(ctx, layout, grads, ctx.shapes, ctx.specs))
+        return (None, *_sum_views(layout, grads, ctx.shapes, ctx.specs, ctx.dtype, ctx.device))
 
-    @staticmethod
-    def _reduce(ctx: Any, layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size],
-                specs: Sequence[Any]) -> list[DTensor | None]:
-        """The gradients summed here, in one all_reduce with the flags (the class docstring)."""
-        assert layout.grad is not None
-        missing = any(g is None for g in grads)
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=ctx.dtype, device=ctx.device)
-        flat = torch.cat([*(torch.zeros(shape, dtype=ctx.dtype, device=ctx.device).reshape(-1) if g is None
-                            else g.reshape(-1) for g, shape in zip(grads, shapes, strict=True)), flags])
-        flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
-                                                 flat.device.type).run_owned(flat)
-        used = (flat[-len(grads):] > 0).tolist() if missing else [True] * len(grads)
-        out: list[DTensor | None] = []
-        start = 0
-        for shape, spec, any_rank in zip(shapes, specs, used, strict=True):
-            n = shape.numel()
-            if any_rank:
-                out.append(DTensor(flat[start:start + n].view(shape).clone(), spec, requires_grad=False))
-            else:
-                out.append(None)
-            start += n
-        return out
+
+def _defer(ctx: Any, layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size],
+           specs: Sequence[Any], dtype: torch.dtype, device: torch.device) -> list[bool]:
+    """Hand the gradients the end-of-backward pass takes to it (:func:`~tplower.runtime.grad_sums.defer_gradients`),
+    summed first over their current layout's other axes (tensor parallelism's, whose ranks call the same modules;
+    a replicated parameter's layout may have changed since this forward), here; which ones were taken."""
+    taken = defer_gradients(ctx, ctx.owned)
+    by: dict[ParamLayout, list[int]] = {}
+    for k, t in enumerate(taken):
+        if t:
+            sums, index = ctx.owned[k]
+            by.setdefault(_without_sum(sums.entries[index][1](), sums.axis), []).append(k)
+    for other, keep in by.items():
+        mine: list[torch.Tensor | None] = [grads[k] for k in keep]
+        if other.grad is not None:
+            summed = _sum_views(other, mine, [shapes[k] for k in keep], [specs[k] for k in keep], dtype, device)
+            mine = [None if d is None else d._local_tensor for d in summed]
+        for k, g in zip(keep, mine, strict=True):
+            ctx.owned[k][0].wait(ctx.owned[k][1], g)
+    return taken
+
+
+def _sum_views(layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes: Sequence[torch.Size],
+               specs: Sequence[Any], dtype: torch.dtype, device: torch.device) -> list[DTensor | None]:
+    """The gradients summed from ``layout.grad`` to its placements, in one all_reduce with the flags
+    (:class:`_LocalViews`' docstring)."""
+    assert layout.grad is not None
+    missing = any(g is None for g in grads)
+    flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=device)
+    flat = torch.cat([*(torch.zeros(shape, dtype=dtype, device=device).reshape(-1) if g is None
+                        else g.reshape(-1) for g, shape in zip(grads, shapes, strict=True)), flags])
+    flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
+                                             flat.device.type).run_owned(flat)
+    used = (flat[-len(grads):] > 0).tolist() if missing else [True] * len(grads)
+    out: list[DTensor | None] = []
+    start = 0
+    for shape, spec, any_rank in zip(shapes, specs, used, strict=True):
+        n = shape.numel()
+        if any_rank:
+            out.append(DTensor(flat[start:start + n].view(shape).clone(), spec, requires_grad=False))
+        else:
+            out.append(None)
+        start += n
+    return out
 
 
 def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[ParamLayout]
@@ -338,9 +359,9 @@ def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[Pa
     return out
 
 
-@functools.lru_cache(maxsize=1024)
 def _without_sum(layout: ParamLayout, axis: str) -> ParamLayout:
-    """``layout`` with its gradient no longer summed over ``axis`` (``P(sum)`` there read as the placement)."""
+    """``layout`` with its gradient no longer summed over ``axis`` (``P(sum)`` there read as the placement); not
+    cached: a mesh equal to another by its ranks and names may hold other process groups."""
     names = tuple(layout.mesh.mesh_dim_names or ())
     if layout.grad is None or axis not in names:
         return layout
