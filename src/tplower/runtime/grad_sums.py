@@ -112,7 +112,8 @@ class GradientSums:
         self.entries: list[tuple[weakref.ref[nn.Parameter], Callable[[], ParamLayout]]] = []
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # by graph task, by entry
         self.open: int | None = None
-        self.empty: set[int] = set()  # graph tasks whose forward ran this rank on a placeholder token alone
+        self.empty: set[int] = set()  # graph tasks whose forwards all ran this rank on a placeholder token alone
+        self.full: set[int] = set()  # graph tasks with a forward that held a token here
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradientSums:
         new = GradientSums(self.axis)
@@ -131,8 +132,8 @@ class GradientSums:
         self.entries.append((weakref.ref(param), layout))
 
     def live(self) -> Any:
-        """A parameter of the pass still alive (``None``: none)."""
-        return next((p for ref, _ in self.entries if (p := ref()) is not None), None)
+        """A parameter of the pass still alive that trains (``None``: none; frozen ones have no autograd node)."""
+        return next((p for ref, _ in self.entries if (p := ref()) is not None and p.requires_grad), None)
 
     def start(self, empty: bool) -> None:
         """A backward reaches the model's output (the first node of its part of the graph): the pass runs at this
@@ -143,8 +144,7 @@ class GradientSums:
         for stale in [t for t in self.pending if t != task]:
             del self.pending[stale]
         self.open = task
-        if empty:
-            self.empty.add(task)
+        (self.empty if empty else self.full).add(task)
         queue(self, task)
 
     def forget(self) -> None:
@@ -152,6 +152,7 @@ class GradientSums:
         self.pending.clear()
         self.open = None
         self.empty.clear()
+        self.full.clear()
 
     def wait(self, index: int, grad: torch.Tensor | None) -> None:
         """Keep local gradient ``grad`` of entry ``index`` for the pass (added to what it has this backward);
@@ -176,8 +177,9 @@ class GradientSums:
         drops them, or :meth:`forget`.
         """
         pending = self.pending.pop(task, {})
-        empty = task in self.empty
+        empty = task in self.empty and task not in self.full  # (two forwards' outputs may meet in one backward)
         self.empty.discard(task)
+        self.full.discard(task)
         if self.open == task:
             self.open = None
         for stale in [t for t in self.pending if t > task]:
