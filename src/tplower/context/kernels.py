@@ -95,13 +95,25 @@ def _rows(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     return t.index_select(0, torch.tensor(rows, device=t.device))
 
 
+def _by_start(parts: list[tuple[int, int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
+    """``parts`` ordered by their start, by insertion (``torch.compile`` traces comparisons of the starts, which
+    may be symbolic sizes, but not ``sorted`` with them as keys)."""
+    out: list[tuple[int, int, torch.Tensor]] = []
+    for p in parts:
+        i = len(out)
+        while i > 0 and out[i - 1][0] > p[0]:
+            i -= 1
+        out.insert(i, p)
+    return out
+
+
 def _assemble(batch: int, lo: int, hi: int, pieces: list[tuple[Run, torch.Tensor]], like: torch.Tensor,
               heads: int, dim: int) -> torch.Tensor:
     """``[batch, hi - lo, heads, dim]``: each run's output at its queries, zeros where no run is."""
 
     def row(parts: list[tuple[int, int, torch.Tensor]], width: int) -> torch.Tensor:
         seq, at = [], lo
-        for start, stop, t in sorted(parts, key=lambda p: p[0]):
+        for start, stop, t in _by_start(parts):
             if start > at:
                 seq.append(like.new_zeros((width, start - at, heads, dim)))
             seq.append(t)

@@ -46,6 +46,7 @@ from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
 from ..core.support.words import closest
 from .layout import SequenceLayout
+from .runs import batch_runs
 
 __all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
 
@@ -211,10 +212,15 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         if batch.get("num_items_in_batch") is None:  # a given count (over every micro-batch) is the caller's
             out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     mask = batch.get("attention_mask")
-    out[SPLIT_KEY] = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
-                                  shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
-                                  input_ids=batch.get("input_ids"),
-                                  given_positions=batch.get("position_ids") is not None)
+    split = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
+                         shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
+                         input_ids=batch.get("input_ids"), given_positions=batch.get("position_ids") is not None)
+    # the batch's runs (which keys each query sees) and the layout's orders, made here, eagerly: a compiled forward
+    # then reads no tensor values for them (no graph break at nonzero) and takes no lock (cached_property's)
+    split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
+    for name in ("lengths", "order", "padded_order", "padded_source"):
+        getattr(layout, name)
+    out[SPLIT_KEY] = split
     return out
 
 
