@@ -96,7 +96,8 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, sums: GradientSums, empty: bool, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.sums, ctx.empty = sums, empty
-        return tuple(o.view_as(o) for o in outs)
+        # a loss is copied (a view could not take ``loss /= n``); logits are not (a copy would double them)
+        return tuple(o.clone() if o.numel() <= 1 << 16 else o.view_as(o) for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -120,8 +121,8 @@ class StartSums:
         self.sums = sums
 
     def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or self.sums.live() is None:
+            return None  # (no parameter of the pass trains: frozen, or FSDP2 holds its own since)
         split = kwargs.get(SPLIT_KEY)
         empty = split is not None and not split.layout.local_length(split.rank)  # a placeholder token alone
 
