@@ -200,7 +200,8 @@ class _LocalView(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, param: DTensor, layout: ParamLayout) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec, ctx.layout, ctx.owned = param._spec, layout, owners((param,))
+        ctx.spec, ctx.layout = param._spec, layout  # only a summed gradient is the pass's: plain tp skips the lookup
+        ctx.owned = owners((param,)) if layout.grad is not None else None
         local = param._local_tensor
         return local.view_as(local)
 
@@ -343,7 +344,7 @@ def local_parameters(params: Sequence[torch.Tensor | None], layouts: Sequence[Pa
     for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         if p is None:
             continue
-        if (axis := folded_axis(p)) is not None:  # FSDP2 sums this gradient over the axis (grad_sums)
+        if layout.grad is not None and (axis := folded_axis(p)) is not None:  # FSDP2 sums over the axis
             layouts[i] = layout = _without_sum(layout, axis)
         if eager and layout.sums_only and isinstance(p, DTensor) and p.requires_grad:
             groups.setdefault((layout.mesh, layout.placements, layout.grad, p.dtype, p.device), []).append(i)
@@ -401,7 +402,7 @@ def local_parameter(p: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     """
     if not isinstance(p, DTensor):
         return p
-    if (axis := folded_axis(p)) is not None:  # FSDP2 sums this gradient over the axis (grad_sums)
+    if layout.grad is not None and (axis := folded_axis(p)) is not None:  # FSDP2 sums over the axis (grad_sums)
         layout = _without_sum(layout, axis)
     local: torch.Tensor
     if torch.compiler.is_compiling():
