@@ -67,6 +67,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..core.support.errors import TPLowerError
+from ..core.support.fake import host_values
 from ..runtime.boundary import REPLACED, _Boundary
 from ..runtime.rest_params import RestParams
 
@@ -271,13 +272,14 @@ class Coverage:
 
         keys = sorted(self.names, key=lambda k: self.names[k])
         kinds = (SHARDED, PARTIAL, WHOLE)
-        flags = torch.zeros((len(keys), len(kinds)), device=self.mesh.device_type)
-        for i, key in enumerate(keys):
-            for j, kind in enumerate(kinds):
-                flags[i, j] = float(kind in self.uses.get(key, ()))
-        for d in others:
-            dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.mesh.get_group(d))
-        seen = flags.cpu().tolist()
+        with host_values():  # real flags under a FakeTensorMode too (tplower.planner)
+            flags = torch.zeros((len(keys), len(kinds)), device=self.mesh.device_type)
+            for i, key in enumerate(keys):
+                for j, kind in enumerate(kinds):
+                    flags[i, j] = float(kind in self.uses.get(key, ()))
+            for d in others:
+                dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.mesh.get_group(d))
+            seen = flags.cpu().tolist()
         self.uses = {key: {kind for kind, f in zip(kinds, row, strict=True) if f > 0}
                      for key, row in zip(keys, seen, strict=True) if any(row)}
 

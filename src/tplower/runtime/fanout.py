@@ -44,16 +44,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.language.placements import format_placements
 from ..plans.forms import Placements
 from .boundary import FANOUT, _Boundary
 
-__all__ = ["link_fanouts", "open_fanout"]
+__all__ = ["close_fanout", "link_fanouts", "open_fanout"]
 
 
 def _alias(value: Any) -> Any:
-    if type(value) is not torch.Tensor:
+    if type(value) is not torch.Tensor and type(value) is not FakeTensor:  # fake: tplower.planner's trace
         return value
     alias = value.view_as(value)
     setattr(alias, FANOUT, ())
@@ -70,6 +71,17 @@ def open_fanout(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ``None``) pass unchanged.
     """
     return tuple(_alias(a) for a in args), {k: _alias(v) for k, v in kwargs.items()}
+
+
+def close_fanout(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    """Forward hook (``with_kwargs=True``) of a fan-out parent: the aliases :func:`open_fanout` made drop their
+    records, so the moves they hold live no longer than autograd keeps them (a record outliving the call would
+    keep each moved tensor as long as anything keeps the alias; a compiled graph keeps none)."""
+    if torch.compiler.is_compiling():
+        return
+    for value in (*args, *kwargs.values()):
+        if FANOUT in getattr(value, "__dict__", ()):
+            delattr(value, FANOUT)
 
 
 def _key(parent: str, src: Placements, dst: Placements, grad: Placements) -> str:
@@ -106,4 +118,5 @@ def link_fanouts(modules: Mapping[str, nn.Module]) -> dict[str, list[str]]:
             linked[key] = [qual for _, _, qual in members]
         if shared:
             modules[parent].register_forward_pre_hook(open_fanout, with_kwargs=True)
+            modules[parent].register_forward_hook(close_fanout, with_kwargs=True, always_call=True)
     return linked

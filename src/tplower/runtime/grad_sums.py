@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..core.lower.redistribute import mesh_lowerer
+from ..core.support.fake import used_flags
 
 #: a :class:`tplower.runtime.params.ParamLayout` (not imported: that module imports this one)
 ParamLayout = Any
@@ -242,7 +243,7 @@ def _sum_group(mesh: Any, src: tuple[Any, ...], dtype: torch.dtype, device: torc
                 out[j][a:b].copy_(flat[at:at + b - a])  # type: ignore[index]
             at += b - a
     assert out[-1] is not None
-    used = (out[-1] > 0).tolist()  # one host sync for the group
+    used = used_flags(out[-1])  # one host sync for the group
     for k, (_, p, _) in enumerate(members):
         g = out[k]
         if g is None or not used[k]:  # added to .grad in place, or no rank used it: no gradient, as one process

@@ -24,9 +24,8 @@ replace. The one exception is the sum over a context-parallel axis, whose
 ranks may call different modules: it waits for the end of backward and runs
 for the whole model at once (:mod:`tplower.runtime.grad_sums`).
 
-Mesh of a parameter: where the plan places it on the tensor-parallel axis
-only (every other axis ``Replicate``), the DTensor lives on ``mesh[axis]``,
-as with ``parallelize_module(model, mesh["tp"], ...)``, so FSDP2 can add its
+Mesh of a parameter: where the plan places it on the tensor-parallel axis only (every other axis ``Replicate``),
+the DTensor lives on ``mesh[axis]``, as with ``parallelize_module(model, mesh["tp"], ...)``, so FSDP2 can add its
 own axis; otherwise on the whole mesh.
 """
 
@@ -47,6 +46,7 @@ from ..core.language.transitions import chunk_size_and_offset
 from ..core.lower.program import Program
 from ..core.lower.redistribute import mesh_lowerer
 from ..core.support.errors import TPLowerError
+from ..core.support.fake import used_flags
 from .grad_sums import defer_gradients, folded_axis, owners
 
 __all__ = ["ParamLayout", "check_plain_parameter", "local_parameter", "local_parameters", "param_layout",
@@ -306,7 +306,7 @@ def _sum_views(layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes
                         else g.reshape(-1) for g, shape in zip(grads, shapes, strict=True)), flags])
     flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
                                              flat.device.type).run_owned(flat)
-    used = (flat[-len(grads):] > 0).tolist() if missing else [True] * len(grads)
+    used = used_flags(flat[-len(grads):]) if missing else [True] * len(grads)
     out: list[DTensor | None] = []
     start = 0
     for shape, spec, any_rank in zip(shapes, specs, used, strict=True):

@@ -43,6 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..core.language.transitions import chunk_size_and_offset
 from ..core.lower.backends import check_device
 from ..core.lower.collectives import _all_gather_base, _fc_all_gather
+from ..core.support.fake import host_values
 from ..core.lower.redistribute import MeshLowerer
 from ..core.support.errors import TPLowerError
 from ..core.support.words import count
@@ -65,10 +66,11 @@ def _pieces(size: int, lowerer: MeshLowerer, axis: int, device: torch.device) ->
     """Every rank's ``size`` along mesh axis ``axis``, in mesh-coordinate order."""
     n = lowerer.shape[axis]
     device = _size_device(lowerer, axis, device)
-    mine = torch.tensor([size], dtype=torch.int64, device=device)
-    every = torch.empty(n, dtype=torch.int64, device=device)
-    _all_gather_base(every, mine, group=lowerer.groups[axis])
-    sizes = [int(s) for s in every.tolist()]
+    with host_values():  # real sizes under a FakeTensorMode too (tplower.planner)
+        mine = torch.tensor([size], dtype=torch.int64, device=device)
+        every = torch.empty(n, dtype=torch.int64, device=device)
+        _all_gather_base(every, mine, group=lowerer.groups[axis])
+        sizes = [int(s) for s in every.tolist()]
     order = lowerer.orders[axis]
     return sizes if order is None else [sizes[order[c]] for c in range(n)]
 

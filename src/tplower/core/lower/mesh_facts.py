@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..support.errors import TPLowerError
+from ..support.fake import host_values
 
 __all__ = ["MeshFacts", "axis_order", "mesh_facts"]
 
@@ -32,10 +33,11 @@ def _read_mesh_facts(mesh: DeviceMesh) -> MeshFacts:
     if coord is None:
         return None, (), ()
     along = []
-    for axis in range(mesh.ndim):
-        index: list[int | slice] = list(coord)
-        index[axis] = slice(None)
-        along.append(tuple(int(r) for r in mesh.mesh[tuple(index)].tolist()))
+    with host_values():  # the rank tensor stays real under a FakeTensorMode (tplower.planner traces there)
+        for axis in range(mesh.ndim):
+            index: list[int | slice] = list(coord)
+            index[axis] = slice(None)
+            along.append(tuple(int(r) for r in mesh.mesh[tuple(index)].tolist()))
     groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(i))) for i in range(mesh.ndim))
     return tuple(coord), tuple(along), groups
 

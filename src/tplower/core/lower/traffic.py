@@ -64,17 +64,23 @@ class CollectiveTraffic(TorchDispatchMode):
     Kinds are ``all_reduce``, ``all_gather``, ``reduce_scatter``,
     ``all_to_all`` and ``broadcast``. A ``wait`` is not a collective. Use as
     ``with CollectiveTraffic() as t: step()`` then read ``t.counts`` and
-    ``t.sent`` (bytes, int).
+    ``t.sent`` (bytes, int). ``by_group[(group name, kind)]`` is ``[count, bytes sent]`` of each process group
+    (``ProcessGroup.group_name``; a mesh axis's group is ``mesh.get_group(axis)``).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.sent = 0
+        self.by_group: dict[tuple[str, str], list[int]] = {}
+        self._name = ""
 
     def _record(self, kind: str, nbytes: int) -> None:
         self.counts[kind] += 1
         self.sent += int(nbytes)
+        row = self.by_group.setdefault((self._name, kind), [0, 0])
+        row[0] += 1
+        row[1] += int(nbytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -88,6 +94,7 @@ class CollectiveTraffic(TorchDispatchMode):
         n = group.size() if group is not None else 1
         if n <= 1:
             return
+        self._name = group.group_name if group is not None else ""
         rank = dist.get_rank(group)
         if name in ("allreduce_", "all_reduce", "all_reduce_coalesced", "allreduce_coalesced_"):
             tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
