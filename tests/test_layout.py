@@ -30,7 +30,7 @@ ROOT = Path(__file__).parent.parent
 LINT = shutil.which("lint-imports")
 
 #: ``tplower.__all__``: the public API (names are added, never removed)
-PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "all_to_all_splits", "combine_tokens",
+PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "LayoutCandidate", "plan_layout", "all_to_all_splits", "combine_tokens",
           "dispatch_tokens", "plan_dispatch", "MeshLowerer", "Step", "TPCollectiveLowerer", "TPExecutionOp",
           "TPLowerError", "TPLowerTypeError", "TPOperators", "TransitionPlan", "VerifyReport", "__version__",
           "classify_axis", "classify_boundary_form", "classify_tp_transition", "create_tp_collective_lowerer",

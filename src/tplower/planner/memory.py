@@ -1,0 +1,153 @@
+"""Bytes of tensor storages alive on this rank during a training step, at most and by kind.
+
+:class:`LiveTensors` is the tracker :mod:`tplower.planner` measures a step with, on fake tensors (the prediction)
+and on real ones (the check) alike. It counts storages, not tensors (a view adds nothing): those it is told are
+held before the step starts (parameters, buffers, optimizer state, the batch: :meth:`LiveTensors.hold`) and every
+storage an operator creates while it is active, each until it is freed (a finalizer per storage), with its size
+kept current when FSDP2 frees or refills a storage in place (``UntypedStorage.resize_``, patched while active, as
+``torch.distributed._tools.mem_tracker.MemTracker`` does). At each new peak it notes how the bytes split into the
+model's parameters, their gradients, the optimizer's state, the batch and the rest (activations saved for
+backward, temporaries, FSDP2's gathered parameters, communication buffers).
+
+Why not ``MemTracker`` itself: it registers hooks on each module's parameters at call time, and under tplower's
+context parallelism a module's parameter attribute is a local view, not a leaf (it refuses). The bytes it counts
+are the same: CPU storages are counted at their size; on CUDA ``MemTracker`` rounds each storage to 512 bytes
+(the caching allocator's block), which :class:`LiveTensors` does too for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["KINDS", "LiveTensors"]
+
+#: the kinds a peak is split into (bytes of each, in :attr:`LiveTensors.peak_split`)
+KINDS = ("parameters", "gradients", "optimizer", "batch", "activations")
+
+_BLOCK = 512  # the CUDA caching allocator's smallest block (bytes)
+
+
+def _storage(t: Any) -> torch.UntypedStorage | None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
+
+
+def _nbytes(st: torch.UntypedStorage) -> int:
+    n = int(st.nbytes())
+    return math.ceil(n / _BLOCK) * _BLOCK if st.device.type == "cuda" else n
+
+
+class LiveTensors(TorchDispatchMode):
+    """While active: :attr:`live` and :attr:`peak` bytes of the storages alive, :attr:`peak_split` at the peak.
+
+    Args:
+        kinds: ``{kind: callable returning the tensors of that kind now}`` for :data:`KINDS` other than
+            ``"activations"`` (e.g. ``{"gradients": lambda: [p.grad for p in params]}``); read at each new peak
+            to split it (the rest is ``"activations"``).
+
+    Use as ``t = LiveTensors(kinds); t.hold(tensors); with t: step()``; then ``t.peak`` (bytes) and
+    ``t.peak_split`` (``{kind: bytes}``, summing to ``t.peak``). :meth:`reset_peak` starts a new peak from the
+    bytes alive now.
+    """
+
+    def __init__(self, kinds: dict[str, Callable[[], Iterable[Any]]] | None = None) -> None:
+        super().__init__()
+        self.kinds = dict(kinds or {})
+        unknown = set(self.kinds) - set(KINDS[:-1])
+        if unknown:
+            raise ValueError(f"LiveTensors: kinds {sorted(unknown)} are not among {list(KINDS[:-1])}")
+        self.live = self.peak = 0
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self.peak_split: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._resize: Any = None
+
+    def hold(self, tensors: Iterable[Any]) -> None:
+        """Count the storages of ``tensors`` (DTensors by their local tensor; ``None`` and meta skipped) as alive."""
+        for t in tensors:
+            st = _storage(t)
+            if st is not None:
+                self._add(st)
+        self._note_peak()
+
+    def reset_peak(self) -> None:
+        """Start the peak again from the bytes alive now."""
+        self.peak = 0
+        self._note_peak()
+
+    def _add(self, st: torch.UntypedStorage) -> None:
+        key = id(st)  # the storage's Python object lives as long as the storage does
+        if key in self.sizes:
+            return
+        n = _nbytes(st)
+        self.sizes[key] = n
+        self.live += n
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def _note_peak(self) -> None:
+        if self.live <= self.peak:
+            return
+        self.peak = self.live
+        split = dict.fromkeys(KINDS, 0)
+        seen: set[int] = set()
+        for kind, tensors in self.kinds.items():
+            for t in tensors():
+                st = _storage(t)
+                if st is not None and id(st) in self.sizes and id(st) not in seen:
+                    seen.add(id(st))
+                    split[kind] += self.sizes[id(st)]
+        split["activations"] = self.live - sum(split.values())
+        self.peak_split = split
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        grew = False
+        for t in pytree.tree_leaves(out):
+            st = _storage(t)
+            if st is not None and id(st) not in self.sizes:
+                self._add(st)
+                grew = True
+        if grew:
+            self._note_peak()
+        return out
+
+    def __enter__(self) -> LiveTensors:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = original(st, size)
+            key = id(st)
+            if key in tracker.sizes:
+                n = _nbytes(st)
+                tracker.live += n - tracker.sizes[key]
+                tracker.sizes[key] = n
+                tracker._note_peak()
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]

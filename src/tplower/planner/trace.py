@@ -1,0 +1,280 @@
+"""One training step of a layout, run on fake tensors over a fake process group: its memory, FLOPs and collectives.
+
+:func:`trace_step` builds the model from its config under ``FakeTensorMode`` (no weight is allocated), makes the
+layout's mesh on a fake process group of the layout's world size as rank 0 (collectives return at once), places
+the model as :func:`tplower.hf.prepare_trainer` does (:func:`tplower.hf.model.parallelize_for_training`: the plan
+on ``tp``, context parallelism on ``cp``, FSDP2 over ``dp``), and runs two steps of a one-micro-batch loop: the
+model's forward on the rank's rows with ``labels``, ``loss.backward()``, ``optimizer.step()``,
+``optimizer.zero_grad()``. The first step makes the optimizer's state; the peak reported is the larger of the two
+(the second step's, in practice: it runs with the state alive). The second step alone is counted for FLOPs
+(``torch.utils.flop_counter.FlopCounterMode``) and collectives (:class:`tplower.core.lower.traffic.CollectiveTraffic`,
+by the mesh axis each runs on).
+
+The same function runs the step on real tensors (``fake=False``), inside a real job: that is how the tests check
+the prediction (:func:`measure_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .memory import LiveTensors
+
+__all__ = ["StepTrace", "fake_world", "measure_step", "run_step", "trace_step"]
+
+#: mesh axes in the order a mesh is made (the last varies fastest: tp's ranks are neighbours)
+AXES = ("dp", "cp", "ep", "tp")
+
+
+@dataclass
+class StepTrace:
+    """What one training step of one layout costs a rank.
+
+    Attributes:
+        peak_bytes: bytes of every tensor storage alive on the rank at the step's peak (parameters, gradients,
+            optimizer state, the batch, activations and temporaries).
+        split: ``peak_bytes`` by kind (:data:`tplower.planner.memory.KINDS`).
+        flops: floating-point operations of the second step (forward, backward, optimizer), this rank's.
+        collectives: ``{axis: {kind: (count, bytes this rank sends)}}`` of the second step; ``axis`` is a mesh
+            axis name, or names joined by ``+`` for a group over several.
+        ops: operator calls of the second step (the dispatcher's count: a measure of per-op overhead).
+    """
+
+    peak_bytes: int
+    split: dict[str, int]
+    flops: int
+    collectives: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    ops: int = 0
+
+    def scaled(self, other: StepTrace, layers: float) -> StepTrace:
+        """``self + layers * (other - self)``: a trace of ``1 + layers`` decoder layers from traces of one
+        (``self``) and two (``other``)."""
+        def lin(a: float, b: float) -> int:
+            return int(round(a + layers * (b - a)))
+        cols: dict[str, dict[str, tuple[int, int]]] = {}
+        for axis in set(self.collectives) | set(other.collectives):
+            a, b = self.collectives.get(axis, {}), other.collectives.get(axis, {})
+            cols[axis] = {k: (lin(a.get(k, (0, 0))[0], b.get(k, (0, 0))[0]), lin(a.get(k, (0, 0))[1], b.get(k, (0, 0))[1]))
+                          for k in set(a) | set(b)}
+        split = {k: lin(self.split.get(k, 0), other.split.get(k, 0)) for k in self.split}
+        return StepTrace(sum(split.values()), split, lin(self.flops, other.flops), cols, lin(self.ops, other.ops))
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts operator calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """Within: the default process group is the ``fake`` backend's, ``world`` ranks, this process rank 0.
+
+    Raises:
+        RuntimeError: a default process group exists already (trace in a fresh process: :func:`plan_layout`
+            starts one itself then).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a default process group exists already in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _axis_names(mesh: Any) -> dict[str, str]:
+    """``{group name: axis}`` for each axis of ``mesh`` and each flattened run of its axes."""
+    names = tuple(mesh.mesh_dim_names or ())
+    out = {mesh.get_group(a).group_name: a for a in names}
+    for i in range(len(names)):
+        for j in range(i + 2, len(names) + 1):
+            joined = "_".join(names[i:j])
+            with contextlib.suppress(KeyError, RuntimeError, ValueError):
+                out[mesh[joined].get_group().group_name] = "+".join(names[i:j])
+    return out
+
+
+@contextlib.contextmanager
+def as_real_tensors() -> Iterator[None]:
+    """Within: transformers takes a fake tensor for a real one (``is_tracing`` no longer answers ``True`` for it),
+    so a model chooses the paths it takes on real tensors (a causal mask left to the attention kernel, not
+    materialized) and the trace's memory is the real step's. The one value such a path reads, whether the rows
+    are packed documents, is answered as the planner's batch has it: they are not (whole rows)."""
+    try:
+        from transformers import masking_utils
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    saved = import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices
+    import_utils.is_fake_tensor = lambda x: False
+    masking_utils.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor, masking_utils.find_packed_sequence_indices = saved
+
+
+def build_mesh(sizes: Mapping[str, int], device: str = "cpu") -> Any:
+    """The mesh of ``sizes`` (axes of size 1 left out, in :data:`AXES` order), or ``None`` for one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    axes = [(a, sizes[a]) for a in AXES if sizes.get(a, 1) > 1]
+    if not axes:
+        return None
+    return init_device_mesh(device, tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
+
+
+def place(model: nn.Module, mesh: Any, *, context_mode: str | None, loss_chunk: int | None,
+          checkpointing: bool, experts: str | None = None) -> Any:
+    """``model`` placed on ``mesh`` as :func:`tplower.hf.prepare_trainer` places it; the
+    :class:`~tplower.hf.model.TrainingModel` (``None`` for one rank)."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mesh is None:
+        return None
+    from ..hf.model import parallelize_for_training
+
+    names = tuple(mesh.mesh_dim_names)
+    context = "cp" if "cp" in names else None
+    options: dict[str, Any] = {}
+    if context is not None and loss_chunk:
+        options["context_loss_chunk"] = loss_chunk
+    plan = "auto" if ("tp" in names or "ep" in names) else None
+    return parallelize_for_training(model, mesh, plan, context=context, context_mode=context_mode or "ulysses",
+                                    experts=experts, sum_gradients=True, where="plan_layout", **options)
+
+
+def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+             steps: int = 2, fake: Any = None, mesh: Any = None, placed: Any = None) -> StepTrace:
+    """Run ``steps`` training steps of ``model`` on ``batch`` and measure them (see the module docstring).
+
+    Args:
+        model: placed already (:func:`place`); its parameters and buffers are counted as held.
+        optimizer: built on ``model.parameters()``; its state is counted as held once it exists.
+        batch: this rank's whole micro-batch (``input_ids``, ``labels``: ``[rows, seq]`` int64); cut over ``cp``
+            by the model's own splitter.
+        steps: at least 2 (the last is the one counted for FLOPs and collectives).
+        fake: the ``FakeTensorMode`` the model's tensors belong to, or ``None`` for real tensors.
+        mesh: the layout's mesh (names the collectives' axes), or ``None``.
+        placed: :func:`place`'s result: under ``cp`` the batch is cut first, on real tensors (the cut reads the
+            batch's values), as the model's own splitter would cut it.
+
+    Returns:
+        The :class:`StepTrace`.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..core.lower.traffic import CollectiveTraffic
+
+    params = list(model.parameters())
+    if placed is not None and placed.split is not None:
+        batch = placed.split.cut(batch)
+
+    def states() -> Iterator[Any]:
+        for s in optimizer.state.values():
+            yield from (v for v in s.values() if isinstance(v, torch.Tensor))
+
+    tracker = LiveTensors({"parameters": lambda: params, "gradients": lambda: (p.grad for p in params),
+                           "optimizer": states, "batch": lambda: batch.values()})
+    tracker.hold([*params, *model.buffers(), *(v for v in batch.values() if isinstance(v, torch.Tensor))])
+    traffic, flops, ops = CollectiveTraffic(), FlopCounterMode(display=False), _Ops()
+    with fake if fake is not None else contextlib.nullcontext():
+        for step in range(steps):
+            last = step == steps - 1
+            with tracker, (traffic if last else contextlib.nullcontext()), \
+                    (flops if last else contextlib.nullcontext()), (ops if last else contextlib.nullcontext()):
+                loss = model(**batch).loss
+                loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            tracker.hold(states())
+    axes = _axis_names(mesh) if mesh is not None else {}
+    cols: dict[str, dict[str, tuple[int, int]]] = {}
+    for (group, kind), (count, nbytes) in traffic.by_group.items():
+        axis = axes.get(group, "other")
+        before = cols.setdefault(axis, {}).get(kind, (0, 0))
+        cols[axis][kind] = (before[0] + count, before[1] + nbytes)
+    return StepTrace(tracker.peak, dict(tracker.peak_split), int(flops.get_total_flops()), cols, ops.calls)
+
+
+def _batch(vocab: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _optimizer(model: nn.Module, name: str, foreach: bool | None) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-4, foreach=foreach)
+    raise ValueError(f"optimizer={name!r}: use 'adamw' or 'sgd'")
+
+
+def trace_step(config: Any, sizes: Mapping[str, int], *, seq_len: int, micro_batch: int, dtype: torch.dtype,
+               checkpointing: bool = False, loss_chunk: int | None = None, context_mode: str | None = None,
+               optimizer: str = "adamw", foreach: bool | None = None) -> StepTrace:
+    """The :class:`StepTrace` of one layout, on fake tensors (see the module docstring).
+
+    Args:
+        config: a transformers ``PretrainedConfig`` of a causal LM (``AutoModelForCausalLM.from_config``).
+        sizes: ``{axis: ranks}`` over :data:`AXES` (missing axes are 1); their product is the world traced.
+        seq_len: tokens per row; micro_batch: rows per ``dp`` rank per step.
+        dtype: the parameters' dtype.
+        checkpointing: activation checkpointing per decoder layer (transformers' ``gradient_checkpointing_enable``,
+            non-reentrant).
+        loss_chunk: under ``cp``: positions per chunk of the loss (``parallelize(context_loss_chunk=)``).
+        context_mode: under ``cp``: ``"ulysses"`` or ``"allgather"``.
+        optimizer: ``"adamw"`` or ``"sgd"``; foreach: passed to it (``None``: its default for the device).
+
+    Raises:
+        TPLowerError: every refusal of :func:`tplower.parallelize` for this layout (heads that do not divide, ...).
+        RuntimeError: a default process group exists in this process.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    world = 1
+    for n in sizes.values():
+        world *= n
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(world) if world > 1 else contextlib.nullcontext(), as_real_tensors():
+        with fake:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.train()
+        mesh = build_mesh(sizes)
+        placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing)
+        with fake:
+            opt = _optimizer(model, optimizer, foreach)
+        return run_step(model, opt, _batch(config.vocab_size, micro_batch, seq_len), fake=fake, mesh=mesh,
+                        placed=placed)
+
+
+def measure_step(model: nn.Module, mesh: Any, *, seq_len: int, micro_batch: int, checkpointing: bool = False,
+                 loss_chunk: int | None = None, context_mode: str | None = None, optimizer: str = "adamw",
+                 foreach: bool | None = None) -> StepTrace:
+    """The same step on real tensors, in a real job: ``model`` (as loaded, the same on every rank) is placed on
+    ``mesh`` (``None``: one process) and run; collective over ``mesh`` (every rank calls it). The check of
+    :func:`trace_step`'s prediction."""
+    model.train()
+    placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing)
+    opt = _optimizer(model, optimizer, foreach)
+    return run_step(model, opt, _batch(model.config.vocab_size, micro_batch, seq_len), mesh=mesh, placed=placed)
