@@ -25,7 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("tplower.cli.run", "parallelize a real model on N processes and check it matches one process"),
     "bench": ("tplower.cli.bench", "time tplower against the raw collective and DTensor; table, JSON and plots"),
     "codegen": ("tplower.cli.codegen", "write a model's parallelized forwards out as straight-line Python"),
-    "plan": ("tplower.cli.plan", "derive a tensor-parallel plan from a model's module structure (YAML for editing)"),
+    "plan": ("tplower.cli.plan", "derive a tensor-parallel plan (YAML for editing); with --ranks: find the layout"),
     "verify": ("tplower.cli.verify", "check a plan on a model against one process; name the first wrong boundary"),
 }
 #: the subcommand ``tplower`` runs without one

@@ -3,6 +3,7 @@
     tplower plan --model all-minilm-l6-v2 -o minilm_plan.yaml
     tplower plan --model t5_encoder            # a tiny family of tplower.run.derive_table, printed
     tplower plan --model gpt2 --verify -o gpt2_plan.yaml
+    tplower plan --model llama-tiny --ranks 4 --memory 2GiB --seq 512 --global-batch 8   # the layout planner
 
 The plan (YAML for ``-o`` ending ``.yaml``/``.yml``, JSON for ``.json``;
 another suffix is refused, so the file is always what its name says) is what ``parallelize(model,
@@ -12,6 +13,9 @@ runs the derived plan against one process on ``--nproc`` local gloo ranks
 (:func:`tplower.verification.derived.verify_derived`: a tiny random input of the
 model's own kind, output, every boundary and every gradient) and writes
 nothing when it does not match (exit 1, the first divergence printed).
+
+With ``--ranks N`` it plans the layout instead (:mod:`tplower.cli.layout`): which mesh, checkpointing and loss
+chunking fit and train fastest on N ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --verify: local gloo ranks (default 2)")
     parser.add_argument("--timeout", type=positive_float, default=None,
                         help="with --verify: seconds for the whole run (default 600)")
+    from . import layout
+
+    layout.add_arguments(parser)
 
 
 def skeleton_for(name: str) -> Any:
@@ -182,6 +189,10 @@ def main(args: argparse.Namespace) -> int:
             (checked before any rank starts).
         tplower.testing.RankFailure: a rank of ``--verify`` died or raised.
     """
+    if args.ranks is not None:  # the layout planner: tplower plan --ranks N ...
+        from . import layout
+
+        return layout.main(args)
     unread = [opt for opt, value in (("--nproc", args.nproc), ("--timeout", args.timeout)) if value is not None]
     if unread and not args.verify:
         raise TPLowerError(f"{' and '.join(unread)} {'are' if len(unread) > 1 else 'is'} read with --verify only; "

@@ -6,7 +6,8 @@ the model as :func:`tplower.hf.prepare_trainer` does (:func:`tplower.hf.model.pa
 on ``tp``, context parallelism on ``cp``, FSDP2 over ``dp``), and runs two steps of a one-micro-batch loop: the
 model's forward on the rank's rows with ``labels``, ``loss.backward()``, ``optimizer.step()``,
 ``optimizer.zero_grad()``. The first step makes the optimizer's state; the peak reported is the larger of the two
-(the second step's, in practice: it runs with the state alive). The second step alone is counted for FLOPs
+(the second step's, in practice: it runs with the state alive), with Python's cyclic garbage collector held off
+during the steps (:func:`_no_gc`: the peak is then the same every run). The second step alone is counted for FLOPs
 (``torch.utils.flop_counter.FlopCounterMode``) and collectives (:class:`tplower.core.lower.traffic.CollectiveTraffic`,
 by the mesh axis each runs on).
 
@@ -17,7 +18,7 @@ the prediction (:func:`measure_step`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .memory import LiveTensors
+from .memory import LiveTensors, _storage
 
 __all__ = ["StepTrace", "fake_world", "measure_step", "run_step", "trace_step"]
 
@@ -45,6 +46,8 @@ class StepTrace:
         collectives: ``{axis: {kind: (count, bytes this rank sends)}}`` of the second step; ``axis`` is a mesh
             axis name, or names joined by ``+`` for a group over several.
         ops: operator calls of the second step (the dispatcher's count: a measure of per-op overhead).
+        totals: bytes of the rank's ``parameters``, its ``gradients`` as backward leaves them and the
+            ``optimizer``'s state after its step (the second step's; each storage once).
     """
 
     peak_bytes: int
@@ -52,10 +55,11 @@ class StepTrace:
     flops: int
     collectives: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     ops: int = 0
+    totals: dict[str, int] = field(default_factory=dict)
 
     def scaled(self, other: StepTrace, layers: float) -> StepTrace:
-        """``self + layers * (other - self)``: a trace of ``1 + layers`` decoder layers from traces of one
-        (``self``) and two (``other``)."""
+        """``self + layers * (other - self)``: from traces of ``k`` (``self``) and ``k + 1`` (``other``) decoder
+        layers, a trace of ``k + layers``."""
         def lin(a: float, b: float) -> int:
             return int(round(a + layers * (b - a)))
         cols: dict[str, dict[str, tuple[int, int]]] = {}
@@ -64,20 +68,31 @@ class StepTrace:
             cols[axis] = {k: (lin(a.get(k, (0, 0))[0], b.get(k, (0, 0))[0]), lin(a.get(k, (0, 0))[1], b.get(k, (0, 0))[1]))
                           for k in set(a) | set(b)}
         split = {k: lin(self.split.get(k, 0), other.split.get(k, 0)) for k in self.split}
-        return StepTrace(sum(split.values()), split, lin(self.flops, other.flops), cols, lin(self.ops, other.ops))
+        totals = {k: lin(self.totals.get(k, 0), other.totals.get(k, 0)) for k in self.totals}
+        return StepTrace(sum(split.values()), split, lin(self.flops, other.flops), cols, lin(self.ops, other.ops),
+                         totals)
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts operator calls."""
+class _Meter(LiveTensors):
+    """:class:`LiveTensors` that also counts operator calls and collectives (one mode, not three: each mode on
+    the stack costs every operator a Python call) while :attr:`counting`."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, kinds: dict[str, Any]) -> None:
+        from ..core.lower.traffic import CollectiveTraffic
+
+        super().__init__(kinds)
+        self.counting = False
         self.calls = 0
+        self.traffic = CollectiveTraffic()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
+        if self.counting:
+            ns = func.namespace
+            self.calls += ns != "prim"  # prim.device and kin: fake tensors route them through modes, real do not
+            if ns in ("c10d", "_c10d_functional") or (ns, func._opname) == ("tplower", "split_exchange"):
+                self.traffic._count(ns, func._opname, args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -146,8 +161,11 @@ def place(model: nn.Module, mesh: Any, *, context_mode: str | None, loss_chunk: 
           checkpointing: bool, experts: str | None = None) -> Any:
     """``model`` placed on ``mesh`` as :func:`tplower.hf.prepare_trainer` places it; the
     :class:`~tplower.hf.model.TrainingModel` (``None`` for one rank)."""
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # transformers 5.x renamed it (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mesh is None:
         return None
     from ..hf.model import parallelize_for_training
@@ -182,8 +200,6 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..core.lower.traffic import CollectiveTraffic
-
     params = list(model.parameters())
     if placed is not None and placed.split is not None:
         batch = placed.split.cut(batch)
@@ -192,28 +208,59 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
         for s in optimizer.state.values():
             yield from (v for v in s.values() if isinstance(v, torch.Tensor))
 
-    tracker = LiveTensors({"parameters": lambda: params, "gradients": lambda: (p.grad for p in params),
-                           "optimizer": states, "batch": lambda: batch.values()})
+    tracker = _Meter({"parameters": lambda: params, "gradients": lambda: (p.grad for p in params),
+                      "optimizer": states, "batch": lambda: batch.values()})
     tracker.hold([*params, *model.buffers(), *(v for v in batch.values() if isinstance(v, torch.Tensor))])
-    traffic, flops, ops = CollectiveTraffic(), FlopCounterMode(display=False), _Ops()
-    with fake if fake is not None else contextlib.nullcontext():
+    flops = FlopCounterMode(display=False)
+    with fake if fake is not None else contextlib.nullcontext(), _no_gc():
         for step in range(steps):
-            last = step == steps - 1
-            with tracker, (traffic if last else contextlib.nullcontext()), \
-                    (flops if last else contextlib.nullcontext()), (ops if last else contextlib.nullcontext()):
+            last = tracker.counting = step == steps - 1
+            with (flops if last else contextlib.nullcontext()), tracker:
                 loss = model(**batch).loss
                 loss.backward()
                 del loss
+                grads = _bytes(p.grad for p in params)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             tracker.hold(states())
     axes = _axis_names(mesh) if mesh is not None else {}
     cols: dict[str, dict[str, tuple[int, int]]] = {}
-    for (group, kind), (count, nbytes) in traffic.by_group.items():
+    for (group, kind), (count, nbytes) in tracker.traffic.by_group.items():
         axis = axes.get(group, "other")
         before = cols.setdefault(axis, {}).get(kind, (0, 0))
         cols[axis][kind] = (before[0] + count, before[1] + nbytes)
-    return StepTrace(tracker.peak, dict(tracker.peak_split), int(flops.get_total_flops()), cols, ops.calls)
+    totals = {"parameters": _bytes(params), "gradients": grads, "optimizer": _bytes(states())}
+    return StepTrace(tracker.peak, dict(tracker.peak_split), int(flops.get_total_flops()), cols, tracker.calls,
+                     totals)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Within: no cyclic garbage collection (collected once first). Some tensors are freed only by the collector
+    (FSDP2's pre-backward hooks leave each hooked output's autograd node in a reference cycle, and with it what
+    the node saved), so when a collection happens inside a step moves its peak from run to run; without one the
+    peak is the same every run, the most the step can hold (a run whose collector fires mid-step peaks lower:
+    by 0-6% in ``tests/test_planner.py``)."""
+    import gc
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages of ``tensors`` (each once; DTensors by their local tensor; ``None`` skipped)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _storage(t)
+        if st is not None:
+            seen[id(st)] = int(st.nbytes())
+    return sum(seen.values())
 
 
 def _batch(vocab: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
@@ -256,6 +303,7 @@ def trace_step(config: Any, sizes: Mapping[str, int], *, seq_len: int, micro_bat
     for n in sizes.values():
         world *= n
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake.cache_enabled = False  # each shape is seen about once: hashing every call's arguments costs more
     with fake_world(world) if world > 1 else contextlib.nullcontext(), as_real_tensors():
         with fake:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
