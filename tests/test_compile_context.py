@@ -10,8 +10,9 @@ the batch's tensors (the same graph for every layout), and plain batches through
 (:mod:`tplower.context.runs`); ``num_items_in_batch`` is a ``DynamicInt``.
 
 All with ``TPLOWER_SLOW=1`` (compiling takes about 10 s a case on 2 cores): a short case (a one-layer model
-through three packed layouts in the all-gather mode, about 20 s alone) and every kind in Ulysses, padded and
-packed in the all-gather and hybrid modes.
+through three packed layouts in the all-gather mode, about 20 s alone), every kind in Ulysses, padded and packed in
+the all-gather and hybrid modes, and on a ``(cp=2, tp=2)`` mesh (4 ranks, the model's own tensor-parallel plan)
+packed rows in the all-gather mode and padded rows in Ulysses.
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ def _model(layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...]) -> dict[tuple[str, str], Any]:
-    """Per ``(kind, mode, layers, steps)`` case: the graphs each step compiled, the graph breaks, the losses."""
+def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...],
+           tp: bool = False) -> dict[tuple[str, str], Any]:
+    """Per ``(kind, mode, layers, steps)`` case: the graphs each step compiled, the graph breaks, the losses; on a
+    ``(cp=2, tp=2)`` mesh with the model's own tensor-parallel plan where ``tp``."""
     import torch._dynamo as dynamo
     from torch._dynamo.backends.debugging import aot_eager
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", (2, 2) if tp else (world,), mesh_dim_names=("cp", "tp") if tp else ("cp",))
     out: dict[tuple[str, str], Any] = {}
     graphs: list[int] = []  # every graph compiled (its node count), in order
 
@@ -81,7 +84,7 @@ def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...]) 
     for kind, mode, layers, steps in cases:
         dynamo.reset()
         dynamo.utils.counters.clear()
-        model = tplower.parallelize(_model(layers), mesh, None, context="cp", context_mode=mode)
+        model = tplower.parallelize(_model(layers), mesh, "auto" if tp else None, context="cp", context_mode=mode)
         compiled = torch.compile(model, backend=counting)
         losses, per_step = [], []
         for step in range(steps):
@@ -127,3 +130,14 @@ def ranks() -> list[dict[tuple[str, str], Any]]:
 def test_no_graph_break_no_recompile_one_process_loss(ranks: list[dict[tuple[str, str], Any]],
                                                        case: tuple[str, str, int, int]) -> None:
     _check(ranks, *case)
+
+
+#: cp2 x tp2 (4 gloo ranks, about 45 s a case): the model's tensor-parallel plan on tp beside the sequence split
+CP_TP = [("packed", "allgather", 1, 3), ("padded", "ulysses", 1, 3)]
+
+
+@slow
+def test_cp_beside_tp_traces_once() -> None:
+    ranks = run_processes(4, _ranks, tuple(CP_TP), True, timeout=900)
+    for case in CP_TP:
+        _check(ranks, *case)
