@@ -1,14 +1,23 @@
-"""A compiled context-parallel train step breaks no graph, on plain, padded and packed batches whose layouts change.
+"""A compiled context-parallel train step traces once: no graph break, no recompile as the batches' layouts change.
 
-``torch.compile(model, backend="aot_eager")`` of tiny Llama under ``parallelize(model, mesh, None, context="cp")``
-at cp=2 (2 gloo ranks, Ulysses), five steps per kind of batch, the padding and the documents' lengths changing
-from step to step: dynamo's graph-break counter stays at 0 (the batch's runs and the layout's orders are made by
-``shard_sequence``, eagerly, so the forward reads no tensor values and takes no lock), and each step's loss is one
-process's on the whole batch. ``TPLOWER_SLOW=1`` (compiling takes about 30 s a kind on 2 cores).
+``torch.compile(model, backend=...)`` of tiny Llama under ``parallelize(model, mesh, None, context="cp")`` at cp=2
+(2 gloo ranks), five steps per kind of batch at a fixed length: plain rows, padded rows (left, right or both
+sides, a different amount per row and step) and packed rows (one to five documents, the cuts moving). A counting
+backend (``aot_eager`` underneath) counts the graphs each step compiles: after the first step at most one more
+(none today), dynamo's graph-break counter stays at 0, and each step's loss is one process's on the whole batch.
+A compiled step takes the padded and packed batches' attention through the dense mask transformers builds from
+the batch's tensors (the same graph for every layout), and plain batches through their one causal run
+(:mod:`tplower.context.runs`); ``num_items_in_batch`` is a ``DynamicInt``.
+
+All with ``TPLOWER_SLOW=1`` (compiling takes about 10 s a case on 2 cores): a short case (a one-layer model
+through three packed layouts in the all-gather mode, about 20 s alone), every kind in Ulysses, padded and packed in
+the all-gather and hybrid modes, and on a ``(cp=2, tp=2)`` mesh (4 ranks, the model's own tensor-parallel plan)
+packed rows in the all-gather mode and padded rows in Ulysses.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -19,68 +28,116 @@ from torch.distributed.device_mesh import init_device_mesh
 import tplower
 from tplower.testing import run_processes
 
-pytestmark = pytest.mark.skipif(not os.environ.get("TPLOWER_SLOW"), reason="slow: runs with TPLOWER_SLOW=1")
 pytest.importorskip("transformers")
+slow = pytest.mark.skipif(not os.environ.get("TPLOWER_SLOW"), reason="slow: runs with TPLOWER_SLOW=1")
 
 SEQ = 48
+STEPS = 5
+#: per step, each row's (left, right) padding
+PADDING = [((3, 0), (0, 0)), ((5, 0), (2, 4)), ((0, 6), (0, 0)), ((4, 3), (7, 0)), ((0, 0), (9, 2))]
+#: per step, where the documents of every row start (after the first)
+CUTS = [(10,), (13, 30), (5, 9, 20), (30,), (3, 6, 9, 12)]
 
 
 def _batch(kind: str, step: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(step))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    if kind == "padded":  # row 0 left-padded by 3 + step tokens
+    if kind == "padded":
         mask = torch.ones(2, SEQ, dtype=torch.long)
-        mask[0, :3 + step] = 0
+        for row, (left, right) in enumerate(PADDING[step]):
+            mask[row, :left] = 0
+            mask[row, SEQ - right:] = 0
         batch["attention_mask"] = mask
         batch["labels"][mask == 0] = -100
-    if kind == "packed":  # two documents, the cut moving
-        cut = 10 + 3 * step
-        batch["position_ids"] = torch.cat([torch.arange(cut), torch.arange(SEQ - cut)]).unsqueeze(0).expand(2, SEQ)
+    if kind == "packed":
+        bounds = (0, *CUTS[step], SEQ)
+        positions = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(bounds)])
+        batch["position_ids"] = positions.unsqueeze(0).expand(2, SEQ)
     return batch
 
 
-def _model() -> torch.nn.Module:
+def _model(layers: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
     return LlamaForCausalLM(config)
 
 
-def _ranks(rank: int, world: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...],
+           tp: bool = False) -> dict[tuple[str, str], Any]:
+    """Per ``(kind, mode, layers, steps)`` case: the graphs each step compiled, the graph breaks, the losses; on a
+    ``(cp=2, tp=2)`` mesh with the model's own tensor-parallel plan where ``tp``."""
     import torch._dynamo as dynamo
+    from torch._dynamo.backends.debugging import aot_eager
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    out: dict[str, Any] = {}
-    for kind in kinds:
+    mesh = init_device_mesh("cpu", (2, 2) if tp else (world,), mesh_dim_names=("cp", "tp") if tp else ("cp",))
+    out: dict[tuple[str, str], Any] = {}
+    graphs: list[int] = []  # every graph compiled (its node count), in order
+
+    def counting(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return aot_eager(gm, inputs)
+
+    for kind, mode, layers, steps in cases:
         dynamo.reset()
         dynamo.utils.counters.clear()
-        model = tplower.parallelize(_model(), mesh, None, context="cp")
-        compiled = torch.compile(model, backend="aot_eager")
-        losses = []
-        for step in range(5):
+        model = tplower.parallelize(_model(layers), mesh, "auto" if tp else None, context="cp", context_mode=mode)
+        compiled = torch.compile(model, backend=counting)
+        losses, per_step = [], []
+        for step in range(steps):
+            before = len(graphs)
             loss = compiled(**tplower.shard_sequence(_batch(kind, step), mesh, "cp")).loss
             loss.backward()
             losses.append(float(loss.detach()))
-        out[kind] = {"breaks": sum(dynamo.utils.counters["graph_break"].values()), "losses": losses,
-                     "graphs": dynamo.utils.counters["stats"].get("unique_graphs", 0)}
+            per_step.append(len(graphs) - before)
+        out[kind, mode] = {"breaks": sum(dynamo.utils.counters["graph_break"].values()), "losses": losses,
+                           "graphs": per_step}
     return out
 
 
-KINDS = ("plain", "padded", "packed")
+def _check(ranks: list[dict[tuple[str, str], Any]], kind: str, mode: str, layers: int, steps: int) -> None:
+    model = _model(layers)
+    want = [float(model(**_batch(kind, step)).loss) for step in range(steps)]
+    for rank in ranks:
+        got = rank[kind, mode]
+        assert got["breaks"] == 0, got
+        assert got["graphs"][0] > 0 and sum(got["graphs"][1:]) <= 1, got  # at most one recompile after step 1
+        torch.testing.assert_close(got["losses"], want, atol=1e-5, rtol=1e-5)
+
+
+FAST = ("packed", "allgather", 1, 3)
+
+
+@slow
+def test_fast_packed_allgather_traces_once() -> None:
+    _check(run_processes(2, _ranks, (FAST,), timeout=300), *FAST)
+
+
+SLOW = [(kind, "ulysses", 2, STEPS) for kind in ("plain", "padded", "packed")] + \
+       [(kind, mode, 2, STEPS) for mode in ("allgather", "hybrid") for kind in ("padded", "packed")]
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return run_processes(2, _ranks, KINDS, timeout=600)
+def ranks() -> list[dict[tuple[str, str], Any]]:
+    return run_processes(2, _ranks, tuple(SLOW), timeout=900)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_no_graph_break_and_one_process_loss(ranks: list[dict[str, Any]], kind: str) -> None:
-    model = _model()
-    want = [float(model(**_batch(kind, step)).loss) for step in range(5)]
-    for rank in ranks:
-        assert rank[kind]["breaks"] == 0, rank[kind]
-        torch.testing.assert_close(rank[kind]["losses"], want, atol=1e-5, rtol=1e-5)
+@slow
+@pytest.mark.parametrize("case", SLOW, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_no_graph_break_no_recompile_one_process_loss(ranks: list[dict[tuple[str, str], Any]],
+                                                       case: tuple[str, str, int, int]) -> None:
+    _check(ranks, *case)
+
+
+#: cp2 x tp2 (4 gloo ranks, about 45 s a case): the model's tensor-parallel plan on tp beside the sequence split
+CP_TP = [("packed", "allgather", 1, 3), ("padded", "ulysses", 1, 3)]
+
+
+@slow
+def test_cp_beside_tp_traces_once() -> None:
+    ranks = run_processes(4, _ranks, tuple(CP_TP), True, timeout=900)
+    for case in CP_TP:
+        _check(ranks, *case)

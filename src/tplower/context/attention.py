@@ -37,6 +37,13 @@ each get their own causal attention, as transformers gives them without a
 cache; one process does not look for them when it holds a cache
 (``use_cache`` on, the config's default outside training) or when the
 model's forward builds its masks without the position ids (gpt-oss, afmoe).
+
+Under ``torch.compile`` a batch with an ``attention_mask`` or ``position_ids``
+takes the dense mask even where it has runs: the runs are Python numbers
+whose count and kinds change with the layout, and a graph that read them
+would recompile per layout, while transformers' mask functions build the
+mask from the batch's tensors in the graph (one graph for every layout, an
+``[B, 1, S, S]`` mask). A plain batch (neither) keeps its one causal run.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.support.errors import TPLowerError
 from .exchange import allgather, hybrid, ulysses
-from .runs import batch_runs, windowed
+from .runs import windowed
 from .sequence import SPLIT_KEY, ContextSplit
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]
@@ -183,9 +190,10 @@ class _Windowed:
 
 
 def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-    """The batch's runs (:func:`~tplower.context.runs.batch_runs`, cached per batch) where this layer takes them:
-    ``sdpa`` (no mask means ``is_causal`` to it), causal, no position bias, and for the all-gather and hybrid
-    modes' offset blocks a CPU tensor and no dropout; ``None`` otherwise (the dense mask). A layer with a sliding
+    """The batch's runs (:attr:`ContextSplit.runs`) where this layer takes them: ``sdpa`` (no mask means
+    ``is_causal`` to it), causal, no position bias, for the all-gather and hybrid modes' offset blocks a CPU tensor
+    and no dropout, and under ``torch.compile`` a plain batch (module docstring); ``None`` otherwise (the dense
+    mask). A layer with a sliding
     window takes them through it (:func:`~tplower.context.runs.windowed`: blocks of the window, each against the
     keys it sees, no whole-sequence mask)."""
     if ca.inner != "sdpa" or not ca.causal or not getattr(ca.config, "is_causal", True) \
@@ -196,9 +204,9 @@ def _runs(ca: ContextAttention, split: ContextSplit, like: torch.Tensor, kwargs:
         return None
     if window is not None and (kwargs.get("dropout") or not isinstance(window, int) or window < 1):
         return None
-    if "runs" not in split.cache:
-        split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
-    runs = split.cache["runs"]
+    if torch.compiler.is_compiling() and (split.attention_mask is not None or split.given_positions):
+        return None  # the dense mask, made in the graph from the batch's tensors: no guard on the layout
+    runs = split.runs
     if window is None or runs is None:
         return runs
     if ("runs", window) not in split.cache:

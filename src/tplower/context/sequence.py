@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.fx.experimental.sym_node import DynamicInt
 
 from ..core.lower.collectives import _all_gather_base
 from ..core.lower.redistribute import redistribute_local
@@ -46,7 +47,7 @@ from ..core.support.argcheck import check_mesh
 from ..core.support.errors import TPLowerError
 from ..core.support.words import closest
 from .layout import SequenceLayout
-from .runs import batch_runs
+from .runs import Run, batch_runs
 
 __all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
 
@@ -78,6 +79,10 @@ class ContextSplit:
             carried ``position_ids``: a model that numbers its tokens itself
             when none are given (RoBERTa's from the pad token) gets its own
             numbering of the whole sequence (:mod:`tplower.context.rules`).
+        runs: the batch's runs (:func:`~tplower.context.runs.batch_runs`; ``None``: a mask with holes), made
+            eagerly when the split is made, outside ``cache``: a compiled forward then reads no tensor values for
+            them (no graph break at ``nonzero``), and one that builds the dense mask instead never looks at them
+            (no guard on how many there are).
     """
 
     layout: SequenceLayout
@@ -89,6 +94,10 @@ class ContextSplit:
     shifted: bool | None = None
     input_ids: torch.Tensor | None = None
     given_positions: bool = True
+    runs: tuple[Run, ...] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.runs = batch_runs(self.position_ids, self.attention_mask)
 
     @property
     def local_index(self) -> torch.Tensor:
@@ -210,14 +219,14 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
         if shift_labels:
             out["shift_labels"] = out["labels"]
         if batch.get("num_items_in_batch") is None:  # a given count (over every micro-batch) is the caller's
-            out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+            # an int a compiled step takes as a symbol from its first trace (no recompile when the count changes)
+            out["num_items_in_batch"] = DynamicInt(int((shifted != ignore_index).sum()))
     mask = batch.get("attention_mask")
     split = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
                          shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
                          input_ids=batch.get("input_ids"), given_positions=batch.get("position_ids") is not None)
-    # the batch's runs (which keys each query sees) and the layout's orders, made here, eagerly: a compiled forward
-    # then reads no tensor values for them (no graph break at nonzero) and takes no lock (cached_property's)
-    split.cache["runs"] = batch_runs(split.position_ids, split.attention_mask)
+    # the layout's orders, made here, eagerly (as the split's runs are): a compiled forward then takes no lock
+    # (cached_property's)
     for name in ("lengths", "order", "padded_order", "padded_source"):
         getattr(layout, name)
     out[SPLIT_KEY] = split
