@@ -1,5 +1,8 @@
 """A/B of the model step before landing a change: this tree against REV, alternating, as a ratio of ratios.
 
+Feeds docs/benchmarks.md (comparing with ``main`` before landing) and the eager-step history in
+benchmarks/README.md ("The eager step"): ratios of ratios against earlier revisions.
+
 Not run in CI; a developer runs it before landing anything that could slow the step::
 
     python benchmarks/ab.py REV [--pairs 3] [--reps 20] [--model NAME] [--compile [BACKEND]]

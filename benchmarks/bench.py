@@ -1,5 +1,8 @@
 """``tplower bench`` as a script, for launchers that take a file (``torchrun``).
 
+Feeds docs/benchmarks.md (``tplower bench``) for runs under ``torchrun``; every phase and figure is
+``tplower bench``'s own.
+
     # CPU, spawned gloo processes (world 2 and 4), every phase:
     python benchmarks/bench.py --out bench-out
     # the launcher's ranks (NCCL on GPUs), micro and memory phases:

@@ -1,5 +1,8 @@
 """How much of the model step the collectives take, per copy, and the step tplower would reach with no CPU overhead.
 
+Feeds benchmarks/README.md ("The eager step": time inside the all-reduces and the 0.89-0.97 bound),
+indexed in docs/benchmarks.md ("Where each number comes from").
+
     python benchmarks/collective_wait.py [--rounds 20] [--runs 1] [--sentences 16] [--plain]
 
 The model phase's MiniLM at tp=2 (:func:`tplower.bench.model._copies`: ``tplower`` and ``megatron``, the

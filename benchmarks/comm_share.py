@@ -1,5 +1,8 @@
 """The communication share of a model step, (step - floor) / floor, on any device and backend.
 
+Feeds docs/parallelize.md ("Overlapping the input gradient's all_reduce"): the communication share on
+CUDA ranks; ``benchmarks/device_check.sh`` runs it (the CPU figures there are ``tplower bench``'s model phase).
+
     python benchmarks/comm_share.py --device cuda --backend auto --out share-out
     python benchmarks/comm_share.py                       # CPU, gloo (as `tplower bench --phases model`)
 

@@ -1,5 +1,8 @@
 """Compiled and eager train step and forward: tplower against ``parallelize_module``, interleaved, medians.
 
+Feeds docs/compile.md ("Step times against parallelize_module", the ``--rounds 40`` run; "The first
+compiled step", ``--first-compile``).
+
     python benchmarks/compiled_steps.py                          # llama-tiny and MiniLM, inductor, 3 runs
     python benchmarks/compiled_steps.py --models llama-tiny --runs 1 --rounds 10
     python benchmarks/compiled_steps.py --first-compile --runs 2     # time to the first compiled step, fairly

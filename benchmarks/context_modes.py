@@ -1,5 +1,8 @@
 """Which context-parallel mode should be the default: Ulysses against K/V all-gather, measured.
 
+Feeds docs/context.md through benchmarks/results/context_modes.md (the plain batch before and after the
+mask-free kernels); ``tplower bench --phases context`` measures the modes today.
+
     python benchmarks/context_modes.py                          # seq 2048 and 8192, 4 layers, cp=2
     python benchmarks/context_modes.py --seqs 1024 --reps 3     # quicker
 

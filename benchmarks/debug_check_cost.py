@@ -1,5 +1,7 @@
 """Cost of the debug check (TPLOWER_DEBUG=1 / check=True) per redistribute_local call, gloo, 2 ranks.
 
+Feeds docs/placements.md ("When ranks disagree"): the debug check's cost per call.
+
 Run: python benchmarks/debug_check_cost.py   (prints medians in microseconds per call)
 """
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The first check on a machine with a GPU, in under 10 minutes; every result lands in one folder.
 #
+# Feeds docs/compile.md ("On a GPU"), docs/parallelize.md (the communication share) and docs/hf-models.md
+# (compiled EP on a GPU) once run on a GPU; until then the pages give CPU figures only.
+#
 #   benchmarks/device_check.sh [OUT_DIR]          # default OUT_DIR: device-check-out
 #   benchmarks/device_check.sh --dry-run [OUT_DIR] # print each step's command, run nothing (no GPU needed;
 #                                                  # DEVICE_CHECK_GPUS=N: plan for N GPUs, default 1)

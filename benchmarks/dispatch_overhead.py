@@ -1,5 +1,8 @@
 """The cost of ``redistribute_local``'s convenience call, in every placement spelling, against a hand-written Function.
 
+Feeds benchmarks/README.md ("Reaching the program: the call cache", "Every placement spelling at the
+fast path"), indexed in docs/benchmarks.md ("Where each number comes from").
+
 On the ``fake`` backend (collectives return at once, no data moves), one
 process pretending to be rank 0 of ``--world`` ranks, these callables run the
 same collective on the same local tensor:

@@ -1,5 +1,8 @@
 """What a compiled train step's graphs hold, tplower against ``parallelize_module``, side by side.
 
+Feeds README.md ("When to choose it": 12 against 24 backward collectives) and docs/compile.md ("What the
+graphs hold").
+
     python benchmarks/graph_counts.py                       # llama-tiny, aot_eager graphs (seconds)
     python benchmarks/graph_counts.py --inductor            # inductor's post-grad graphs (about a minute)
     python benchmarks/graph_counts.py --model all-minilm-l6-v2 --show

@@ -1,5 +1,7 @@
 """Does torch.compile shorten the bench's MoE layer in one process, with no communication at all?
 
+Feeds docs/hf-models.md ("Which to pick"): eager and compiled MoE layer in one process, 29.6 ms each.
+
     OMP_NUM_THREADS=1 python benchmarks/moe_compile_one_process.py [--rounds 15] [--backend inductor]
 
 The ``tplower bench`` moe phase's Qwen3-MoE layer (:func:`tplower.bench.moe.moe_config`), one process, one

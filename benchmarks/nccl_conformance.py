@@ -1,5 +1,8 @@
 """A conformance subset against DTensor on CUDA tensors over NCCL, one torchrun rank per process.
 
+Feeds docs/compile.md ("On a GPU") as the conformance step of ``benchmarks/device_check.sh``, which runs
+it; ``tests/test_device_check.py`` runs it on CPU.
+
     torchrun --standalone --nproc-per-node 2 benchmarks/nccl_conformance.py --out conformance.json
 
 Each rank takes GPU ``LOCAL_RANK % device_count`` and checks (:mod:`tplower.conformance`:

@@ -1,5 +1,8 @@
 """Where tplower's per-call CPU time goes, on the ``fake`` backend (collectives move no data).
 
+Feeds benchmarks/README.md ("Where tplower's per-call time goes") and
+benchmarks/results/profile_dispatch.txt, listed in docs/benchmarks.md.
+
 Prints microseconds per call (best of 5 repeats of N calls) for each layer of
 ``redistribute_local``: the mesh-lowerer lookup, the program cache, the
 bound collective step alone, the step under ``LoweredTransition`` (autograd),

@@ -1,5 +1,7 @@
 """Cost of never assuming that a sharded sequence divides: a sequence-parallel train step, sizes exchanged vs not.
 
+Feeds docs/parallelize.md ("Uneven activations"): 3 to 6 % for exchanging uneven sizes.
+
 A stack of pre-norm MLP blocks under sequence parallelism (each block's input ``S(1)`` on the sequence, gathered
 before the column-parallel ``up``, reduce-scattered after the row-parallel ``down``) at tp=2 on 2 gloo ranks.
 By default the gather's input is a move whose sequence length no parameter says, so each call the ranks exchange

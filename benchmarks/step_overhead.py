@@ -1,5 +1,8 @@
 """The CPU cost of a parallelized model step beside the hand-written one, with no communication: one process.
 
+Feeds benchmarks/README.md ("The eager step": the step's CPU work per part), indexed in
+docs/benchmarks.md; ``benchmarks/ab.py --fake`` runs it.
+
 The model phase's copies of all-MiniLM-L6-v2 at tp=2 (:func:`tplower.bench.model._copies`: ``tplower``,
 ``megatron``, the hand-written Megatron-style one, and ``dtensor``, ``parallelize_module``'s), built in one
 process that is rank 0 of a ``fake`` group of ``--world`` ranks: every collective returns at once and moves

@@ -1,5 +1,8 @@
 """Training stacks as people run them: tplower.hf.prepare_trainer against the stack's own parallelism, on CPU.
 
+Feeds README.md ("When to choose it") and docs/training-stacks.md: Trainer and SFTTrainer at tp=2 and
+cp=2 against one process, and accelerate's ParallelismConfig on CPU.
+
     python benchmarks/training_stacks.py        # 2 gloo ranks, about a minute on 2 cores
 
 Each rank runs one process's plain trainer first (the oracle: transformers' ``Trainer`` or TRL's ``SFTTrainer``,
