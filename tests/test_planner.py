@@ -173,3 +173,37 @@ def test_cli_plan_json_rows_carry_the_documented_keys(tmp_path: Any) -> None:
     assert rows and all({"mesh", "fits", "peak_bytes", "collective_bytes", "predicted_step_s", "reason"} <= set(r)
                         for r in rows)
     assert rows[0]["fits"] and math.prod(rows[0]["mesh"].values()) == 2
+
+
+AUTO = {"memory_per_rank": "4GiB", "device": "h100", "seq_len": 32}
+
+
+def _auto_rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
+    rows = [{"input_ids": (ids := torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i))),
+             "labels": ids.clone()} for i in range(8)]
+    args = TrainingArguments(output_dir=folder, per_device_train_batch_size=1, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tplower.planner").addHandler(handler)
+    tplower.hf.prepare_trainer(trainer, "auto", layout=AUTO)
+    out = trainer.train()
+    return {"said": said, "loss": float(out.training_loss)}
+
+
+def test_prepare_trainer_auto_builds_the_best_fitting_mesh_and_trains(tmp_path: Any) -> None:
+    best = tplower.plan_layout(_config(), 2, seq_len=32, global_batch=2, micro_batch=1, dtype=torch.float32,
+                               axes=("dp", "tp"), checkpointing=(False,), loss_chunk=None, gpus_per_node=2,
+                               **{k: v for k, v in AUTO.items() if k != "seq_len"})[0]
+    got = run_processes(2, _auto_rank, str(tmp_path))
+    for rank in got:
+        assert math.isfinite(rank["loss"])
+        assert any(f"chose {best.label()} " in line for line in rank["said"]), rank["said"]

@@ -13,9 +13,10 @@ from .catalog import CASES, SIZES, Case
 __all__ = ["DEFAULT_PHASES", "PHASES", "BenchConfig"]
 
 #: Phases ``tplower bench`` can run.
-PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss", "context")
-#: Phases it runs when none are named (``context``, minutes at 8192 tokens, runs when asked for)
-DEFAULT_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p != "context")
+PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss", "context", "plan")
+#: Phases it runs when none are named (``context``, minutes at 8192 tokens, and ``plan``, which calibrates and
+#: runs a dozen layouts, run when asked for)
+DEFAULT_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p not in ("context", "plan"))
 
 
 @dataclass(frozen=True)

@@ -278,6 +278,7 @@ class BenchResult:
     moe: list[dict[str, Any]] = field(default_factory=list)
     loss: list[dict[str, Any]] = field(default_factory=list)
     context: list[dict[str, Any]] = field(default_factory=list)
+    plan: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult | None:
@@ -343,6 +344,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
                              window=cfg.context_window)
         res.context = context_phase(max(2, cfg.model_steps // 3), sweep=sweep, timeout=cfg.timeout,
                                     progress=progress)
+    if "plan" in cfg.phases:
+        from ..planner.accuracy import plan_phase
+
+        res.plan, res.meta["plan"] = plan_phase(max(3, cfg.model_steps // 2), timeout=cfg.timeout,
+                                                progress=progress)
     res.meta["elapsed_s"] = round(time.time() - t0, 1)
     return res
 

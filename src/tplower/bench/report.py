@@ -366,6 +366,14 @@ def format_markdown(res: BenchResult, command: str = "tplower bench") -> str:
                   "Peak: the tensor storages a train step creates, alive at once on rank 0 (parameters not "
                   "counted). Saved for backward: what autograd keeps from forward to backward (each storage "
                   "once; parameters' local views included).", "", *loss_table(res), ""]
+    if res.plan:
+        from ..planner.accuracy import CONFIG, SEQ, plan_table
+
+        parts += [f"## Layout planner: predicted against measured step times (Llama {CONFIG['num_hidden_layers']} "
+                  f"layers, hidden {CONFIG['hidden_size']}, {SEQ} tokens a row, float32, 2 gloo ranks)", "",
+                  "Predicted: `tplower.plan_layout` with the profile `tplower bench --calibrate` measured at the "
+                  "start of the phase; measured: the same layout trained for real, median step.", "",
+                  *plan_table(res.plan, res.meta["plan"]), ""]
     if res.moe:
         from .moe import MOE_BATCH, MOE_SEQ
 

@@ -129,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_int, default=None, metavar="SECONDS",
                         help="seconds each spawned group of ranks may run (default 900; the context phase's full "
                              "sweep at 32768 tokens and cp=4 needs hours on 2 busy cores)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's matmul rates, operator cost and collectives (2 ranks) and write "
+                             "OUT/profile.yaml for tplower plan --profile; no phase runs")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="spawned ranks run with glibc keeping freed memory (no fresh mmap, so no page faults, "
                              "for each large buffer): what a caching allocator gives; see benchmarks/README.md")
@@ -228,6 +231,19 @@ def main(args: argparse.Namespace) -> int:
     _check_options(args, cfg)  # before torch is imported: a misspelled option is refused at once
     check_writable_folder("--out", args.out)  # before any rank: a folder that cannot be written costs no run
     _check_device(cfg.device)
+    if args.calibrate:
+        from ..planner.calibrate import calibrate
+        from ..planner.profile import save_profile
+
+        print("[bench] calibrating: matmul rates, operator cost, collectives on 2 ranks", file=sys.stderr)
+        profile = calibrate(2, device=cfg.device, timeout=cfg.timeout)
+        path = Path(args.out) / "profile.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_profile(profile, path)
+        print(f"wrote {path}: {profile.flops_fp32 / 1e9:.1f} GFLOP/s float32, {profile.flops / 1e9:.1f} GFLOP/s "
+              f"bfloat16, {profile.op_seconds * 1e6:.1f} us an operator call, link {profile.intra.latency_s * 1e6:.0f} "
+              f"us + {profile.intra.bandwidth / 1e9:.2f} GB/s")
+        return 0
     from ..bench.phases import run_bench, write_json
     from ..bench.plots import write_plots
     from ..bench.report import format_markdown

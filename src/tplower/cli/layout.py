@@ -64,9 +64,13 @@ def config_for(model: str) -> Any:
         if not (path / "config.json").is_file():
             raise TPLowerError(f"--model {model!r}: the folder holds no config.json")
         return AutoConfig.from_pretrained(str(path))
-    from .plan import skeleton_for
+    from ..core.support.words import closest
+    from ..run.models import MODELS, skeleton
 
-    return skeleton_for(model).config
+    if model not in MODELS:
+        raise TPLowerError(f"--model {model!r} is neither a config.json, a folder holding one, nor a model of "
+                           f"tplower run ({', '.join(sorted(MODELS))}){closest(model, list(MODELS))}")
+    return skeleton(model).config
 
 
 def _table(rows: list[Any], top: int | None) -> str:

@@ -86,7 +86,8 @@ def _long_options(parser: argparse.ArgumentParser) -> list[str]:
 
 def _unrecognized(extra: list[str], command: str, parsers: Mapping[str, argparse.ArgumentParser]) -> str:
     """argparse's ``unrecognized arguments: ...``, with the option of ``command`` the first unknown ``--option``
-    most likely means by spelling, its dashes aside (``--nprocs`` -> ``--nproc``); none near: the command has no
+    most likely means by spelling, its dashes aside (``--nprocs`` -> ``--nproc``); none near, or the exact option of
+    another command: the command has no
     such option, the commands that do, and the command's options (``tplower plan --tp 2``: ``--tp`` is an option
     of ``tplower run``, and no option of ``plan`` is meant by it)."""
     options = _long_options(parsers[command])
@@ -96,9 +97,9 @@ def _unrecognized(extra: list[str], command: str, parsers: Mapping[str, argparse
         return said
     bare = {o[2:].lower(): o for o in options}
     near = difflib.get_close_matches(first[2:].lower(), list(bare), n=1, cutoff=0.6)
-    if near:
-        return f"{said} (did you mean {bare[near[0]]!r}?)"
     owners = [f"tplower {name}" for name, p in parsers.items() if name != command and first in _long_options(p)]
+    if near and not owners:  # another command's option, spelt exactly, is meant as that (--tp is not --top)
+        return f"{said} (did you mean {bare[near[0]]!r}?)"
     elsewhere = f" ({first} is an option of {' and '.join(owners)})" if owners else ""
     return f"{said}: tplower {command} has no {first} option{elsewhere}; its options: {', '.join(options)}"
 

@@ -295,9 +295,9 @@ def _save_method(trainer: Any, tm: TrainingModel) -> None:
     trainer.save_model = save
 
 
-def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, context: str | None = None,
+def prepare_trainer(trainer: Any, mesh: DeviceMesh | str, plan: Any = "auto", *, context: str | None = None,
                     context_mode: str = "ulysses", experts: str | None = None, token_loss: bool = False,
-                    **options: Any) -> Any:
+                    layout: Mapping[str, Any] | None = None, **options: Any) -> Any:
     """Parallelize ``trainer.model`` on ``mesh`` and make ``trainer`` train it as one process trains the whole model.
 
     Call it on every rank, after the trainer is built (with the model as loaded, the same weights on every rank)
@@ -317,7 +317,9 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
         mesh: every rank of the job, axes among ``dp`` (data parallel: FSDP2 shards the parameters over it, each
             coordinate reads its own micro-batches of ``per_device_train_batch_size``), ``cp`` (context
             parallel), ``tp`` (tensor parallel) and ``ep`` (expert parallel); the ranks of one tp/cp/ep group
-            read the same batches.
+            read the same batches. ``"auto"``: the mesh :func:`tplower.plan_layout` predicts fastest among those
+            that fit (:func:`tplower.planner.auto.auto_mesh`: ``tp`` with a plan, ``cp`` with ``context="cp"``,
+            checkpointing as the trainer's arguments say), logged with its predicted peak.
         plan: as :func:`tplower.parallelize`'s, on the ``tp``/``ep`` axis (``"auto"``: the model's own plan;
             with neither axis, nothing is sharded by a plan).
         context: ``"cp"`` (the mesh's context-parallel axis; required when it has one) or ``None``: every
@@ -329,6 +331,8 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
         token_loss: ``True`` vouches that the trainer's own ``compute_loss`` is a sum over tokens divided by
             ``num_items_in_batch`` (one that only adds to ``super().compute_loss`` is), so ``context`` takes it;
             without it, ``context`` takes only ``Trainer``'s and ``SFTTrainer``'s.
+        layout: with ``mesh="auto"``: options of the search (``memory_per_rank``, ``seq_len``, ``device``,
+            ``gpus_per_node``, ``dtype``, ``workers``, ``loss_chunk``).
         options: passed to :func:`tplower.parallelize` (``overlap``, ``strict``, ``cover``, ...).
 
     Returns:
@@ -351,12 +355,20 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh, plan: Any = "auto", *, conte
             into the model's DTensor parameters (one line naming it, on every rank).
     """
     _check_trainer(trainer, context, token_loss)
-    layout = DataLayout.of(mesh, context, "prepare_trainer")
-    check_generation(trainer.args, layout)
-    if getattr(trainer, "calculate_KL", False) and layout.dp_size > 1:
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise TPLowerError(f"prepare_trainer: mesh={mesh!r}: give a DeviceMesh or 'auto'")
+        from ..planner.auto import auto_mesh
+
+        mesh, context = auto_mesh(trainer, plan, context, context_mode, layout)
+    elif layout is not None:
+        raise TPLowerError("prepare_trainer: layout= is read with mesh='auto' only; drop it or pass mesh='auto'")
+    data = DataLayout.of(mesh, context, "prepare_trainer")
+    check_generation(trainer.args, data)
+    if getattr(trainer, "calculate_KL", False) and data.dp_size > 1:
         raise TPLowerError(f"prepare_trainer: {type(trainer).__name__} pairs each completion with another of its "
                            "per-device batch for its KL term when it prepares the dataset, so at dp="
-                           f"{layout.dp_size} the pairs are not those of one process with dp times the batch; "
+                           f"{data.dp_size} the pairs are not those of one process with dp times the batch; "
                            "train it on a mesh without 'dp' (tp, ep), or with a loss_type without the KL term")
     rule, causal = LossRule.of(trainer, trainer.model, token_loss), is_causal_lm(trainer.model)
     tm = parallelize_for_training(trainer.model, mesh, plan, context=context, context_mode=context_mode,
