@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
         config = config_for(args.model)
     bar: Any = None
     if not args.json or sys.stderr.isatty():
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         bar = tqdm(total=None, desc="tracing layouts", unit="layout", file=sys.stderr, leave=False)
 

@@ -363,6 +363,7 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh | str, plan: Any = "auto", *,
         mesh, context = auto_mesh(trainer, plan, context, context_mode, layout)
     elif layout is not None:
         raise TPLowerError("prepare_trainer: layout= is read with mesh='auto' only; drop it or pass mesh='auto'")
+    assert isinstance(mesh, DeviceMesh)
     data = DataLayout.of(mesh, context, "prepare_trainer")
     check_generation(trainer.args, data)
     if getattr(trainer, "calculate_KL", False) and data.dp_size > 1:

@@ -1,4 +1,4 @@
-"""The layout planner: which mesh (``dp`` × ``cp`` × ``tp``), checkpointing and loss chunking fit each rank's memory
+"""The layout planner: which mesh (``dp`` x ``cp`` x ``tp``), checkpointing and loss chunking fit each rank's memory
 and train fastest, from the real model's step traced on fake tensors (:func:`plan_layout`)."""
 
 from .profile import PRESETS, DeviceProfile, Link, load_profile, save_profile

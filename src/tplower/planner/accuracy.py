@@ -4,10 +4,10 @@
 This machine is calibrated first (:func:`tplower.planner.calibrate.calibrate`, 2 gloo ranks), then
 :func:`tplower.plan_layout` ranks every 2-rank layout of a small Llama (:data:`CONFIG`, :data:`SEQ` tokens a row,
 float32) with that profile, and each layout then trains for real on 2 gloo ranks, placed as the planner places it
-(:func:`tplower.planner.trace.place`), each step its micro-steps and one optimizer step, timed (median of
-``steps`` after a warm-up). The report gives both times per layout, the Spearman rank correlation of predicted
-against measured, and how far the predicted best is from the measured fastest. Timings only: no test asserts
-them.
+(:func:`tplower.planner.trace.place`), each step its micro-steps and one optimizer step, timed in rounds (one step
+of every layout a round, in turn; the median of ``steps`` rounds after two of warm-up). The report gives both
+times per layout, the Spearman rank correlation of predicted against measured, and how far the predicted best is
+from the measured fastest. Timings only: no test asserts them.
 """
 
 from __future__ import annotations
@@ -58,39 +58,41 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def _time_rank(rank: int, world: int, rows: list[dict[str, Any]], steps: int) -> list[float] | None:
+    """Each layout's median step on this rank: every layout placed first, then timed in rounds, one step of each
+    per round, in turn (the machine's load falls on all of them alike)."""
     from transformers import AutoModelForCausalLM
 
     from .trace import _batch, _optimizer, build_mesh, place
 
     torch.set_num_threads(1)
-    out = []
+    runs: list[Callable[..., None]] = []
     for row in rows:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
         model.train()
-        mesh = build_mesh(row["mesh"])
-        placed = place(model, mesh, context_mode=row["context_mode"], loss_chunk=row["loss_chunk"],
+        placed = place(model, build_mesh(row["mesh"]), context_mode=row["context_mode"], loss_chunk=row["loss_chunk"],
                        checkpointing=row["checkpointing"])
         opt = _optimizer(model, "adamw", None)
         batch = _batch(CONFIG["vocab_size"], row["micro_batch"], SEQ)
         if placed is not None and placed.split is not None:
             batch = placed.split.cut(batch)
 
-        def step() -> None:
-            for _ in range(row["accumulation"]):
+        def step(model: Any = model, opt: Any = opt, batch: Any = batch, n: int = row["accumulation"]) -> None:
+            for _ in range(n):
                 model(**batch).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        times = []
-        for i in range(steps + 2):
-            if mesh is not None:
-                torch.distributed.barrier()
+        runs.append(step)
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(steps + 2):
+        for k, step in enumerate(runs):
+            torch.distributed.barrier()
             t0 = time.perf_counter()
             step()
+            torch.distributed.barrier()
             if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
-    return out if rank == 0 else None
+                times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times] if rank == 0 else None
 
 
 def plan_phase(steps: int = 5, *, timeout: float = 900.0,
@@ -101,9 +103,9 @@ def plan_phase(steps: int = 5, *, timeout: float = 900.0,
         ``(rows, summary)``: a row per traced layout (the planner's row as :meth:`LayoutCandidate.as_dict`,
         plus ``measured_step_s``), and ``{"spearman", "best_over_fastest", "profile"}``.
     """
+    from ..testing import run_processes
     from .calibrate import calibrate
     from .search import plan_layout
-    from ..testing import run_processes
 
     progress("plan: calibrating this machine (2 gloo ranks)")
     profile = calibrate(2, timeout=timeout)

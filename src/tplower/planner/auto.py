@@ -91,7 +91,7 @@ def auto_mesh(trainer: Any, plan: Any, context: str | None, context_mode: str,
             best = rows[0] if rows and rows[0].fits else None
             choice[0] = (dict(best.mesh), best.label(), best.peak_bytes, best.predicted_step_s) if best else \
                 ("none", rows[0].reason if rows else "no layout")
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
+        except Exception as exc:
             choice[0] = ("none", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(choice, src=0)
     got = choice[0]

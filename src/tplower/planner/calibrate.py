@@ -17,9 +17,11 @@ measure). Each time is the median of ``reps`` calls after a warm-up.
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,33 +68,28 @@ def _rank(rank: int, world: int, device: str, reps: int) -> dict[str, Any] | Non
         for nbytes in (_SMALL, _LARGE):
             numel = nbytes // 4
             t = torch.ones(numel, device=dev)
+            fn: Callable[[], None]
             if kind == "all_reduce":
-                def fn(t: torch.Tensor = t) -> None:
-                    dist.all_reduce(t)
+                fn = functools.partial(dist.all_reduce, t)
                 sent.append(2 * (world - 1) * nbytes / world)
             elif kind == "all_gather":
                 outs = torch.empty(numel * world, device=dev)
 
                 gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-                def fn(t: torch.Tensor = t, o: torch.Tensor = outs) -> None:
-                    gather(o, t)
+                fn = functools.partial(gather, outs, t)
                 sent.append((world - 1) * nbytes)
             elif kind == "reduce_scatter":
                 piece = torch.empty(numel // world, device=dev)
                 if dist.get_backend() == "gloo":  # gloo has no reduce_scatter: tplower's remap, all_reduce + chunk
-                    def fn(t: torch.Tensor = t, p: torch.Tensor = piece) -> None:
+                    def remapped(t: torch.Tensor = t, p: torch.Tensor = piece) -> None:
                         dist.all_reduce(t)
                         p.copy_(t.chunk(world)[rank])
+                    fn = remapped
                 else:
-                    def fn(t: torch.Tensor = t, p: torch.Tensor = piece) -> None:
-                        dist.reduce_scatter_tensor(p, t)
+                    fn = functools.partial(dist.reduce_scatter_tensor, piece, t)
                 sent.append((world - 1) * nbytes / world)
             else:
-                recv = torch.empty_like(t)
-
-                def fn(t: torch.Tensor = t, r: torch.Tensor = recv) -> None:
-                    dist.all_to_all_single(r, t)
+                fn = functools.partial(dist.all_to_all_single, torch.empty_like(t), t)
                 sent.append((world - 1) * nbytes / world)
             dist.barrier()
             times.append(_median_seconds(fn, reps, sync))

@@ -62,7 +62,8 @@ class LiveTensors(TorchDispatchMode):
 
     Use as ``t = LiveTensors(kinds); t.hold(tensors); with t: step()``; then ``t.peak`` (bytes) and
     ``t.peak_split`` (``{kind: bytes}``, summing to ``t.peak``). :meth:`reset_peak` starts a new peak from the
-    bytes alive now.
+    bytes alive now. Setting :attr:`phase` (``"forward"``, ``"backward"``, ...) keeps each phase's own peak too,
+    split, in :attr:`phases`.
     """
 
     def __init__(self, kinds: dict[str, Callable[[], Iterable[Any]]] | None = None) -> None:
@@ -74,6 +75,9 @@ class LiveTensors(TorchDispatchMode):
         self.live = self.peak = 0
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self.peak_split: dict[str, int] = dict.fromkeys(KINDS, 0)
+        #: the phase the step is in (set by the caller); ``phases[phase]`` is its own peak, split
+        self.phase: str | None = None
+        self.phases: dict[str, dict[str, int]] = {}
         self._resize: Any = None
 
     def hold(self, tensors: Iterable[Any]) -> None:
@@ -102,9 +106,9 @@ class LiveTensors(TorchDispatchMode):
         self.live -= self.sizes.pop(key, 0)
 
     def _note_peak(self) -> None:
-        if self.live <= self.peak:
+        phase = self.phases.get(self.phase) if self.phase is not None else None
+        if self.live <= self.peak and (self.phase is None or (phase is not None and self.live <= sum(phase.values()))):
             return
-        self.peak = self.live
         split = dict.fromkeys(KINDS, 0)
         seen: set[int] = set()
         for kind, tensors in self.kinds.items():
@@ -114,7 +118,11 @@ class LiveTensors(TorchDispatchMode):
                     seen.add(id(st))
                     split[kind] += self.sizes[id(st)]
         split["activations"] = self.live - sum(split.values())
-        self.peak_split = split
+        if self.phase is not None and (phase is None or self.live > sum(phase.values())):
+            self.phases[self.phase] = split
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_split = split
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:

@@ -89,7 +89,7 @@ PRESETS: dict[str, DeviceProfile] = {
 
 def save_profile(profile: DeviceProfile, path: str | Path) -> None:
     """Write ``profile`` as YAML to ``path``."""
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     Path(path).write_text(yaml.safe_dump(asdict(profile), sort_keys=False))
 
@@ -109,7 +109,7 @@ def load_profile(spec: str | Path | DeviceProfile) -> DeviceProfile:
     path = Path(text)
     if not path.is_file():
         raise TPLowerError(f"device={text!r}: not a preset ({', '.join(PRESETS)}) nor a profile file")
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     data = yaml.safe_load(path.read_text()) or {}
     try:

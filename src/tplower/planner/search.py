@@ -1,6 +1,7 @@
-"""``plan_layout``: every layout of a model on ``ranks`` ranks, each traced on fake tensors, ranked by predicted step time.
+"""``plan_layout``: every layout of a model on ``ranks`` ranks, each traced on fake tensors, ranked by predicted
+step time.
 
-A candidate is a mesh (``dp`` × ``cp`` × ``tp``, sizes whose product is ``ranks``), activation checkpointing
+A candidate is a mesh (``dp`` x ``cp`` x ``tp``, sizes whose product is ``ranks``), activation checkpointing
 (off / per decoder layer) and, where ``cp > 1``, a context mode (``"ulysses"`` / ``"allgather"``) and the loss in
 chunks (off / on). Each is placed as :func:`tplower.hf.prepare_trainer` places it (FSDP2 over ``dp``) and one
 training step runs on fake tensors over a fake process group (:func:`tplower.planner.trace.trace_step`): the
@@ -10,14 +11,16 @@ the real step (measured against real runs in ``tests/test_planner.py``). Nothing
 The time model (:func:`predict_seconds`): compute at the profile's matmul rate, plus each collective at its axis's
 link (latency per ring step plus bytes over bandwidth; an axis is inside a node when it and the axes inside it
 span at most ``gpus_per_node`` ranks: ``tp`` is innermost, then ``cp``, then ``dp``), plus the profile's cost
-per operator call; no overlap of communication with compute is assumed. A step is ``global_batch / (dp ×
+per operator call; no overlap of communication with compute is assumed. A step is ``global_batch / (dp x
 micro_batch)`` micro-steps (gradient accumulation), each one traced micro-step.
 
-Models with many identical decoder layers are traced with two and with three layers and the rest counted
+Models with many identical decoder layers are traced with three and with four layers and the rest counted
 (``layers="auto"`` above :data:`WHOLE_TRACE_LAYERS` layers): FLOPs, collectives and operator calls are linear in
-the layer count when the layers are alike, and so is the peak without checkpointing (``tests/test_planner.py``
-checks each against a whole trace of six layers); with checkpointing the peak moves between phases of the
-backward and the count is within 6% of the whole trace there.
+the layer count when the layers are alike, and so is each phase's peak (forward, backward, optimizer), whose
+largest is the step's, once the first and last layers (FSDP2 prefetches a neighbour) are apart from a middle one:
+from three and four layers (``tests/test_planner.py`` checks it against a whole trace of six layers, with FSDP2 and
+checkpointing, where the step's peak moves from one phase to another as layers are added; two and three were 10%
+off there).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ from ..core.support.errors import TPLowerError
 from .profile import DeviceProfile, load_profile
 from .trace import AXES, StepTrace, trace_step
 
-__all__ = ["LayoutCandidate", "WHOLE_TRACE_LAYERS", "parse_bytes", "plan_layout", "predict_seconds"]
+__all__ = ["WHOLE_TRACE_LAYERS", "LayoutCandidate", "parse_bytes", "plan_layout", "predict_seconds"]
 
-#: models with at most this many decoder layers are traced whole by ``layers="auto"``
-WHOLE_TRACE_LAYERS = 4
+#: models with at most this many decoder layers are traced whole by ``layers="auto"`` (counting traces 3 + 4)
+WHOLE_TRACE_LAYERS = 6
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -180,7 +183,7 @@ def predict_seconds(trace: StepTrace, sizes: dict[str, int], profile: DeviceProf
 
 def _heads(config: Any, sizes: dict[str, int]) -> str:
     """A short reason the heads do not divide, or ""."""
-    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    tp = sizes.get("tp", 1)
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads and heads % tp:
@@ -205,8 +208,8 @@ def _trace(config: Any, sizes: dict[str, int], layers: str | int, **kw: Any) -> 
     whole = layers == "whole" or (layers == "auto" and total <= WHOLE_TRACE_LAYERS)
     if whole:
         return trace_step(config, sizes, **kw)
-    two, three = trace_step(_layers(config, 2), sizes, **kw), trace_step(_layers(config, 3), sizes, **kw)
-    return two.scaled(three, total - 2)
+    three, four = trace_step(_layers(config, 3), sizes, **kw), trace_step(_layers(config, 4), sizes, **kw)
+    return three.scaled(four, total - 3)
 
 
 def _task(config: Any, sizes: dict[str, int], layers: str | int, kw: dict[str, Any]) -> StepTrace | str:
@@ -215,7 +218,7 @@ def _task(config: Any, sizes: dict[str, int], layers: str | int, kw: dict[str, A
         return _trace(config, sizes, layers, **kw)
     except TPLowerError as exc:
         return str(exc).split("; ")[0]
-    except Exception as exc:  # noqa: BLE001 - a layout the trace cannot run is a refused row, with why
+    except Exception as exc:
         return f"could not be traced: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
@@ -305,7 +308,7 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
         checkpointing, context_modes: the variants to search.
         loss_chunk: positions per loss chunk for the chunked variant under ``cp`` (``None``: no chunked variant;
             none either where a rank's piece of the row, ``seq_len / cp``, is not longer).
-        layers: ``"auto"``, ``"whole"`` (trace every layer) or ``"extrapolate"`` (two and three layers, then count).
+        layers: ``"auto"``, ``"whole"`` (trace every layer) or ``"extrapolate"`` (three and four layers, then count).
         workers: processes tracing at once (``None``: 1 for up to 32 candidates, else up to 4, as the CPUs
             allow); with a process group in this process the traces always run in spawned processes.
         progress: called ``progress(done, total, label)`` after each candidate.
@@ -334,10 +337,9 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
                            "'allgather'")
     if layers not in ("auto", "whole", "extrapolate"):
         raise TPLowerError(f"plan_layout: layers={layers!r}: use 'auto', 'whole' or 'extrapolate'")
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise TPLowerError(f"plan_layout: dtype={dtype!r} is not a torch dtype name ('bfloat16', 'float32')")
-        dtype = getattr(torch, dtype)
+    if isinstance(dtype, str) and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise TPLowerError(f"plan_layout: dtype={dtype!r} is not a torch dtype name ('bfloat16', 'float32')")
+    dt: torch.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     profile = load_profile(device)
     memory = parse_bytes(memory_per_rank) if memory_per_rank is not None else profile.memory
     if memory is None:
@@ -370,7 +372,7 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
     done = len(rows) - len(todo)
     if progress is not None and done:
         progress(done, len(rows), "refused before tracing")
-    tasks = [(config, sizes, layers, dict(seq_len=seq_len, micro_batch=micro, dtype=dtype,
+    tasks = [(config, sizes, layers, dict(seq_len=seq_len, micro_batch=micro, dtype=dt,
                                            checkpointing=row.checkpointing, loss_chunk=row.loss_chunk,
                                            context_mode=row.context_mode, optimizer=optimizer, foreach=foreach))
              for row, sizes in todo]
@@ -389,7 +391,7 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
             row.collectives = {a: {k: (c * acc, b * acc) for k, (c, b) in kinds.items()}
                                for a, kinds in outcome.collectives.items()}
             row.collective_bytes = sum(b for kinds in row.collectives.values() for _, b in kinds.values())
-            row.predicted_step_s = acc * predict_seconds(outcome, sizes, profile, dtype, gpus_per_node)
+            row.predicted_step_s = acc * predict_seconds(outcome, sizes, profile, dt, gpus_per_node)
             row.fits = row.peak_bytes <= memory
             if not row.fits:
                 row.reason = f"{_gib(row.peak_bytes)} > {_gib(memory)}"

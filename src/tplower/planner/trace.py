@@ -8,7 +8,8 @@ model's forward on the rank's rows with ``labels``, ``loss.backward()``, ``optim
 ``optimizer.zero_grad()``. The first step makes the optimizer's state; the peak reported is the larger of the two
 (the second step's, in practice: it runs with the state alive), with Python's cyclic garbage collector held off
 during the steps (:func:`_no_gc`: the peak is then the same every run). The second step alone is counted for FLOPs
-(``torch.utils.flop_counter.FlopCounterMode``) and collectives (:class:`tplower.core.lower.traffic.CollectiveTraffic`,
+(``torch.utils.flop_counter``'s formulas per operator, as ``FlopCounterMode`` applies them, in the tracker's own
+mode: one mode on the stack, not two) and collectives (:class:`tplower.core.lower.traffic.CollectiveTraffic`,
 by the mesh axis each runs on).
 
 The same function runs the step on real tensors (``fake=False``), inside a real job: that is how the tests check
@@ -48,6 +49,8 @@ class StepTrace:
         ops: operator calls of the second step (the dispatcher's count: a measure of per-op overhead).
         totals: bytes of the rank's ``parameters``, its ``gradients`` as backward leaves them and the
             ``optimizer``'s state after its step (the second step's; each storage once).
+        phases: the second step's peak within each phase (``forward``, ``backward``, ``optimizer``), split as
+            ``split``: where a step's peak lies moves with the layer count, each phase's grows linearly.
     """
 
     peak_bytes: int
@@ -56,21 +59,27 @@ class StepTrace:
     collectives: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     ops: int = 0
     totals: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def scaled(self, other: StepTrace, layers: float) -> StepTrace:
         """``self + layers * (other - self)``: from traces of ``k`` (``self``) and ``k + 1`` (``other``) decoder
         layers, a trace of ``k + layers``."""
         def lin(a: float, b: float) -> int:
-            return int(round(a + layers * (b - a)))
+            return round(a + layers * (b - a))
         cols: dict[str, dict[str, tuple[int, int]]] = {}
         for axis in set(self.collectives) | set(other.collectives):
             a, b = self.collectives.get(axis, {}), other.collectives.get(axis, {})
-            cols[axis] = {k: (lin(a.get(k, (0, 0))[0], b.get(k, (0, 0))[0]), lin(a.get(k, (0, 0))[1], b.get(k, (0, 0))[1]))
-                          for k in set(a) | set(b)}
-        split = {k: lin(self.split.get(k, 0), other.split.get(k, 0)) for k in self.split}
+            cols[axis] = {k: (lin(a.get(k, (0, 0))[0], b.get(k, (0, 0))[0]),
+                              lin(a.get(k, (0, 0))[1], b.get(k, (0, 0))[1])) for k in set(a) | set(b)}
         totals = {k: lin(self.totals.get(k, 0), other.totals.get(k, 0)) for k in self.totals}
+        phases = {p: {k: lin(self.phases[p].get(k, 0), other.phases[p].get(k, 0)) for k in self.phases[p]}
+                  for p in self.phases if p in other.phases}
+        if phases:  # each phase's peak counted on, then the largest: the step's peak may move to another phase
+            split = max(phases.values(), key=lambda s: sum(s.values()))
+        else:
+            split = {k: lin(self.split.get(k, 0), other.split.get(k, 0)) for k in self.split}
         return StepTrace(sum(split.values()), split, lin(self.flops, other.flops), cols, lin(self.ops, other.ops),
-                         totals)
+                         totals, phases)
 
 
 class _Meter(LiveTensors):
@@ -78,21 +87,28 @@ class _Meter(LiveTensors):
     the stack costs every operator a Python call) while :attr:`counting`."""
 
     def __init__(self, kinds: dict[str, Any]) -> None:
+        from torch.utils.flop_counter import flop_registry
+
         from ..core.lower.traffic import CollectiveTraffic
 
         super().__init__(kinds)
         self.counting = False
-        self.calls = 0
+        self.calls = self.flops = 0
         self.traffic = CollectiveTraffic()
+        self.formulas = flop_registry  # FlopCounterMode's own formulas, by operator (matmuls, convolutions, sdpa)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.counting:
             ns = func.namespace
             self.calls += ns != "prim"  # prim.device and kin: fake tensors route them through modes, real do not
             if ns in ("c10d", "_c10d_functional") or (ns, func._opname) == ("tplower", "split_exchange"):
                 self.traffic._count(ns, func._opname, args)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            formula = self.formulas.get(func._overloadpacket)
+            if formula is not None:
+                self.flops += int(formula(*args, **(kwargs or {}), out_val=out))
+        return out
 
 
 @contextlib.contextmanager
@@ -162,10 +178,11 @@ def place(model: nn.Module, mesh: Any, *, context_mode: str | None, loss_chunk: 
     """``model`` placed on ``mesh`` as :func:`tplower.hf.prepare_trainer` places it; the
     :class:`~tplower.hf.model.TrainingModel` (``None`` for one rank)."""
     if checkpointing:  # transformers 5.x renamed it (the old name warns)
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        hf: Any = model
+        if hasattr(hf, "activation_checkpointing_enable"):
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mesh is None:
         return None
     from ..hf.model import parallelize_for_training
@@ -198,8 +215,6 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
     Returns:
         The :class:`StepTrace`.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     params = list(model.parameters())
     if placed is not None and placed.split is not None:
         batch = placed.split.cut(batch)
@@ -211,15 +226,17 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
     tracker = _Meter({"parameters": lambda: params, "gradients": lambda: (p.grad for p in params),
                       "optimizer": states, "batch": lambda: batch.values()})
     tracker.hold([*params, *model.buffers(), *(v for v in batch.values() if isinstance(v, torch.Tensor))])
-    flops = FlopCounterMode(display=False)
     with fake if fake is not None else contextlib.nullcontext(), _no_gc():
         for step in range(steps):
             last = tracker.counting = step == steps - 1
-            with (flops if last else contextlib.nullcontext()), tracker:
+            with tracker:
+                tracker.phase = "forward" if last else None
                 loss = model(**batch).loss
+                tracker.phase = "backward" if last else None
                 loss.backward()
                 del loss
                 grads = _bytes(p.grad for p in params)
+                tracker.phase = "optimizer" if last else None
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             tracker.hold(states())
@@ -230,8 +247,8 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
         before = cols.setdefault(axis, {}).get(kind, (0, 0))
         cols[axis][kind] = (before[0] + count, before[1] + nbytes)
     totals = {"parameters": _bytes(params), "gradients": grads, "optimizer": _bytes(states())}
-    return StepTrace(tracker.peak, dict(tracker.peak_split), int(flops.get_total_flops()), cols, tracker.calls,
-                     totals)
+    return StepTrace(tracker.peak, dict(tracker.peak_split), tracker.flops, cols, tracker.calls,
+                     totals, {p: dict(v) for p, v in tracker.phases.items()})
 
 
 @contextlib.contextmanager
@@ -325,4 +342,5 @@ def measure_step(model: nn.Module, mesh: Any, *, seq_len: int, micro_batch: int,
     model.train()
     placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing)
     opt = _optimizer(model, optimizer, foreach)
-    return run_step(model, opt, _batch(model.config.vocab_size, micro_batch, seq_len), mesh=mesh, placed=placed)
+    vocab = int(getattr(model, "config").vocab_size)  # noqa: B009 - a transformers model's config
+    return run_step(model, opt, _batch(vocab, micro_batch, seq_len), mesh=mesh, placed=placed)
