@@ -65,6 +65,7 @@ NOT_RUN = {
     ("docs/context.md", "needs 4 ranks; tests/test_context_tp.py runs it at cp=2 x tp=2"),
     ("docs/context.md", "needs 4 ranks; tests/test_context_fsdp.py runs it"),
     ("docs/design.md", "a picture of the package's folders"),
+    ("docs/layout.md", "needs 8 GPUs; tests/test_planner.py runs prepare_trainer(trainer, \"auto\") on 2 ranks"),
     ("docs/training-stacks.md", "needs 4 ranks; tests/test_hf_stacks.py runs dp=2 x tp=2 and dp=2 x cp=2 "
                                 "(TPLOWER_SLOW=1)"),
 }

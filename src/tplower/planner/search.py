@@ -194,18 +194,19 @@ def _heads(config: Any, sizes: dict[str, int]) -> str:
 
 
 def _layers(config: Any, n: int) -> Any:
+    """A copy of ``config`` with its first ``n`` decoder layers (``layer_types``, where a config lists each layer's
+    kind, cut to match)."""
     small = copy.deepcopy(config)
     small.num_hidden_layers = n
-    for key in ("layer_types", "mlp_only_layers"):
-        value = getattr(small, key, None)
-        if isinstance(value, list) and len(value) > n and key == "layer_types":
-            setattr(small, key, value[:n])
+    kinds = getattr(small, "layer_types", None)
+    if isinstance(kinds, list) and len(kinds) > n:
+        small.layer_types = kinds[:n]
     return small
 
 
 def _trace(config: Any, sizes: dict[str, int], layers: str | int, **kw: Any) -> StepTrace:
     total = int(getattr(config, "num_hidden_layers", 1) or 1)
-    whole = layers == "whole" or (layers == "auto" and total <= WHOLE_TRACE_LAYERS)
+    whole = layers == "whole" or total <= 4 or (layers == "auto" and total <= WHOLE_TRACE_LAYERS)
     if whole:
         return trace_step(config, sizes, **kw)
     three, four = trace_step(_layers(config, 3), sizes, **kw), trace_step(_layers(config, 4), sizes, **kw)
@@ -319,8 +320,9 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
 
     Raises:
         TPLowerError: an argument out of range (named, with the allowed values); no memory figure.
-        RuntimeError: a default process group exists in this process (call it before ``init_process_group``, or
-            in another process: :func:`tplower.hf.prepare_trainer`'s ``mesh="auto"`` does).
+
+    With a process group in this process (inside a job) the traces run in worker interpreters, which make their
+    own fake one.
     """
     config = _config_of(model_or_config)
     for name, value in (("ranks", ranks), ("seq_len", seq_len), ("global_batch", global_batch)):
