@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from .core.support.errors import TPLowerError, TPLowerTypeError
     from .core.support.teardown import shutdown
     from .nn.parallelize import parallelize
+    from .planner.search import LayoutCandidate, plan_layout
     from .plans.entries import BoundaryEntry, load_plan
     from .plans.forms import BoundaryForm, classify_boundary_form, explain_plan_lines
-    from .planner.search import LayoutCandidate, plan_layout
     from .plans.hf import plan_for
     from .runtime.grad_sums import sum_context_in_fsdp
     from .runtime.operators import TPOperators

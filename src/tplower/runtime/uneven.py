@@ -43,9 +43,9 @@ from torch.distributed.tensor.placement_types import Placement
 from ..core.language.transitions import chunk_size_and_offset
 from ..core.lower.backends import check_device
 from ..core.lower.collectives import _all_gather_base, _fc_all_gather
-from ..core.support.fake import host_values
 from ..core.lower.redistribute import MeshLowerer
 from ..core.support.errors import TPLowerError
+from ..core.support.fake import host_values
 from ..core.support.words import count
 
 __all__ = ["agreed_global_shape", "exchanged_global_shape", "known_global_shape"]
