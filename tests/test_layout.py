@@ -31,7 +31,8 @@ LINT = shutil.which("lint-imports")
 
 #: ``tplower.__all__``: the public API (names are added, never removed)
 PUBLIC = ["BoundaryEntry", "BoundaryForm", "DispatchPlan", "LayoutCandidate", "plan_layout", "all_to_all_splits",
-          "combine_tokens", "dispatch_tokens", "plan_dispatch", "MeshLowerer", "Step", "TPCollectiveLowerer", "TPExecutionOp",
+          "combine_tokens", "dispatch_tokens", "plan_dispatch", "MeshLowerer", "Step", "TPCollectiveLowerer",
+          "TPExecutionOp",
           "TPLowerError", "TPLowerTypeError", "TPOperators", "TransitionPlan", "VerifyReport", "__version__",
           "classify_axis", "classify_boundary_form", "classify_tp_transition", "create_tp_collective_lowerer",
           "explain_plan_lines", "format_placement", "format_placements", "full_state_dict", "gather_sequence",
