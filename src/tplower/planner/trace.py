@@ -198,8 +198,7 @@ def place(model: nn.Module, mesh: Any, *, context_mode: str | None, loss_chunk: 
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-             steps: int = 2, fake: Any = None, mesh: Any = None, placed: Any = None,
-             cheap_first: bool = False) -> StepTrace:
+             steps: int = 2, fake: Any = None, mesh: Any = None, placed: Any = None) -> StepTrace:
     """Run ``steps`` training steps of ``model`` on ``batch`` and measure them (see the module docstring).
 
     Args:
@@ -212,15 +211,10 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
         mesh: the layout's mesh (names the collectives' axes), or ``None``.
         placed: :func:`place`'s result: under ``cp`` the batch is cut first, on real tensors (the cut reads the
             batch's values), as the model's own splitter would cut it.
-        cheap_first: the first step is the forward alone (under ``no_grad``: what runs once, at the first call)
-            and an optimizer step on zero gradients (its state); then one step, measured (a third less work than
-            two whole steps; :func:`trace_step` does this, and the tests check it against two whole real steps).
 
     Returns:
         The :class:`StepTrace`.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     params = list(model.parameters())
     if placed is not None and placed.split is not None:
         batch = placed.split.cut(batch)
@@ -233,18 +227,6 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
                       "optimizer": states, "batch": lambda: batch.values()})
     tracker.hold([*params, *model.buffers(), *(v for v in batch.values() if isinstance(v, torch.Tensor))])
     with fake if fake is not None else contextlib.nullcontext(), _no_gc():
-        if cheap_first:  # the first step's forward alone, then the optimizer's state made by a step on zeros
-            with tracker, torch.no_grad():
-                model(**batch)
-                for m in model.modules():  # as a backward would leave them: FSDP2's root keeps its own whole
-                    if isinstance(m, FSDPModule):
-                        m.reshard()
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            tracker.hold(states())
-            steps = 1
         for step in range(steps):
             last = tracker.counting = step == steps - 1
             with tracker:
@@ -348,7 +330,7 @@ def trace_step(config: Any, sizes: Mapping[str, int], *, seq_len: int, micro_bat
         with fake:
             opt = _optimizer(model, optimizer, foreach)
         return run_step(model, opt, _batch(config.vocab_size, micro_batch, seq_len), fake=fake, mesh=mesh,
-                        placed=placed, cheap_first=True)
+                        placed=placed)
 
 
 def measure_step(model: nn.Module, mesh: Any, *, seq_len: int, micro_batch: int, checkpointing: bool = False,
