@@ -9,15 +9,14 @@ one in backward).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..planner.memory import LiveTensors
 from ..run.quiet import filtered_stderr
 from .cases import Case, dtensor_leaf, raw_call, setup
 
@@ -64,39 +63,6 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, obj
     return peak, out
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Bytes of the tensor storages ops create while active, alive now and at most (a finalizer per storage)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.alive: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.alive.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        from torch.distributed.tensor import DTensor
-
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, DTensor):
-                t = t._local_tensor
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            st = t.untyped_storage()
-            key = id(st)  # the storage's Python object lives as long as the storage does
-            if key in self.alive:
-                continue
-            self.alive.add(key)
-            self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(st, self._free, key, st.nbytes())
-        return out
-
-
 def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
     """Peak bytes of the tensor storages created while ``fn()`` runs and alive at once, and its result.
 
@@ -106,7 +72,7 @@ def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
     parameters) are not counted. Works where the profiler's memory timeline
     does not (it refuses some backward traces on torch 2.13).
     """
-    mode = _LiveStorages()
+    mode = LiveTensors()  # the layout planner's tracker: every new storage counted once, until freed
     with mode:
         out = fn()
     return mode.peak, out

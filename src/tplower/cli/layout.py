@@ -51,7 +51,7 @@ def config_for(model: str) -> Any:
     Raises:
         TPLowerError: none of these (the message lists the ``tplower run`` models).
     """
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
 
     path = Path(model)
     if path.is_file():
@@ -59,7 +59,7 @@ def config_for(model: str) -> Any:
         kind = data.get("model_type")
         if not kind:
             raise TPLowerError(f"--model {model!r}: the file has no model_type; give a transformers config.json")
-        return AutoConfig.for_model(**data) if kind else PretrainedConfig(**data)
+        return AutoConfig.for_model(**data)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise TPLowerError(f"--model {model!r}: the folder holds no config.json")

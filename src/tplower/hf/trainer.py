@@ -46,7 +46,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -363,7 +363,7 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh | str, plan: Any = "auto", *,
         mesh, context = auto_mesh(trainer, plan, context, context_mode, layout)
     elif layout is not None:
         raise TPLowerError("prepare_trainer: layout= is read with mesh='auto' only; drop it or pass mesh='auto'")
-    assert isinstance(mesh, DeviceMesh)
+    mesh = cast(DeviceMesh, mesh)  # not a DeviceMesh: DataLayout.of raises the TypeError
     data = DataLayout.of(mesh, context, "prepare_trainer")
     check_generation(trainer.args, data)
     if getattr(trainer, "calculate_KL", False) and data.dp_size > 1:

@@ -181,18 +181,6 @@ def predict_seconds(trace: StepTrace, sizes: dict[str, int], profile: DeviceProf
     return seconds
 
 
-def _heads(config: Any, sizes: dict[str, int]) -> str:
-    """A short reason the heads do not divide, or ""."""
-    tp = sizes.get("tp", 1)
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads and heads % tp:
-        return f"{heads} attention heads do not divide over tp {tp}"
-    if kv and kv % tp:
-        return f"{kv} kv heads do not divide over tp {tp}"
-    return ""
-
-
 def _layers(config: Any, n: int) -> Any:
     """A copy of ``config`` with its first ``n`` decoder layers (``layer_types``, where a config lists each layer's
     kind, cut to match)."""
@@ -366,7 +354,6 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
     for row in rows:
         sizes = {a: row.mesh.get(a, 1) for a in order}
         dp = sizes.get("dp", 1)
-        row.reason = _heads(config, sizes)
         if global_batch % (dp * micro):
             row.reason = f"global batch {global_batch} is not a multiple of dp {dp} x micro-batch {micro}"
         if not row.reason:
