@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..core.lower.redistribute import mesh_lowerer
-from ..core.support.fake import used_flags
+from ..core.support.fake import like_tensors, used_flags
 
 #: a :class:`tplower.runtime.params.ParamLayout` (not imported: that module imports this one)
 ParamLayout = Any
@@ -205,8 +205,8 @@ def _sum_group(mesh: Any, src: tuple[Any, ...], dtype: torch.dtype, device: torc
     A waiting gradient is let go once its last chunk is summed, and a sum lands in the parameter's ``.grad`` where
     it has one (added in place) or in a tensor of its own: the pass holds about one chunk beyond the gradients.
     """
-    flags = torch.tensor([0.0 if empty or pending.get(i) is None else 1.0 for i, _, _ in members], dtype=dtype,
-                         device=device)
+    own = [not empty and pending.get(i) is not None for i, _, _ in members]
+    flags = torch.tensor([float(u) for u in own], dtype=dtype, device=device)
     pieces: list[torch.Tensor | None] = [None if (g := pending.pop(i, None)) is None else g.reshape(-1)
                                          for i, _, _ in members]
     pieces.append(flags)
@@ -243,7 +243,7 @@ def _sum_group(mesh: Any, src: tuple[Any, ...], dtype: torch.dtype, device: torc
                 out[j][a:b].copy_(flat[at:at + b - a])  # type: ignore[index]
             at += b - a
     assert out[-1] is not None
-    used = used_flags(out[-1])  # one host sync for the group
+    used = used_flags(out[-1], own)  # one host sync for the group
     for k, (_, p, _) in enumerate(members):
         g = out[k]
         if g is None or not used[k]:  # added to .grad in place, or no rank used it: no gradient, as one process
@@ -374,9 +374,10 @@ def sum_context_in_fsdp(model: nn.Module, mesh: Any, axis: str = "cp") -> int:
     for m in groups:
         m.set_reduce_scatter_unused_params(True, recurse=False)
         m.set_all_reduce_hook(over_axis)
-        m.unshard()  # its parameters, as the forward gets them: FSDP2 keeps these objects from step to step
-        for p in m.parameters():
-            if isinstance(p, DTensor):
-                setattr(p, _FOLDED, axis)
-        m.reshard()
+        with like_tensors(list(m.parameters())):  # FSDP2's gather buffers, fake where the parameters are
+            m.unshard()  # its parameters, as the forward gets them: FSDP2 keeps these objects from step to step
+            for p in m.parameters():
+                if isinstance(p, DTensor):
+                    setattr(p, _FOLDED, axis)
+            m.reshard()
     return len(groups)

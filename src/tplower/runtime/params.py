@@ -301,12 +301,13 @@ def _sum_views(layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes
     (:class:`_LocalViews`' docstring)."""
     assert layout.grad is not None
     missing = any(g is None for g in grads)
-    flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=device)
+    own = [g is not None for g in grads]
+    flags = torch.tensor([float(u) for u in own], dtype=dtype, device=device)
     flat = torch.cat([*(torch.zeros(shape, dtype=dtype, device=device).reshape(-1) if g is None
                         else g.reshape(-1) for g, shape in zip(grads, shapes, strict=True)), flags])
     flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
                                              flat.device.type).run_owned(flat)
-    used = used_flags(flat[-len(grads):]) if missing else [True] * len(grads)
+    used = used_flags(flat[-len(grads):], own) if missing else [True] * len(grads)
     out: list[DTensor | None] = []
     start = 0
     for shape, spec, any_rank in zip(shapes, specs, used, strict=True):
