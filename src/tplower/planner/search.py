@@ -1,12 +1,14 @@
 """``plan_layout``: every layout of a model on ``ranks`` ranks, each traced on fake tensors, ranked by predicted
 step time.
 
-A candidate is a mesh (``dp`` x ``cp`` x ``tp``, sizes whose product is ``ranks``), activation checkpointing
-(off / per decoder layer) and, where ``cp > 1``, a context mode (``"ulysses"`` / ``"allgather"``) and the loss in
-chunks (off / on). Each is placed as :func:`tplower.hf.prepare_trainer` places it (FSDP2 over ``dp``) and one
-training step runs on fake tensors over a fake process group (:func:`tplower.planner.trace.trace_step`): the
-per-rank peak of every tensor alive, the FLOPs, the operator calls and the collectives per mesh axis are those of
-the real step (measured against real runs in ``tests/test_planner.py``). Nothing is allocated.
+A candidate is a mesh (``dp`` x ``cp`` x ``tp``, sizes whose product is ``ranks``), activation checkpointing (off /
+per decoder layer), where ``cp > 1`` a context mode (``"ulysses"`` / ``"allgather"``) and the loss in chunks (off /
+on), and for a mixture-of-experts model with ``tp > 1`` its experts over ``tp`` (``"tp"``: sharded inside each
+expert; ``"ep"``: whole experts per rank, the routing taken as balanced). Each is placed as
+:func:`tplower.hf.prepare_trainer` places it (FSDP2 over ``dp``) and one training step runs on fake tensors over a
+fake process group (:func:`tplower.planner.trace.trace_step`): the per-rank peak of every tensor alive, the FLOPs,
+the operator calls and the collectives per mesh axis are those of the real step (measured against real runs in
+``tests/test_planner.py``). Nothing is allocated.
 
 The time model (:func:`predict_seconds`): compute at the profile's matmul rate, plus each collective at its axis's
 link (latency per ring step plus bytes over bandwidth; an axis is inside a node when it and the axes inside it
@@ -25,7 +27,9 @@ off there).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import math
 import os
 import re
@@ -81,6 +85,8 @@ class LayoutCandidate:
         context_mode: ``"ulysses"``/``"allgather"`` under ``cp``, else ``None``.
         loss_chunk: positions per chunk of the loss under ``cp`` (``parallelize(context_loss_chunk=)``), or ``None``.
         micro_batch: rows per ``dp`` rank per micro-step; accumulation: micro-steps per step.
+        experts: a mixture-of-experts model's experts over ``tp``: ``"tp"`` (tensor parallelism inside each
+            expert) or ``"ep"`` (whole experts per rank, tokens exchanged by ``all_to_all``); ``None`` otherwise.
         fits: traced, and ``peak_bytes`` within the memory per rank.
         peak_bytes: bytes of every tensor alive on a rank at the step's peak (parameters, gradients, optimizer
             state, the batch, activations and temporaries); 0 when refused before tracing.
@@ -98,6 +104,7 @@ class LayoutCandidate:
     loss_chunk: int | None
     micro_batch: int
     accumulation: int
+    experts: str | None = None
     fits: bool = False
     peak_bytes: int = 0
     split: dict[str, int] = field(default_factory=dict)
@@ -108,8 +115,10 @@ class LayoutCandidate:
     reason: str = ""
 
     def label(self) -> str:
-        """A short name: ``dp2 x tp4, checkpointing, ulysses, loss chunks 1024``."""
+        """A short name: ``dp2 x tp4, experts ep, checkpointing, ulysses, loss chunks 1024``."""
         parts = [" x ".join(f"{a}{n}" for a, n in self.mesh.items()) or "one rank"]
+        if self.experts:
+            parts.append(f"experts {self.experts}")
         if self.checkpointing:
             parts.append("checkpointing")
         if self.context_mode:
@@ -132,6 +141,8 @@ class LayoutCandidate:
         lines = [f"mesh = init_device_mesh({device!r}, {sizes!r}, mesh_dim_names={names!r})"] if names else \
             ["# one rank: no mesh; train as usual"]
         args = ["trainer", "mesh", '"auto"' if "tp" in names else "None"]
+        if self.experts:
+            args.append(f"experts={self.experts!r}")
         if "cp" in names:
             args += ['context="cp"', f"context_mode={self.context_mode!r}"]
             if self.loss_chunk:
@@ -225,34 +236,51 @@ def _run_tasks(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int
     import queue
     import subprocess
     import sys
+    import tempfile
     import threading
 
     results: queue.Queue[tuple[int, StepTrace | str] | None] = queue.Queue()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    shares = [[(i, t) for i, t in enumerate(tasks) if i % workers == w] for w in range(min(workers, len(tasks)))]
+    todo: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    for pair in enumerate(tasks):
+        todo.put(pair)
 
-    def drive(share: list[tuple[int, Any]]) -> None:
+    ended: list[str] = []
+
+    def drive() -> None:
+        log = tempfile.TemporaryFile()  # its warnings (a pipe left unread would fill and stop it)
         proc = subprocess.Popen([sys.executable, "-m", "tplower.planner.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                                stdout=subprocess.PIPE, stderr=log, env=env)
         assert proc.stdin is not None and proc.stdout is not None
-        left = {i for i, _ in share}
+        index = -1
         try:
-            pickle.dump(share, proc.stdin)
-            proc.stdin.close()
-            while left:
-                index, outcome = pickle.load(proc.stdout)
-                left.discard(index)
-                results.put((index, outcome))
+            while True:
+                try:
+                    index, task = todo.get_nowait()
+                except queue.Empty:
+                    break
+                pickle.dump((index, task), proc.stdin)
+                proc.stdin.flush()
+                got, outcome = pickle.load(proc.stdout)
+                index = -1
+                results.put((got, outcome))
         except (EOFError, pickle.UnpicklingError, BrokenPipeError, OSError):
-            err = proc.stderr.read().decode(errors="replace").strip().splitlines() if proc.stderr else []
-            why = err[-1] if err else f"exit code {proc.poll()}"
-            for index in sorted(left):
-                results.put((index, f"could not be traced: the worker ended ({why})"))
-        finally:
+            proc.kill()
             proc.wait()
+            log.seek(0)
+            err = log.read().decode(errors="replace").strip().splitlines()
+            why = f"could not be traced: the worker ended ({err[-1] if err else f'exit code {proc.poll()}'})"
+            ended.append(why)
+            if index >= 0:
+                results.put((index, why))
+        finally:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            proc.wait()
+            log.close()
             results.put(None)
 
-    threads = [threading.Thread(target=drive, args=(share,), daemon=True) for share in shares]
+    threads = [threading.Thread(target=drive, daemon=True) for _ in range(min(workers, len(tasks)))]
     for t in threads:
         t.start()
     running = len(threads)
@@ -262,6 +290,18 @@ def _run_tasks(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int
             running -= 1
         else:
             yield item
+    while not todo.empty():  # every worker ended early: the tasks none of them took
+        index, _ = todo.get_nowait()
+        yield index, ended[-1] if ended else "could not be traced: no worker took it"
+
+
+def _experts(config: Any) -> int:
+    """Routed experts per layer of a mixture-of-experts config (the names transformers' configs use), else 0."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        n = getattr(config, name, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return 0
 
 
 def _config_of(model_or_config: Any) -> Any:
@@ -294,7 +334,9 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
             --calibrate``), or a :class:`~tplower.planner.profile.DeviceProfile`.
         gpus_per_node: ranks per node (``None``: one node).
         axes: the mesh axes to search, among ``"dp"``, ``"cp"``, ``"tp"``.
-        checkpointing, context_modes: the variants to search.
+        checkpointing, context_modes: the variants to search (a mixture-of-experts config, one with
+            ``num_experts``/``num_local_experts``/``n_routed_experts``, is searched with ``experts="tp"`` and
+            ``"ep"`` on each ``tp`` size too).
         loss_chunk: positions per loss chunk for the chunked variant under ``cp`` (``None``: no chunked variant;
             none either where a rank's piece of the row, ``seq_len / cp``, is not longer).
         layers: ``"auto"``, ``"whole"`` (trace every layer) or ``"extrapolate"`` (three and four layers, then count).
@@ -337,6 +379,7 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
                            "memory_per_rank (e.g. '80GiB')")
     foreach = True if profile.device == "cuda" else None
     order = [a for a in AXES if a in axes]
+    moe = _experts(config) > 1
     rows: list[LayoutCandidate] = []
     for sizes in _sizes(ranks, order):
         cp = sizes.get("cp", 1)
@@ -344,12 +387,11 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
         # a chunk as long as a rank's piece of the row is one chunk: no variant
         chunks: Sequence[int | None] = (None, loss_chunk) if cp > 1 and loss_chunk and \
             loss_chunk < seq_len // cp else (None,)
-        for ck in checkpointing:
-            for mode in modes:
-                for chunk in chunks:
-                    dp = sizes.get("dp", 1)
-                    rows.append(LayoutCandidate({a: n for a, n in sizes.items() if n > 1}, bool(ck), mode, chunk,
-                                                micro, max(global_batch // (dp * micro), 1)))
+        kinds: Sequence[str | None] = ("tp", "ep") if moe and sizes.get("tp", 1) > 1 else (None,)
+        for kind, ck, mode, chunk in itertools.product(kinds, checkpointing, modes, chunks):
+            dp = sizes.get("dp", 1)
+            rows.append(LayoutCandidate({a: n for a, n in sizes.items() if n > 1}, bool(ck), mode, chunk, micro,
+                                        max(global_batch // (dp * micro), 1), kind))
     todo: list[tuple[LayoutCandidate, dict[str, int]]] = []
     for row in rows:
         sizes = {a: row.mesh.get(a, 1) for a in order}
@@ -363,7 +405,8 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
         progress(done, len(rows), "refused before tracing")
     tasks = [(config, sizes, layers, dict(seq_len=seq_len, micro_batch=micro, dtype=dt,
                                            checkpointing=row.checkpointing, loss_chunk=row.loss_chunk,
-                                           context_mode=row.context_mode, optimizer=optimizer, foreach=foreach))
+                                           context_mode=row.context_mode, optimizer=optimizer, foreach=foreach,
+                                           experts=row.experts))
              for row, sizes in todo]
     if workers is None:
         workers = 1 if len(tasks) <= 32 else min(os.cpu_count() or 1, 4)

@@ -3,17 +3,17 @@
 :func:`trace_step` builds the model from its config under ``FakeTensorMode`` (no weight is allocated), makes the
 layout's mesh on a fake process group of the layout's world size as rank 0 (collectives return at once), places
 the model as :func:`tplower.hf.prepare_trainer` does (:func:`tplower.hf.model.parallelize_for_training`: the plan
-on ``tp``, context parallelism on ``cp``, FSDP2 over ``dp``), and runs two steps of a one-micro-batch loop: the
-model's forward on the rank's rows with ``labels``, ``loss.backward()``, ``optimizer.step()``,
-``optimizer.zero_grad()``. The first step makes the optimizer's state; the peak reported is the larger of the two
-(the second step's, in practice: it runs with the state alive), with Python's cyclic garbage collector held off
-during the steps (:func:`_no_gc`: the peak is then the same every run). The second step alone is counted for FLOPs
-(``torch.utils.flop_counter``'s formulas per operator, as ``FlopCounterMode`` applies them, in the tracker's own
-mode: one mode on the stack, not two) and collectives (:class:`tplower.core.lower.traffic.CollectiveTraffic`,
-by the mesh axis each runs on).
+on ``tp``, context parallelism on ``cp``, FSDP2 over ``dp``), makes what a first training step leaves behind
+(:func:`_first_call`: the forward once, its output dropped; the optimizer's state by a step on zero gradients) and
+runs one step of a one-micro-batch loop: the model's forward on the rank's rows with ``labels``,
+``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``, with Python's cyclic garbage collector held
+off (:func:`_no_gc`: the peak is then the same every run). The peak is the largest seen throughout. That step is
+counted for FLOPs (``torch.utils.flop_counter``'s formulas per operator, as ``FlopCounterMode`` applies them, in the
+tracker's own mode: one mode on the stack, not two) and collectives
+(:class:`tplower.core.lower.traffic.CollectiveTraffic`, by the mesh axis each runs on).
 
-The same function runs the step on real tensors (``fake=False``), inside a real job: that is how the tests check
-the prediction (:func:`measure_step`).
+The real check (:func:`measure_step`, inside a real job) runs two whole steps on real tensors and counts the
+second (its peak: the larger of the two); the tests hold the trace to it.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ class StepTrace:
         peak_bytes: bytes of every tensor storage alive on the rank at the step's peak (parameters, gradients,
             optimizer state, the batch, activations and temporaries).
         split: ``peak_bytes`` by kind (:data:`tplower.planner.memory.KINDS`).
-        flops: floating-point operations of the second step (forward, backward, optimizer), this rank's.
-        collectives: ``{axis: {kind: (count, bytes this rank sends)}}`` of the second step; ``axis`` is a mesh
+        flops: floating-point operations of the measured step (forward, backward, optimizer), this rank's.
+        collectives: ``{axis: {kind: (count, bytes this rank sends)}}`` of the measured step; ``axis`` is a mesh
             axis name, or names joined by ``+`` for a group over several.
-        ops: operator calls of the second step (the dispatcher's count: a measure of per-op overhead).
+        ops: operator calls of the measured step (the dispatcher's count: a measure of per-op overhead).
         totals: bytes of the rank's ``parameters``, its ``gradients`` as backward leaves them and the
-            ``optimizer``'s state after its step (the second step's; each storage once).
-        phases: the second step's peak within each phase (``forward``, ``backward``, ``optimizer``), split as
+            ``optimizer``'s state after its step (the measured step's; each storage once).
+        phases: the measured step's peak within each phase (``forward``, ``backward``, ``optimizer``), split as
             ``split``: where a step's peak lies moves with the layer count, each phase's grows linearly.
     """
 
@@ -198,7 +198,8 @@ def place(model: nn.Module, mesh: Any, *, context_mode: str | None, loss_chunk: 
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-             steps: int = 2, fake: Any = None, mesh: Any = None, placed: Any = None) -> StepTrace:
+             steps: int = 2, fake: Any = None, mesh: Any = None, placed: Any = None,
+             cheap_first: bool = False) -> StepTrace:
     """Run ``steps`` training steps of ``model`` on ``batch`` and measure them (see the module docstring).
 
     Args:
@@ -211,6 +212,9 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
         mesh: the layout's mesh (names the collectives' axes), or ``None``.
         placed: :func:`place`'s result: under ``cp`` the batch is cut first, on real tensors (the cut reads the
             batch's values), as the model's own splitter would cut it.
+        cheap_first: instead of a whole first step, what a first step leaves behind (:func:`_first_call`), then
+            one step, measured: about 40% less work than two whole steps (:func:`trace_step` does this; the tests
+            check it against two whole real steps).
 
     Returns:
         The :class:`StepTrace`.
@@ -227,8 +231,15 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
                       "optimizer": states, "batch": lambda: batch.values()})
     tracker.hold([*params, *model.buffers(), *(v for v in batch.values() if isinstance(v, torch.Tensor))])
     with fake if fake is not None else contextlib.nullcontext(), _no_gc():
+        if cheap_first:
+            with tracker:
+                _first_call(model, batch, params, optimizer, placed)
+            tracker.hold(states())
+            steps = 1
         for step in range(steps):
             last = tracker.counting = step == steps - 1
+            if placed is not None:
+                placed.forget()  # the losses recorded for the trainer, as prepare_trainer's loop drops them
             with tracker:
                 tracker.phase = "forward" if last else None
                 loss = model(**batch).loss
@@ -251,16 +262,46 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
                      totals, {p: dict(v) for p, v in tracker.phases.items()})
 
 
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """Within: no cyclic garbage collection (collected once first). Some tensors are freed only by the collector
-    (FSDP2's pre-backward hooks leave each hooked output's autograd node in a reference cycle, and with it what
-    the node saved), so when a collection happens inside a step moves its peak from run to run; without one the
-    peak is the same every run, the most the step can hold (a run whose collector fires mid-step peaks lower:
-    by 0-6% in ``tests/test_planner.py``)."""
+def _first_call(model: nn.Module, batch: dict[str, torch.Tensor], params: list[Any],
+                optimizer: torch.optim.Optimizer, placed: Any) -> None:
+    """What a first training step leaves behind, without its backward: the forward once with gradients enabled
+    (what runs at a model's first call: tplower's coverage probe and its ``all_reduce``, FSDP2's lazy setup and
+    gathers), its output dropped; FSDP2 as a backward leaves it (resharded, no forward order recorded: its
+    backward prefetches by that order); the optimizer's state, made by a step on zero gradients."""
     import gc
 
-    gc.collect()
+    from torch.distributed.fsdp import FSDPModule
+
+    model(**batch)
+    if placed is not None:
+        placed.forget()  # (the loss it recorded holds the forward's graph)
+    # the dropped forward's graph, held in reference cycles: the youngest generation holds every object made since
+    # the collector was held off (a full collection costs 0.2 s once the fake tensor cache is large)
+    gc.collect(0)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+            state = m._get_fsdp_state()
+            state._state_ctx.iter_forward_root = None
+            for group in state._fsdp_param_groups:
+                group.comm_ctx.post_forward_order.clear()
+                group._post_forward_indices.clear()
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Within: no cyclic garbage collection (the youngest generation collected first). Some tensors are freed
+    only by the collector (FSDP2's pre-backward hooks leave each hooked output's autograd node in a reference
+    cycle, and with it what the node saved), so when a collection happens inside a step moves its peak from run to
+    run; without one the peak is the same every run, the most the step can hold (a run whose collector fires
+    mid-step peaks lower: by 0-6% in ``tests/test_planner.py``)."""
+    import gc
+
+    gc.collect(0)
     was = gc.isenabled()
     gc.disable()
     try:
@@ -295,7 +336,7 @@ def _optimizer(model: nn.Module, name: str, foreach: bool | None) -> torch.optim
 
 def trace_step(config: Any, sizes: Mapping[str, int], *, seq_len: int, micro_batch: int, dtype: torch.dtype,
                checkpointing: bool = False, loss_chunk: int | None = None, context_mode: str | None = None,
-               optimizer: str = "adamw", foreach: bool | None = None) -> StepTrace:
+               optimizer: str = "adamw", foreach: bool | None = None, experts: str | None = None) -> StepTrace:
     """The :class:`StepTrace` of one layout, on fake tensors (see the module docstring).
 
     Args:
@@ -308,6 +349,11 @@ def trace_step(config: Any, sizes: Mapping[str, int], *, seq_len: int, micro_bat
         loss_chunk: under ``cp``: positions per chunk of the loss (``parallelize(context_loss_chunk=)``).
         context_mode: under ``cp``: ``"ulysses"`` or ``"allgather"``.
         optimizer: ``"adamw"`` or ``"sgd"``; foreach: passed to it (``None``: its default for the device).
+        experts: a mixture-of-experts model's experts on the ``tp``/``ep`` axis: ``"tp"`` (tensor parallelism
+            inside each expert) or ``"ep"`` (whole experts per rank); ``None``: as :func:`tplower.parallelize`
+            picks from the axis's name. Under expert parallelism the routing is taken as balanced (every rank
+            sends each expert the same number of rows: :func:`tplower.core.ops.dispatch.plan_dispatch`), as a
+            fake step has no router values.
 
     Raises:
         TPLowerError: every refusal of :func:`tplower.parallelize` for this layout (heads that do not divide, ...).
@@ -319,28 +365,31 @@ def trace_step(config: Any, sizes: Mapping[str, int], *, seq_len: int, micro_bat
     world = 1
     for n in sizes.values():
         world *= n
+    # FakeTensorMode's cache of operator outputs (by operator and argument metadata; shared by every trace in the
+    # process) serves the layers after the first, the second step and the next candidate: 1.6x faster per trace
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    fake.cache_enabled = False  # each shape is seen about once: hashing every call's arguments costs more
     with fake_world(world) if world > 1 else contextlib.nullcontext(), as_real_tensors():
         with fake:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.train()
         mesh = build_mesh(sizes)
-        placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing)
+        placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing,
+                       experts=experts)
         with fake:
             opt = _optimizer(model, optimizer, foreach)
         return run_step(model, opt, _batch(config.vocab_size, micro_batch, seq_len), fake=fake, mesh=mesh,
-                        placed=placed)
+                        placed=placed, cheap_first=True)
 
 
 def measure_step(model: nn.Module, mesh: Any, *, seq_len: int, micro_batch: int, checkpointing: bool = False,
                  loss_chunk: int | None = None, context_mode: str | None = None, optimizer: str = "adamw",
-                 foreach: bool | None = None) -> StepTrace:
+                 foreach: bool | None = None, experts: str | None = None) -> StepTrace:
     """The same step on real tensors, in a real job: ``model`` (as loaded, the same on every rank) is placed on
     ``mesh`` (``None``: one process) and run; collective over ``mesh`` (every rank calls it). The check of
     :func:`trace_step`'s prediction."""
     model.train()
-    placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing)
+    placed = place(model, mesh, context_mode=context_mode, loss_chunk=loss_chunk, checkpointing=checkpointing,
+                   experts=experts)
     opt = _optimizer(model, optimizer, foreach)
     vocab = int(getattr(model, "config").vocab_size)  # noqa: B009 - a transformers model's config
     return run_step(model, opt, _batch(vocab, micro_batch, seq_len), mesh=mesh, placed=placed)

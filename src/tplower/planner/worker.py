@@ -1,8 +1,9 @@
 """``python -m tplower.planner.worker``: trace the candidates it is sent, each result written back as it is done.
 
-Stdin: one pickled list of ``(index, task)``; stdout: one pickled ``(index, StepTrace | reason)`` per task, in the
-order they finish. A separate interpreter (not ``multiprocessing``): it needs no ``if __name__ == "__main__"``
-guard in the caller's script and no process group of the caller's (the trace makes a fake one).
+Stdin: pickled ``(index, task)`` pairs, one after another (the caller sends the next when a result comes back, so
+busy workers share the tasks evenly); stdout: one pickled ``(index, StepTrace | reason)`` per task. A separate
+interpreter (not ``multiprocessing``): it needs no ``if __name__ == "__main__"`` guard in the caller's script and no
+process group of the caller's (the trace makes a fake one).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ def main() -> None:
     torch.set_num_threads(1)
     from .search import _task
 
-    tasks = pickle.load(sys.stdin.buffer)
     out = sys.stdout.buffer
-    for index, task in tasks:
+    while True:
+        try:
+            index, task = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            return
         pickle.dump((index, _task(*task)), out)
         out.flush()
 

@@ -33,6 +33,7 @@ kept as tensors, the exchange one operator).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from ..lower.backends import backend_caps, backend_name_for
 from ..lower.collectives import _all_gather_base, keep_backward
 from ..lower.program import Program
 from ..support.errors import TPLowerError
+from ..support.fake import host_values, is_fake
 from ..support.words import count
 
 __all__ = ["DispatchPlan", "all_to_all_splits", "combine_tokens", "dispatch_tokens", "plan_dispatch"]
@@ -196,24 +198,46 @@ def plan_dispatch(expert_ids: torch.Tensor, num_experts: int, group: ProcessGrou
     n = dist.get_world_size(group)
     _check_ids(expert_ids, num_experts, n)
     rank = dist.get_group_rank(group, dist.get_rank())
-    flat = expert_ids.reshape(-1).to(torch.int64)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise TPLowerError(f"plan_dispatch: expert_ids hold {int(flat.min())} .. {int(flat.max())}, outside "
-                           f"0 .. {num_experts - 1} (num_experts={num_experts})")
-    counts = torch.bincount(flat, minlength=num_experts)
-    every = counts.new_empty((n * num_experts,))
-    _all_gather_base(every, counts, group=group)
-    per_rank = num_experts // n
-    by_expert = every.view(n, n, per_rank)  # [source rank, owner rank, local expert]
-    matrix = tuple(tuple(int(v) for v in row) for row in by_expert.sum(-1).tolist())
-    received = by_expert[:, rank, :]  # [source, local expert]
-    local_ids = torch.arange(per_rank, device=flat.device).repeat(n)
-    recv_expert = torch.repeat_interleave(local_ids, received.reshape(-1).to(flat.device))
-    local_order = torch.argsort(recv_expert, stable=True)
+    fake = is_fake(expert_ids)
+    if fake:
+        flat, every = _balanced(expert_ids, num_experts, group)
+    else:
+        flat = expert_ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+            raise TPLowerError(f"plan_dispatch: expert_ids hold {int(flat.min())} .. {int(flat.max())}, outside "
+                               f"0 .. {num_experts - 1} (num_experts={num_experts})")
+        counts = torch.bincount(flat, minlength=num_experts)
+        every = counts.new_empty((n * num_experts,))
+        _all_gather_base(every, counts, group=group)
+    with host_values() if fake else contextlib.nullcontext():  # (fake: the assumed routing's real values)
+        per_rank = num_experts // n
+        by_expert = every.view(n, n, per_rank)  # [source rank, owner rank, local expert]
+        matrix = tuple(tuple(int(v) for v in row) for row in by_expert.sum(-1).tolist())
+        received = by_expert[:, rank, :]  # [source, local expert]
+        local_ids = torch.arange(per_rank, device=flat.device).repeat(n)
+        recv_expert = torch.repeat_interleave(local_ids, received.reshape(-1).to(flat.device))
+        local_order = torch.argsort(recv_expert, stable=True)
+        order, tokens, local_experts = (torch.argsort(flat, stable=True), received.sum(0).to(flat.device),
+                                        recv_expert.index_select(0, local_order))
     backend = backend_name_for(group, expert_ids.device.type)
     return DispatchPlan(num_experts, int(expert_ids.shape[1]), int(expert_ids.shape[0]), rank, n, matrix,
-                        torch.argsort(flat, stable=True), local_order, received.sum(0).to(flat.device),
-                        recv_expert.index_select(0, local_order), group, backend_caps(backend).all_to_all)
+                        order, local_order, tokens, local_experts, group, backend_caps(backend).all_to_all)
+
+
+def _balanced(expert_ids: torch.Tensor, num_experts: int, group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``expert_ids`` (a step traced by :mod:`tplower.planner`, whose routing has no values): the routing
+    assumed is balanced, slot ``s`` of this rank's ``T * k`` to expert ``s mod E``, the same on every rank.
+
+    Returns ``(flat, every)``: the assumed expert of each slot and the ``n x E`` count matrix, flattened, both real
+    (host) tensors; the counts' ``all_gather`` is issued all the same, on fake tensors, as a real step issues it.
+    """
+    n = dist.get_world_size(group)
+    _all_gather_base(expert_ids.new_empty((n * num_experts,), dtype=torch.int64),
+                     expert_ids.new_empty((num_experts,), dtype=torch.int64), group=group)
+    with host_values():
+        flat = torch.arange(expert_ids.numel(), dtype=torch.int64) % num_experts
+        every = torch.bincount(flat, minlength=num_experts).repeat(n)
+    return flat, every
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
