@@ -157,6 +157,33 @@ def test_plan_layout_ranks_the_layouts_that_fit_and_says_why_the_others_do_not()
     assert [r.predicted_step_s for r in fitting] == sorted(r.predicted_step_s for r in fitting)  # fastest first
 
 
+def test_pruning_leaves_out_only_variants_that_cannot_be_the_pick() -> None:
+    kw: dict[str, Any] = dict(seq_len=128, global_batch=2, micro_batch=2, dtype="float32", axes=("cp",),
+                              context_modes=("ulysses",), loss_chunk=16, device="h100")
+    every = tplower.plan_layout(_config(), 2, memory_per_rank=2**40, prune=False, **kw)
+    assert len(every) == 4 and all(r.peak_bytes for r in every)
+    lean = min(r.peak_bytes for r in every)
+    assert max(r.peak_bytes for r in every) > lean  # (so the last memory below traces the middle variants)
+    traced = []
+    for memory in (2**40, lean - 1, lean):
+        rows = tplower.plan_layout(_config(), 2, memory_per_rank=memory, prune=True, **kw)
+        traced.append(sum(1 for r in rows if r.peak_bytes))
+        fits = [r for r in every if r.peak_bytes <= memory]
+        best = min(fits, key=lambda r: r.predicted_step_s) if fits else None
+        assert (rows[0].label() if rows[0].fits else None) == (best.label() if best else None), memory
+        by = {r.label(): r for r in every}
+        for r in rows:
+            if r.peak_bytes:  # traced: as traced without pruning
+                assert (r.peak_bytes, r.fits) == (by[r.label()].peak_bytes, by[r.label()].peak_bytes <= memory)
+            else:  # left out: no variant it names could be the pick
+                assert r.reason.startswith("not traced: ") and not r.fits, r.reason
+                whole = by[r.label()]
+                assert whole.predicted_step_s >= best.predicted_step_s if best else whole.peak_bytes > memory
+    # the fastest fits: only it and the leanest; the leanest does not fit: the variant without checkpointing left out;
+    # the leanest fits, the fastest does not: all four
+    assert traced == [2, 3, 4]
+
+
 def test_plan_layout_refuses_bad_arguments_by_name() -> None:
     for kwargs, word in (({"ranks": 0}, "ranks"), ({"axes": ("pp",)}, "axes"), ({"micro_batch": 0}, "micro_batch"),
                          ({"context_modes": ("ring",)}, "context_modes"), ({"dtype": "float33"}, "dtype"),

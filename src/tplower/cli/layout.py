@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-checkpointing", action="store_true", help="leave activation checkpointing out")
     group.add_argument("--axes", default="dp,cp,tp", help="mesh axes to search, comma-separated (default dp,cp,tp)")
     group.add_argument("--workers", type=positive_int, default=None, help="tracing processes (default: by size)")
+    group.add_argument("--all", action="store_true", dest="trace_all",
+                       help="trace every variant (a model of more than 6 layers: by default a mesh's other variants "
+                            "only when its fastest does not fit and its leanest does)")
 
 
 def config_for(model: str) -> Any:
@@ -129,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
                            device=profile, gpus_per_node=args.gpus_per_node,
                            checkpointing=(False,) if args.no_checkpointing else (False, True),
                            axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
-                           workers=args.workers, progress=progress)
+                           workers=args.workers, prune=False if args.trace_all else None, progress=progress)
     if bar is not None:
         bar.close()
     if args.json:

@@ -27,13 +27,12 @@ off there).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +40,9 @@ import torch
 
 from ..core.support.errors import TPLowerError
 from .profile import DeviceProfile, load_profile
+from .prune import Bound, gib
 from .trace import AXES, StepTrace, trace_step
+from .worker import run_tasks
 
 __all__ = ["WHOLE_TRACE_LAYERS", "LayoutCandidate", "parse_bytes", "plan_layout", "predict_seconds"]
 
@@ -69,10 +70,6 @@ def parse_bytes(value: int | float | str, arg: str = "memory_per_rank") -> int:
         raise TPLowerError(f"{arg}={value!r}: give bytes (an int) or a positive amount with a unit among "
                            f"{', '.join(u for u in _UNITS if u)} (e.g. '80GiB')")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
 
 
 @dataclass
@@ -222,79 +219,6 @@ def _task(config: Any, sizes: dict[str, int], layers: str | int, kw: dict[str, A
         return f"could not be traced: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
-def _run_tasks(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, StepTrace | str]]:
-    """``(index, _task(*tasks[index]))`` for every task, as each finishes: in this process (``workers == 1`` and
-    no process group here), or in ``workers`` interpreters of :mod:`tplower.planner.worker` (a process group here
-    would refuse the fake one)."""
-    import torch.distributed as dist
-
-    if workers == 1 and not (dist.is_available() and dist.is_initialized()):
-        for i, task in enumerate(tasks):
-            yield i, _task(*task)
-        return
-    import pickle
-    import queue
-    import subprocess
-    import sys
-    import tempfile
-    import threading
-
-    results: queue.Queue[tuple[int, StepTrace | str] | None] = queue.Queue()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    todo: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-    for pair in enumerate(tasks):
-        todo.put(pair)
-
-    ended: list[str] = []
-
-    def drive() -> None:
-        log = tempfile.TemporaryFile()  # its warnings (a pipe left unread would fill and stop it)
-        proc = subprocess.Popen([sys.executable, "-m", "tplower.planner.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=log, env=env)
-        assert proc.stdin is not None and proc.stdout is not None
-        index = -1
-        try:
-            while True:
-                try:
-                    index, task = todo.get_nowait()
-                except queue.Empty:
-                    break
-                pickle.dump((index, task), proc.stdin)
-                proc.stdin.flush()
-                got, outcome = pickle.load(proc.stdout)
-                index = -1
-                results.put((got, outcome))
-        except (EOFError, pickle.UnpicklingError, BrokenPipeError, OSError):
-            proc.kill()
-            proc.wait()
-            log.seek(0)
-            err = log.read().decode(errors="replace").strip().splitlines()
-            why = f"could not be traced: the worker ended ({err[-1] if err else f'exit code {proc.poll()}'})"
-            ended.append(why)
-            if index >= 0:
-                results.put((index, why))
-        finally:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-            proc.wait()
-            log.close()
-            results.put(None)
-
-    threads = [threading.Thread(target=drive, daemon=True) for _ in range(min(workers, len(tasks)))]
-    for t in threads:
-        t.start()
-    running = len(threads)
-    while running:
-        item = results.get()
-        if item is None:
-            running -= 1
-        else:
-            yield item
-    while not todo.empty():  # every worker ended early: the tasks none of them took
-        index, _ = todo.get_nowait()
-        yield index, ended[-1] if ended else "could not be traced: no worker took it"
-
-
 def _experts(config: Any) -> int:
     """Routed experts per layer of a mixture-of-experts config (the names transformers' configs use), else 0."""
     for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
@@ -317,7 +241,7 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
                 optimizer: str = "adamw", device: str | DeviceProfile = "h100", gpus_per_node: int | None = None,
                 axes: Sequence[str] = ("dp", "cp", "tp"), checkpointing: Sequence[bool] = (False, True),
                 context_modes: Sequence[str] = ("ulysses", "allgather"), loss_chunk: int | None = 1024,
-                layers: str | int = "auto", workers: int | None = None,
+                layers: str | int = "auto", workers: int | None = None, prune: bool | None = None,
                 progress: Callable[[int, int, str], None] | None = None) -> list[LayoutCandidate]:
     """Every layout of ``model_or_config`` on ``ranks`` ranks, traced, ranked (see the module docstring).
 
@@ -342,6 +266,9 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
         layers: ``"auto"``, ``"whole"`` (trace every layer) or ``"extrapolate"`` (three and four layers, then count).
         workers: processes tracing at once (``None``: 1 for up to 32 candidates, else up to 4, as the CPUs
             allow); with a process group in this process the traces always run in spawned processes.
+        prune: trace a mesh's other variants only when its fastest (no checkpointing, no loss chunks) does not
+            fit and its leanest (both) does; the rest are listed, not traced, with the reason (``None``: for
+            models traced by counting layers, whose traces are the long ones; ``False``: trace every candidate).
         progress: called ``progress(done, total, label)`` after each candidate.
 
     Returns:
@@ -412,7 +339,11 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
         workers = 1 if len(tasks) <= 32 else min(os.cpu_count() or 1, 4)
     if workers < 1:
         raise TPLowerError(f"plan_layout: workers={workers!r} must be >= 1 or None")
-    for index, outcome in _run_tasks(tasks, workers):
+    counted = layers == "extrapolate" or (layers == "auto" and int(config.num_hidden_layers) > WHOLE_TRACE_LAYERS)
+    bound = Bound([row for row, _ in todo], memory, counted if prune is None else bool(prune))
+
+    def follow(index: int, outcome: StepTrace | str) -> list[int]:
+        nonlocal done
         row, sizes = todo[index]
         done += 1
         if isinstance(outcome, str):
@@ -426,8 +357,17 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
             row.predicted_step_s = acc * predict_seconds(outcome, sizes, profile, dt, gpus_per_node)
             row.fits = row.peak_bytes <= memory
             if not row.fits:
-                row.reason = f"{_gib(row.peak_bytes)} > {_gib(memory)}"
+                row.reason = f"{gib(row.peak_bytes)} > {gib(memory)}"
         if progress is not None:
             progress(done, len(rows), row.label())
+        more, skipped = bound.after(index)
+        for j in skipped:
+            done += 1
+            if progress is not None:
+                progress(done, len(rows), todo[j][0].label())
+        return more
+
+    for _ in run_tasks(_task, tasks, bound.start, workers, follow):
+        pass
     return sorted(rows, key=lambda r: (0 if r.fits else 1 if r.peak_bytes else 2,
                                        r.predicted_step_s if r.fits else r.peak_bytes))

@@ -300,14 +300,13 @@ def _sum_views(layout: ParamLayout, grads: Sequence[torch.Tensor | None], shapes
     """The gradients summed from ``layout.grad`` to its placements, in one all_reduce with the flags
     (:class:`_LocalViews`' docstring)."""
     assert layout.grad is not None
-    missing = any(g is None for g in grads)
     own = [g is not None for g in grads]
     flags = torch.tensor([float(u) for u in own], dtype=dtype, device=device)
     flat = torch.cat([*(torch.zeros(shape, dtype=dtype, device=device).reshape(-1) if g is None
                         else g.reshape(-1) for g, shape in zip(grads, shapes, strict=True)), flags])
     flat = mesh_lowerer(layout.mesh).program(layout.grad, layout.placements, flat.shape,
                                              flat.device.type).run_owned(flat)
-    used = used_flags(flat[-len(grads):], own) if missing else [True] * len(grads)
+    used = used_flags(flat[-len(grads):], own) if not all(own) else own
     out: list[DTensor | None] = []
     start = 0
     for shape, spec, any_rank in zip(shapes, specs, used, strict=True):
