@@ -160,13 +160,13 @@ def test_plan_layout_ranks_the_layouts_that_fit_and_says_why_the_others_do_not()
 def test_pruning_leaves_out_only_variants_that_cannot_be_the_pick() -> None:
     kw: dict[str, Any] = dict(seq_len=128, global_batch=2, micro_batch=2, dtype="float32", axes=("cp",),
                               context_modes=("ulysses",), loss_chunk=16, device="h100")
-    every = tplower.plan_layout(_config(), 2, memory_per_rank=2**40, prune=False, **kw)
+    every = tplower.plan_layout(_config(1), 2, memory_per_rank=2**40, prune=False, **kw)
     assert len(every) == 4 and all(r.peak_bytes for r in every)
     lean = min(r.peak_bytes for r in every)
     assert max(r.peak_bytes for r in every) > lean  # (so the last memory below traces the middle variants)
     traced = []
     for memory in (2**40, lean - 1, lean):
-        rows = tplower.plan_layout(_config(), 2, memory_per_rank=memory, prune=True, **kw)
+        rows = tplower.plan_layout(_config(1), 2, memory_per_rank=memory, prune=True, **kw)
         traced.append(sum(1 for r in rows if r.peak_bytes))
         fits = [r for r in every if r.peak_bytes <= memory]
         best = min(fits, key=lambda r: r.predicted_step_s) if fits else None
