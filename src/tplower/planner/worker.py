@@ -36,6 +36,8 @@ def run_tasks(run: Callable[..., Any], tasks: list[tuple[Any, ...]], start: list
     """
     import torch.distributed as dist
 
+    if not start:
+        return
     if workers == 1 and not (dist.is_available() and dist.is_initialized()):
         waiting = deque(start)
         while waiting:
@@ -79,7 +81,7 @@ def run_tasks(run: Callable[..., Any], tasks: list[tuple[Any, ...]], start: list
             log.close()
             results.put(None)
 
-    threads = [threading.Thread(target=drive, daemon=True) for _ in range(min(workers, max(len(start), 1)))]
+    threads = [threading.Thread(target=drive, daemon=True) for _ in range(min(workers, len(start)))]
     for t in threads:
         t.start()
     running, outstanding = len(threads), len(start)
