@@ -188,7 +188,8 @@ def plan_dispatch(expert_ids: torch.Tensor, num_experts: int, group: ProcessGrou
         group: the expert-parallel process group.
 
     Returns:
-        The :class:`DispatchPlan` (the count matrix is the same on every rank).
+        The :class:`DispatchPlan` (the count matrix is the same on every rank). For fake ``expert_ids`` (a step
+        traced by :mod:`tplower.planner`) the routing is taken as balanced (:func:`_balanced`).
 
     Raises:
         TPLowerError: ``expert_ids`` not an integer ``[T, k]`` tensor, an index
