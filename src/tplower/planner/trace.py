@@ -207,7 +207,7 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
         optimizer: built on ``model.parameters()``; its state is counted as held once it exists.
         batch: this rank's whole micro-batch (``input_ids``, ``labels``: ``[rows, seq]`` int64); cut over ``cp``
             by the model's own splitter.
-        steps: at least 2 (the last is the one counted for FLOPs and collectives).
+        steps: at least 2 (the last is the one counted for FLOPs and collectives); 1 after ``cheap_first``.
         fake: the ``FakeTensorMode`` the model's tensors belong to, or ``None`` for real tensors.
         mesh: the layout's mesh (names the collectives' axes), or ``None``.
         placed: :func:`place`'s result: under ``cp`` the batch is cut first, on real tensors (the cut reads the

@@ -85,29 +85,31 @@ def run_tasks(run: Callable[..., Any], tasks: list[tuple[Any, ...]], start: list
     for t in threads:
         t.start()
     running, outstanding = len(threads), len(start)
-    while running and outstanding:
-        item = results.get()
-        if item is None:
-            running -= 1
-            continue
-        index, outcome = item
-        outstanding -= 1
-        yield index, outcome
-        for more in follow(index, outcome):
-            todo.put(more)
-            outstanding += 1
     left: list[int] = []
-    while True:  # (tasks nobody took: every worker ended early)
-        try:
-            leftover = todo.get_nowait()
-        except queue.Empty:
-            break
-        if leftover is not None:
-            left.append(leftover)
-    for _ in threads:
-        todo.put(None)  # each worker ends when it reads the end of its input
-    for t in threads:
-        t.join()
+    try:
+        while running and outstanding:
+            item = results.get()
+            if item is None:
+                running -= 1
+                continue
+            index, outcome = item
+            outstanding -= 1
+            yield index, outcome
+            for more in follow(index, outcome):
+                todo.put(more)
+                outstanding += 1
+        while True:  # (tasks nobody took: every worker ended early)
+            try:
+                leftover = todo.get_nowait()
+            except queue.Empty:
+                break
+            if leftover is not None:
+                left.append(leftover)
+    finally:  # (also when the caller stops early or follow raises: no worker is left waiting)
+        for _ in threads:
+            todo.put(None)  # each worker ends when it reads the end of its input
+        for t in threads:
+            t.join()
     for index in left:
         yield index, ended[-1] if ended else "could not be traced: no worker took it"
 
