@@ -60,9 +60,9 @@ def _check(cases: list[tuple[dict[str, int], dict[str, Any]]], world: int) -> No
     predicted = [trace_step(_config(), sizes, dtype=torch.float32, **STEP, **extra) for sizes, extra in cases]
     real = run_processes(world, _real_steps, cases)
     for i, (sizes, extra) in enumerate(cases):
-        # the ranks of these layouts are alike; a real run's peak moves up now and then on one rank (a few of the
-        # tp run's activations held a little longer, timing-dependent), so the closest rank is held to TOL and
-        # every rank to twice that
+        # the ranks of these layouts are alike; a real run's peak moves up now and then on one rank (gloo's worker
+        # thread lets a collective's buffer go a moment after wait() returns: docs/layout.md), so the closest rank
+        # is held to TOL and every rank to twice that
         peaks = [steps[i].peak_bytes for steps in real]
         got = predicted[i]
         assert min(abs(got.peak_bytes - p) / p for p in peaks) <= TOL, (sizes, extra, got.peak_bytes, peaks)
