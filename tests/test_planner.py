@@ -197,21 +197,35 @@ def test_plan_layout_refuses_bad_arguments_by_name() -> None:
 def test_cli_plan_json_rows_carry_the_documented_keys(tmp_path: Any) -> None:
     done = subprocess.run([sys.executable, "-m", "tplower", "plan", "--model", "llama-tiny", "--ranks", "2",
                            "--memory", "4GiB", "--seq", "64", "--global-batch", "2", "--dtype", "float32",
-                           "--json", "--no-checkpointing", "--axes", "dp,tp", "--workers", "2"],
+                           "--json", "--no-checkpointing", "--axes", "dp"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
     assert rows and all({"mesh", "fits", "peak_bytes", "collective_bytes", "predicted_step_s", "reason"} <= set(r)
                         for r in rows)
-    assert rows[0]["fits"] and math.prod(rows[0]["mesh"].values()) == 2
-    # traced by two worker interpreters, each row is what this process traces for it
+    assert rows[0]["fits"] and rows[0]["mesh"] == {"dp": 2}
+    # the row is what this process traces for it (the h100 profile's optimizer: foreach AdamW)
     from tplower.cli.layout import config_for
 
-    assert sorted(tuple(r["mesh"]) for r in rows) == [("dp",), ("tp",)]
-    for r in rows:
-        here = trace_step(config_for("llama-tiny"), r["mesh"], dtype=torch.float32, seq_len=64,
-                          micro_batch=r["micro_batch"], foreach=True)  # (the h100 profile: foreach AdamW)
-        assert (r["peak_bytes"], r["flops"]) == (here.peak_bytes, here.flops * r["accumulation"]), r["mesh"]
+    here = trace_step(config_for("llama-tiny"), {"dp": 2}, dtype=torch.float32, seq_len=64,
+                      micro_batch=rows[0]["micro_batch"], foreach=True)
+    assert (rows[0]["peak_bytes"], rows[0]["flops"]) == (here.peak_bytes, here.flops * rows[0]["accumulation"])
+
+
+def _ends_its_process(code: int) -> None:
+    os._exit(code)
+
+
+def test_worker_pool_runs_follow_ups_and_names_a_worker_that_ended() -> None:
+    from tplower.planner.worker import run_tasks
+
+    tasks: list[tuple[Any, ...]] = [(2, 10), (3, 4), (5, 2), (7, 2)]
+    got = dict(run_tasks(pow, tasks, [0, 1], 2, lambda i, _: [2, 3] if i == 0 else []))
+    assert got == {0: 1024, 1: 81, 2: 25, 3: 49}  # the follow-ups of task 0 ran too, in the worker processes
+    # a worker that ends mid-task: its task, and those nobody took, say so (nothing hangs)
+    ended = dict(run_tasks(_ends_its_process, [(3,), (3,), (3,)], [0, 1, 2], 2, lambda i, _: []))
+    assert set(ended) == {0, 1, 2} and all(v.startswith("could not be traced: the worker ended") for v in
+                                        ended.values()), ended
 
 
 AUTO = {"memory_per_rank": "4GiB", "device": "h100", "seq_len": 32}
