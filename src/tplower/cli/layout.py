@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--axes", default="dp,cp,tp", help="mesh axes to search, comma-separated (default dp,cp,tp)")
     group.add_argument("--workers", type=positive_int, default=None, help="tracing processes (default: by size)")
     group.add_argument("--all", action="store_true", dest="trace_all",
-                       help="trace every variant (a model of more than 6 layers: by default a mesh's other variants "
-                            "only when its fastest does not fit and its leanest does)")
+                       help="trace every variant (a model of more than 6 layers: by default a mesh's leanest variant "
+                            "first, then only those that could be the pick)")
 
 
 def config_for(model: str) -> Any:

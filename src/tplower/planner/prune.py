@@ -13,12 +13,14 @@ def gib(n: float) -> str:
 
 
 class Bound:
-    """Which candidates of a group (one mesh, context mode and experts) need tracing: with ``on``, the fastest
-    variant (no checkpointing, no loss chunks) and the leanest (both) first, then the others unless the fastest
-    fits (checkpointing and loss chunks add time: recomputation, more operator calls; none can be the pick) or,
-    for those without checkpointing, the leanest does not (they hold every layer's activations). Loss chunks do
-    not always take memory away (a small vocabulary's chunks can cost more than they save), so a checkpointed
-    variant is traced whenever the fastest does not fit.
+    """Which candidates of a group (one mesh, context mode and experts) need tracing: with ``on``, the leanest
+    variant (checkpointing and loss chunks) first. If it does not fit, neither does a variant without checkpointing
+    (those hold every layer's activations): they are left out and the other checkpointed ones traced. If it fits,
+    the fastest (neither) next: if that fits too, the rest are left out (checkpointing and loss chunks add time:
+    recomputation, more operator calls; none can be the pick); if it does not but is already slower than a
+    candidate traced elsewhere that fits, so are the rest; else they are traced. Loss chunks do not always take
+    memory away (a small vocabulary's chunks can cost more than they save), so a checkpointed variant is traced
+    whenever the fastest does not fit.
 
     Args:
         rows: every :class:`~tplower.planner.search.LayoutCandidate` to trace, in order (indices below are into it).
@@ -37,35 +39,46 @@ class Bound:
         self.start: list[int] = []
         self.group: dict[int, tuple[int, int, list[int]]] = {}  # index -> (fastest, leanest, the others)
         for members in groups.values():
-            if not on or len(members) < 3:
-                self.start += members
-                continue
             fast = min(members, key=lambda i: (rows[i].checkpointing, rows[i].loss_chunk is not None))
             lean = max(members, key=lambda i: (rows[i].checkpointing, rows[i].loss_chunk is not None))
-            ends = (fast, lean, [i for i in members if i not in (fast, lean)])
-            self.start += [fast, lean]
-            self.group[fast] = self.group[lean] = ends
-        self.seen: set[int] = set()
+            if not on or fast == lean:
+                self.start += members
+                continue
+            self.start.append(lean)
+            self.group[fast] = self.group[lean] = (fast, lean, [i for i in members if i not in (fast, lean)])
+
+    def best(self) -> Any:
+        """The fastest candidate traced so far that fits, or ``None``."""
+        fits = [r for r in self.rows if r.fits]
+        return min(fits, key=lambda r: r.predicted_step_s) if fits else None
 
     def after(self, index: int) -> tuple[list[int], list[int]]:
         """``(to trace next, not traced)`` once candidate ``index`` is traced; the latter get their reason."""
-        self.seen.add(index)
         ends = self.group.get(index)
-        if ends is None or not {ends[0], ends[1]} <= self.seen:
+        if ends is None:
             return [], []
         fast, lean, others = self.rows[ends[0]], self.rows[ends[1]], ends[2]
-        if fast.fits:
-            why = f"not traced: {fast.label()} fits ({gib(fast.peak_bytes)}) and is faster (checkpointing and " \
-                  "loss chunks add time); plan_layout(prune=False) traces it"
-        elif lean.peak_bytes and not lean.fits:  # those without checkpointing hold every layer's activations
+        if index == ends[1]:  # the leanest
+            rest = [ends[0], *others]
+            if lean.fits:
+                return [ends[0]], []  # the fastest next
+            del self.group[ends[0]]  # (its outcome decides nothing more)
+            if not lean.peak_bytes:  # not traced (refused, or failed): the others say why for themselves
+                return rest, []
             why = f"not traced: {lean.label()} needs {gib(lean.peak_bytes)} > {gib(self.memory)}, and without " \
                   "checkpointing more is held; plan_layout(prune=False) traces it"
-            skip = [i for i in others if not self.rows[i].checkpointing]
-            for i in skip:
-                self.rows[i].reason = why
-            return [i for i in others if i not in skip], skip
+            skip = [i for i in rest if not self.rows[i].checkpointing]
+        elif fast.fits:  # the fastest, traced because the leanest fits
+            why = f"not traced: {fast.label()} fits ({gib(fast.peak_bytes)}) and is faster (checkpointing and " \
+                  "loss chunks add time); plan_layout(prune=False) traces it"
+            rest = skip = others
+        elif (best := self.best()) is not None and fast.peak_bytes and fast.predicted_step_s > best.predicted_step_s:
+            why = f"not traced: even {fast.label()} takes {fast.predicted_step_s:.3g} s, more than " \
+                  f"{best.label()} ({best.predicted_step_s:.3g} s), which fits (checkpointing and loss chunks add " \
+                  "time); plan_layout(prune=False) traces it"
+            rest = skip = others
         else:
             return others, []
-        for i in others:
+        for i in skip:
             self.rows[i].reason = why
-        return [], others
+        return [i for i in rest if i not in skip], skip

@@ -266,9 +266,10 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
         layers: ``"auto"``, ``"whole"`` (trace every layer) or ``"extrapolate"`` (three and four layers, then count).
         workers: processes tracing at once (``None``: 1 for up to 32 candidates, else up to 4, as the CPUs
             allow); with a process group in this process the traces always run in spawned processes.
-        prune: trace a mesh's other variants only when its fastest (no checkpointing, no loss chunks) does not
-            fit and its leanest (both) does; the rest are listed, not traced, with the reason (``None``: for
-            models traced by counting layers, whose traces are the long ones; ``False``: trace every candidate).
+        prune: per mesh, context mode and experts choice, trace the leanest variant (checkpointing, loss chunks)
+            first, then only what could be the pick (:class:`~tplower.planner.prune.Bound`); the rest are listed,
+            not traced, with the reason (``None``: for models traced by counting layers, whose traces are the long
+            ones; ``False``: trace every candidate).
         progress: called ``progress(done, total, label)`` after each candidate.
 
     Returns:
