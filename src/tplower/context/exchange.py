@@ -18,9 +18,10 @@ run with no mask (:func:`~tplower.context.kernels.attend_runs`).
   ``g * U + u``), Ulysses inside a group of ``U`` ranks (each holds ``H/U``
   heads of the group's tokens), then the keys and values gathered across the
   ``G`` groups (under a sliding window, those the group's windows reach): the
-  group's queries attend to the whole sequence with ``H/U`` heads. It splits the heads only ``U`` ways, so it runs where the heads do not
-  divide over the whole axis, and with grouped key/value heads it repeats them
-  for ``U`` ranks rather than ``n``.
+  group's queries attend to the whole sequence with ``H/U`` heads. It splits
+  the heads only ``U`` ways, so it runs where the heads do not divide over the
+  whole axis, and with grouped key/value heads it repeats them for ``U`` ranks
+  rather than ``n``.
 
 Pieces of uneven length are padded to the longest before an exchange and the
 padding dropped after it.
@@ -37,10 +38,9 @@ import torch
 from ..core.lower.redistribute import redistribute_local
 from ..core.support.errors import TPLowerError
 from .kernels import Kernel, attend_runs
-from .layout import merge_spans
 from .runs import clip
 from .sequence import ContextSplit
-from .window import WindowKeys, axis_group_ranks, exchange_window_keys, plan_window_keys
+from .window import WindowKeys, axis_group_ranks, exchange_window_keys, holder_keys, plan_window_keys
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -179,17 +179,8 @@ def _windowed(split: ContextSplit, runs: Any, mode: str, holders: int, me: int,
         return None
     key = ("window_keys", mode, window, holders)
     if key not in split.cache:
-        layout = split.layout
-        u, width = layout.size // holders, max(layout.lengths)
-        slots, needs = [], []
-        for h in range(holders):
-            ranks = range(h * u, h * u + u)
-            pieces = [layout.global_index(r) for r in ranks]
-            if mode == "hybrid":  # the group's pieces as the Ulysses exchange lays them: padded to the longest
-                pieces = [torch.cat([p, p.new_full((width - p.numel(),), -1)]) for p in pieces]
-            slots.append(torch.cat(pieces))
-            needs.append(merge_spans([span for r in ranks for span in layout.reach(r, window)]))
-        split.cache[key] = plan_window_keys(slots, needs, me, layout.length, group_ranks())
+        slots, needs = holder_keys(split.layout, window, holders, padded=mode == "hybrid")
+        split.cache[key] = plan_window_keys(slots, needs, me, split.layout.length, group_ranks())
     found: WindowKeys | None = split.cache[key]
     return found
 

@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.ops.dispatch import all_to_all_splits
+from .layout import SequenceLayout, merge_spans
 
-__all__ = ["WindowKeys", "axis_group_ranks", "exchange_window_keys", "plan_window_keys"]
+__all__ = ["WindowKeys", "axis_group_ranks", "exchange_window_keys", "holder_keys", "plan_window_keys"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,6 +85,24 @@ def axis_group_ranks(mesh: DeviceMesh, axis: str) -> tuple[int, ...]:
         where[dim] = c
         out.append(dist.get_group_rank(group, int(mesh.mesh[tuple(where)])))
     return tuple(out)
+
+
+def holder_keys(layout: SequenceLayout, window: int, holders: int, padded: bool
+                ) -> tuple[list[torch.Tensor], list[tuple[tuple[int, int], ...]]]:
+    """:func:`plan_window_keys`'s ``slots`` and ``needs`` for ``holders`` holders of ``layout``'s ranks: holder
+    ``h`` holds ranks ``h * u .. h * u + u - 1`` (``u = n / holders``) and reaches what their windows of ``window``
+    keys reach; ``padded``: each rank's pieces padded to the longest (the hybrid mode's groups, as the Ulysses
+    exchange inside a group lays them), else laid end to end (a rank of the all-gather mode)."""
+    u, width = layout.size // holders, max(layout.lengths)
+    slots, needs = [], []
+    for h in range(holders):
+        ranks = range(h * u, h * u + u)
+        pieces = [layout.global_index(r) for r in ranks]
+        if padded:
+            pieces = [torch.cat([p, p.new_full((width - p.numel(),), -1)]) for p in pieces]
+        slots.append(torch.cat(pieces))
+        needs.append(merge_spans([span for r in ranks for span in layout.reach(r, window)]))
+    return slots, needs
 
 
 def plan_window_keys(slots: Sequence[torch.Tensor], needs: Sequence[tuple[tuple[int, int], ...]], me: int,
