@@ -80,7 +80,7 @@ class SequenceLayout:
         """The keys ``[lo, hi)`` (global positions, disjoint, ascending) that rank ``rank``'s queries can see through
         a causal sliding window of ``window`` keys: the query at ``q`` sees at most ``[q - window + 1, q]``, so a
         piece ``[a, b)`` reaches ``[a - window + 1, b)``; whatever documents or padding hide within it."""
-        return merge_spans([(max(0, start - window + 1), start + n) for start, n in self.pieces(rank)])
+        return merge_spans([(max(0, start - window + 1), start + n) for start, n in self.pieces(rank) if n])
 
     def local_length(self, rank: int) -> int:
         """How many tokens rank ``rank`` holds."""
