@@ -214,4 +214,6 @@ def run_case(case: Case, mesh: Any, layers: int = 2, count: bool = False, plan: 
     return {"loss": _differ(out.loss.detach(), want.loss.detach()), "logits": logits, "head": max(widths),
             "grad": math.inf if kinds_differ else float((grads - _grads(ref)).abs().max()),
             "scale": float(_grads(ref).abs().max()),
-            "counts": dict(traffic.counts), "sent": traffic.sent, "square": tables.largest}
+            "counts": dict(traffic.counts), "sent": traffic.sent, "square": tables.largest,
+            "sent_by_kind": {kind: sum(b for (_, k), (_, b) in traffic.by_group.items() if k == kind)
+                             for kind in traffic.counts}}

@@ -236,6 +236,27 @@ def test_context_tables_read_memory_against_one_process_plain_and_time_round_by_
                             "logits 0.12 (target <= 0.25: met)") for t in targets)
 
 
+def test_context_window_table_grows_each_mode_from_its_own_shortest_length() -> None:
+    from tplower.bench.context_report import context_table, context_targets
+
+    def row(mode: str, window: int | None, seq: int, ms: float, peak_mib: int) -> dict[str, object]:
+        return {"table": "window", "seq": seq, "cp": 2, "layers": 4, "mode": mode, "window": window,
+                "train_step_ms": ms, "peak_bytes": peak_mib << 20}
+
+    rows = [row("ulysses", 1024, 8192, 1000.0, 100), row("ulysses", 1024, 32768, 4000.0, 340),
+            row("allgather", 1024, 8192, 1200.0, 104), row("allgather", 1024, 32768, 6600.0, 380),
+            row("ulysses", None, 8192, 2000.0, 80)]
+    lines = context_table(rows)
+    assert "| allgather | 1024 | 32768 | 6600 | 5.50 | 380.0 | 3.65 |" in lines  # 6600 / 1200, 380 / 104
+    assert "| ulysses | 1024 | 32768 | 4000 | 4.00 | 340.0 | 3.40 |" in lines
+    assert "| ulysses | none | 8192 | 2000 | 1.00 | 80.0 | 1.00 |" in lines
+    targets = context_targets(rows)  # 4x the tokens: at most 5x the time
+    assert "- sliding window of 1024 (ulysses), train step at 32768 / 8192 tokens (4x the tokens; peak 3.40x): " \
+           "4.00 (target <= 5: met)" in targets
+    assert "- sliding window of 1024 (allgather), train step at 32768 / 8192 tokens (4x the tokens; peak 3.65x): " \
+           "5.50 (target <= 5: missed)" in targets
+
+
 def test_moe_table_sets_compiled_expert_parallelism_beside_its_peers() -> None:
     from tplower.bench.phases import BenchResult
     from tplower.bench.report import moe_table, target_lines

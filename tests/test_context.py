@@ -63,7 +63,21 @@ SQUARES = [Case("llama", mode, "sdpa", LONG, True, kind) for mode in ("ulysses",
 KINDS = ("plain", "ragged", "packed")
 WINDOWS = [Case(model, mode, "sdpa", 64, True, kind) for m, model in enumerate(("mistral_w4", "mistral_w24"))
            for k, mode in enumerate(("ulysses", "allgather", "hybrid")) for kind in KINDS
-           if os.environ.get("TPLOWER_SLOW") or kind == KINDS[(k + m) % 3]]
+           if os.environ.get("TPLOWER_SLOW") or kind == KINDS[(k + m) % 3]] + [
+    # the hybrid as 2 groups of one rank (its exchange across groups under the window), and uneven pieces
+    Case("mistral_w4", "hybrid", "sdpa", 64, True, "packed", ulysses=1),
+    Case("mistral_w24", "hybrid", "sdpa", 64, True, "ragged", ulysses=1),
+    Case("mistral_w24", "allgather", "sdpa", 37, False, "plain")]
+#: keys (each with its value) a rank sends per layer and step, forward and backward together, in the all-gather
+#: mode under a window, by hand. 64 tokens balanced: rank 0 holds [0, 16) and [48, 64), rank 1 [16, 48); a piece
+#: [a, b) reaches the keys [a - W + 1, b). W=4: rank 1's [16, 32) needs [13, 16) of rank 0, rank 0's [48, 64) needs
+#: [45, 48) of rank 1: 3 keys each way, forward, and their gradients back. W=24: rank 1 needs [0, 16) (16 keys, for
+#: [16, 32), and [9, 16) for [32, 48) among them), rank 0 needs [25, 48) (23): 16 + 23 a rank. 37 tokens, one piece
+#: a rank ([0, 19) and [19, 37)), W=24: rank 1's piece needs all of rank 0's 19, rank 0 needs none: 19 + 0. The
+#: all-gather of every key sends a whole (padded) piece each way: 32 + 32 and 19 + 19.
+WINDOW_KEYS = {"mistral_w4-allgather-sdpa-64-bal-ragged": (6, 64), "mistral_w24-allgather-sdpa-64-bal-packed": (39, 64),
+               "mistral_w4-hybrid-sdpa-64-bal-packed-u1": (6, 64), "mistral_w24-hybrid-sdpa-64-bal-ragged-u1": (39, 64),
+               "mistral_w24-allgather-sdpa-37-even-plain": (19, 38)}
 #: the cases whose collectives are counted at the dispatcher and compared with what explain_context computes: a
 #: 2-layer model's exchanges (Ulysses moves q, k, v and the output each way; all-gather gathers k and v and
 #: reduce-scatters their gradients; the hybrid as 1 x 2 runs Ulysses inside the one group, as 2 x 1 gathers across
@@ -198,7 +212,7 @@ def _body(rank: int, world: int, cases: list[Case], folder: str) -> dict[str, An
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED) for c in [*cases, *WINDOWS]}
+    results = {c.name: named(run_case, c, mesh, count=c.name in COUNTED or c in WINDOWS) for c in [*cases, *WINDOWS]}
     results.update({c.name: named(run_case, c, mesh, squares=True) for c in SQUARES})
     return {"cases": results, "refusals": _refusals(mesh, world), "stack": _stack(mesh, world, folder)}
 
@@ -246,7 +260,7 @@ def _predicted(case: Case) -> dict[str, Any]:
     info = explain_context(2, case.seq, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, 2,
                            layers=c.num_hidden_layers, head_dim=c.head_dim, balance=case.balance,
                            params=sum(p.numel() for p in model.parameters()), ulysses=case.ulysses,
-                           tensors=len(list(model.parameters())))
+                           tensors=len(list(model.parameters())), window=getattr(c, "sliding_window", None))
     return dict(info[case.mode])
 
 
@@ -264,6 +278,20 @@ def test_collectives_per_step_are_what_explain_predicts(ranks: list[dict[str, An
 def test_bytes_counted_at_the_dispatcher_are_what_explain_predicts(ranks: list[dict[str, Any]], case: Case) -> None:
     for r in ranks:
         assert r["cases"][case.name]["sent"] == _predicted(case)["step_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("case", [c for c in WINDOWS if c.name in WINDOW_KEYS], ids=lambda c: c.name)
+def test_windowed_all_gather_sends_only_the_keys_the_windows_reach(ranks: list[dict[str, Any]], case: Case) -> None:
+    c = tiny(case.model, case.impl).config
+    key = 2 * 2 * c.num_key_value_heads * c.head_dim * 4  # a key and its value, 2 rows, float32
+    keys, every = WINDOW_KEYS[case.name]
+    assert keys < every
+    for r in ranks:
+        got = r["cases"][case.name]
+        # one all_to_all of keys and values a layer each way; no key gathered whole, no gradient reduce-scattered
+        assert got["counts"] == {"all_to_all": 2 * c.num_hidden_layers, "all_reduce": 2}, got["counts"]
+        assert got["sent_by_kind"]["all_to_all"] == keys * c.num_hidden_layers * key
+        assert got["sent"] == _predicted(case)["step_bytes_per_rank"]  # explain --context says the same
 
 
 REFUSED = {

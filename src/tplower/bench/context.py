@@ -73,9 +73,9 @@ class ContextSweep:
             every size of ``cps``.
         loss_vocab, loss_seq, loss_chunk: the loss rows (in the spawn of the first cp size): a vocabulary of
             ``loss_vocab``, ``loss_seq`` tokens, chunks of ``loss_chunk`` positions (0: no loss rows).
-        window, window_seqs: the sliding-window rows (in the spawn of the first cp size,
+        window, window_seqs, window_modes: the sliding-window rows (in the spawn of the first cp size,
             :mod:`tplower.bench.context_window`): a window of ``window`` keys over each of ``window_seqs``
-            (0: no window rows).
+            (0: no window rows), in each context mode of ``window_modes``.
     """
 
     seqs: tuple[int, ...] = (CONTEXT_SEQ,)
@@ -87,6 +87,7 @@ class ContextSweep:
     loss_chunk: int = 512
     window: int = 1024
     window_seqs: tuple[int, ...] = (8192, 16384, 32768)
+    window_modes: tuple[str, ...] = ("ulysses", "allgather")
 
     def check(self) -> None:
         """Raises ValueError for sizes below what the phase runs: a sequence below 16 tokens, a cp size below 2,
@@ -196,7 +197,7 @@ def context_rank(rank: int, world: int, sweep: ContextSweep, layers: int, rounds
     if loss and sweep.loss_chunk:
         rows += loss_rows(rank, world, sweep.loss_seq, sweep.loss_vocab, sweep.loss_chunk, layers, rounds)
     if loss and sweep.window:
-        rows += window_rows(rank, world, sweep.window_seqs, sweep.window, layers, rounds)
+        rows += window_rows(rank, world, sweep.window_seqs, sweep.window, layers, rounds, sweep.window_modes)
     return rows if rank == 0 else []
 
 

@@ -108,19 +108,25 @@ def _loss_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _window_kind(r: dict[str, Any]) -> tuple[bool, str]:
+    """A window row's kind: windowed first, then by mode (rows from before the mode was recorded: Ulysses)."""
+    return r["window"] is None, r.get("mode", "ulysses")
+
+
 def _window_lines(rows: list[dict[str, Any]]) -> list[str]:
-    found = sorted((r for r in rows if r.get("table") == "window"), key=lambda r: (r["window"] is None, r["seq"]))
+    found = sorted((r for r in rows if r.get("table") == "window"), key=lambda r: (_window_kind(r), r["seq"]))
     windowed = [r for r in found if r["window"] is not None]
     if not windowed:
         return []
-    first = {r["window"]: r for r in reversed(found)}  # each kind's shortest length: the growth's base
+    first = {_window_kind(r): r for r in reversed(found)}  # each kind's shortest length: the growth's base
     lines = [f"A sliding window of {windowed[0]['window']} keys (tiny Mistral, {windowed[0]['layers']} layers, every "
-             f"layer windowed), cp={windowed[0]['cp']} (Ulysses), one plain row, against the same model causal over "
+             f"layer windowed), cp={windowed[0]['cp']}, one plain row, against the same model causal over "
              "the whole sequence (no window); growth is against each kind's shortest length:", "",
-             "| window | tokens | train step ms | growth | peak MiB per rank | growth |", "|---|---|---|---|---|---|"]
+             "| mode | window | tokens | train step ms | growth | peak MiB per rank | growth |",
+             "|---|---|---|---|---|---|---|"]
     for r in found:
-        base = first[r["window"]]
-        lines.append(f"| {r['window'] or 'none'} | {r['seq']} | {r['train_step_ms']:.0f} | "
+        base = first[_window_kind(r)]
+        lines.append(f"| {_window_kind(r)[1]} | {r['window'] or 'none'} | {r['seq']} | {r['train_step_ms']:.0f} | "
                      f"{r['train_step_ms'] / base['train_step_ms']:.2f} | {_mb(r['peak_bytes'])} | "
                      f"{r['peak_bytes'] / base['peak_bytes']:.2f} |")
     return lines
@@ -161,13 +167,15 @@ def context_targets(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"- longest sequence within {_mb(budget[cp]['budget_bytes'])} MiB per rank, cp={cp} / cp=1 "
                        f"({budget[cp]['longest_seq']} / {budget[1]['longest_seq']} tokens): "
                        f"{_verdict(budget[cp]['longest_seq'] / budget[1]['longest_seq'], '>=', bound)}")
-    windowed = sorted((r for r in rows if r.get("table") == "window" and r["window"]), key=lambda r: r["seq"])
-    if len(windowed) >= 2:  # at a fixed window, work grows as the tokens: allow a quarter more than their growth
-        lo, hi = windowed[0], windowed[-1]
-        more = hi["seq"] / lo["seq"]
-        out.append(f"- sliding window of {lo['window']}, train step at {hi['seq']} / {lo['seq']} tokens "
-                   f"({more:.0f}x the tokens; peak {hi['peak_bytes'] / lo['peak_bytes']:.2f}x): "
-                   f"{_verdict(hi['train_step_ms'] / lo['train_step_ms'], '<=', 1.25 * more)}")
+    for mode in dict.fromkeys(r.get("mode", "ulysses") for r in rows if r.get("table") == "window"):
+        windowed = sorted((r for r in rows if r.get("table") == "window" and r["window"] and
+                           r.get("mode", "ulysses") == mode), key=lambda r: r["seq"])
+        if len(windowed) >= 2:  # at a fixed window, work grows as the tokens: allow a quarter more than their growth
+            lo, hi = windowed[0], windowed[-1]
+            more = hi["seq"] / lo["seq"]
+            out.append(f"- sliding window of {lo['window']} ({mode}), train step at {hi['seq']} / {lo['seq']} tokens "
+                       f"({more:.0f}x the tokens; peak {hi['peak_bytes'] / lo['peak_bytes']:.2f}x): "
+                       f"{_verdict(hi['train_step_ms'] / lo['train_step_ms'], '<=', 1.25 * more)}")
     loss = [r for r in rows if r.get("table") == "loss"]
     if len(loss) == 2:
         whole, tiled = loss

@@ -145,13 +145,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context parallelism (--mesh cp=N[,tp=M]): the collectives and bytes per rank of a "
                              "train step in each mode (ulysses, allgather, hybrid); params=P adds the gradient sums "
                              "(tensors=T: P's parameter tensors, one flag each), ulysses=U sets the hybrid's "
-                             "Ulysses degree (default: from the heads)")
+                             "Ulysses degree (default: from the heads), window=W a causal sliding window on "
+                             "window_layers=N of the layers (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 _MOE_KEYS = ("tokens", "hidden", "top_k", "experts")
 _CONTEXT_KEYS = ("batch", "seq", "hidden", "heads", "kv_heads")
-_CONTEXT_OPTIONAL = ("layers", "head_dim", "params", "tensors", "ulysses")
+_CONTEXT_OPTIONAL = ("layers", "head_dim", "params", "tensors", "ulysses", "window", "window_layers")
 
 
 def parse_sizes(option: str, text: str, keys: tuple[str, ...], optional: tuple[str, ...], example: str, *,
@@ -194,7 +195,8 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
         raise TPLowerError(f"--context needs a cp axis in --mesh (e.g. cp=2,tp=2); --mesh {args.mesh} has "
                            f"{', '.join(names)}")
     c = parse_sizes("--context", args.context, _CONTEXT_KEYS, _CONTEXT_OPTIONAL,
-                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32", zero_ok=("params", "tensors"))
+                    "batch=1,seq=8192,hidden=4096,heads=32,kv_heads=8,layers=32",
+                    zero_ok=("params", "tensors", "window_layers"))
     tp = sizes[names.index("tp")] if "tp" in names else 1
     if problem := head_problem(c["hidden"], c["heads"], c["kv_heads"], tp, c.get("head_dim")):
         raise TPLowerError(f"--context {args.context!r}" + (f" with --mesh {args.mesh}" if tp > 1 else "") +
@@ -203,7 +205,8 @@ def _explain_context(args: argparse.Namespace, names: tuple[str, ...], sizes: tu
         info = explain_context(c["batch"], c["seq"], c["hidden"], c["heads"], c["kv_heads"],
                                sizes[names.index("cp")], tp, layers=c.get("layers", 1), head_dim=c.get("head_dim"),
                                params=c.get("params", 0), tensors=c.get("tensors", 0), dtype=dtype_of(args.dtype),
-                               ulysses=c.get("ulysses"))
+                               ulysses=c.get("ulysses"), window=c.get("window"),
+                               window_layers=c.get("window_layers"))
     except ValueError as exc:
         raise TPLowerError(f"--context {args.context!r}: {exc}") from None
     print(json.dumps(info, indent=2) if args.json else context_to_table(info))

@@ -10,14 +10,18 @@ run with no mask (:func:`~tplower.context.kernels.attend_runs`).
 * :func:`ulysses`: ``S(seq) -> S(heads)`` over the axis (an ``all_to_all``),
   the kernel on ``H/n`` heads of the whole sequence, the output back;
 * :func:`allgather`: keys and values ``S(seq) -> R`` (an ``all_gather``, a
-  ``reduce_scatter`` in backward), the local queries attend to them;
+  ``reduce_scatter`` in backward), the local queries attend to them; a layer
+  with a sliding window on the batch's runs receives only the keys its
+  queries' windows reach instead (one ``all_to_all`` of keys and values, the
+  same in backward: :mod:`tplower.context.window`);
 * :func:`hybrid`: over two axes that split the cp axis (``G x U``: rank
   ``g * U + u``), Ulysses inside a group of ``U`` ranks (each holds ``H/U``
   heads of the group's tokens), then the keys and values gathered across the
-  ``G`` groups: the group's queries attend to the whole sequence with ``H/U``
-  heads. It splits the heads only ``U`` ways, so it runs where the heads do not
-  divide over the whole axis, and with grouped key/value heads it repeats them
-  for ``U`` ranks rather than ``n``.
+  ``G`` groups (under a sliding window, those the group's windows reach): the
+  group's queries attend to the whole sequence with ``H/U`` heads. It splits
+  the heads only ``U`` ways, so it runs where the heads do not divide over the
+  whole axis, and with grouped key/value heads it repeats them for ``U`` ranks
+  rather than ``n``.
 
 Pieces of uneven length are padded to the longest before an exchange and the
 padding dropped after it.
@@ -36,6 +40,7 @@ from ..core.support.errors import TPLowerError
 from .kernels import Kernel, attend_runs
 from .runs import clip
 from .sequence import ContextSplit
+from .window import WindowKeys, axis_group_ranks, exchange_window_keys, holder_keys, plan_window_keys
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -163,12 +168,31 @@ def _gather(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, order: torch.T
     return whole.index_select(2, order.to(t.device))
 
 
+def _windowed(split: ContextSplit, runs: Any, mode: str, holders: int, me: int,
+              group_ranks: Callable[[], tuple[int, ...]]) -> WindowKeys | None:
+    """The exchange of the keys that the windows of holder ``me`` of ``holders`` reach (:mod:`tplower.context.window`;
+    holder ``h``: ranks ``h * u .. h * u + u - 1`` of ``u = n / holders``, the hybrid mode's holders their pieces
+    padded to the longest), made once a batch; ``None`` for runs with no window, under ``torch.compile``, or where
+    :func:`~tplower.context.window.plan_window_keys` finds the windows reach every key."""
+    window = runs[0].window if isinstance(runs, tuple) and runs else None
+    if window is None or torch.compiler.is_compiling():
+        return None
+    key = ("window_keys", mode, window, holders)
+    if key not in split.cache:
+        slots, needs = holder_keys(split.layout, window, holders, padded=mode == "hybrid")
+        split.cache[key] = plan_window_keys(slots, needs, me, split.layout.length, group_ranks())
+    found: WindowKeys | None = split.cache[key]
+    return found
+
+
 def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: tuple[Any, ...],
-                   split: ContextSplit, ranks: range, width: int | None, scale: Any) -> torch.Tensor:
+                   split: ContextSplit, ranks: range, width: int | None, scale: Any,
+                   keys: WindowKeys | None = None) -> torch.Tensor:
     """The output ``[B, len(ranks) * width, H, D]`` of queries holding ranks ``ranks``' tokens, each rank's padded to
     ``width`` (``None``: one rank's ``[B, s, H, D]``, unpadded): the runs of each piece, zeros in the padding; ``q``,
-    ``k`` and ``v`` (every token, in its own order) stay in the graph even where no query sees a key (a group of
-    ranks that holds no token, or only fully masked ones)."""
+    ``k`` and ``v`` (every token, in its own order; with ``keys``, the keys the windows reach, as
+    :attr:`~tplower.context.window.WindowKeys.segments` lays them) stay in the graph even where no query sees a
+    key (a group of ranks that holds no token, or only fully masked ones)."""
     layout, parts, used = split.layout, [], False
     for i, r in enumerate(ranks):
         at = i * (width or 0)
@@ -176,7 +200,8 @@ def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             mine = clip(runs, start, start + length)
             used = used or bool(mine)
             parts.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale,
-                                     split.cache.setdefault("bands", {})))
+                                     split.cache.setdefault("bands", {}),
+                                     keys.key_at(start) if keys is not None and length else 0))
             at += length
         if width is not None and at < (i + 1) * width:
             parts.append(q.new_zeros((q.shape[0], (i + 1) * width - at, q.shape[1], v.shape[3])))
@@ -210,6 +235,11 @@ def allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.T
               v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
     """All-gather over the whole axis (module docstring)."""
     layout, n, axis = split.layout, split.layout.size, ca.axis
+    keys = _windowed(split, mask, "allgather", n, split.rank, lambda: axis_group_ranks(ca.mesh, axis))
+    if keys is not None:  # a window: only the keys this rank's queries reach
+        k, v = exchange_window_keys(k, v, keys, ca.mesh.get_group(axis))
+        return _attend_pieces(kernel_call(ca, module, kwargs), q, k, v, mask, split,
+                              range(split.rank, split.rank + 1), None, kwargs.get("scaling"), keys)
     width = max(layout.lengths)
     k, v = (_gather(_pad_seq(t, 2, width), ca.mesh, axis, n, layout.padded_order) for t in (k, v))
     if not isinstance(mask, tuple):  # the rows of the local queries' mask
@@ -233,7 +263,12 @@ def hybrid(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tens
     group = split.rank // u
     view, kw, k, v = _heads(ca, module, q, k, v, split.rank % u, u, inside, kwargs)
     qh, kh, vh = (_to_heads(t, ca.sub_mesh, inside, u, width) for t in (q, k, v))  # the group's padded pieces
-    kh, vh = (_gather(t, ca.sub_mesh, across, g, layout.padded_order) for t in (kh, vh))
+    sub = ca.sub_mesh
+    keys = _windowed(split, mask, "hybrid", g, group, lambda: axis_group_ranks(sub, across)) if g > 1 else None
+    if keys is not None:  # a window: only the keys the group's queries reach
+        kh, vh = exchange_window_keys(kh, vh, keys, sub.get_group(across))
+    else:
+        kh, vh = (_gather(t, sub, across, g, layout.padded_order) for t in (kh, vh))
     out = _attend_pieces(kernel_call(ca, view, kw), qh, kh, vh, mask, split, range(group * u, group * u + u), width,
-                         kw.get("scaling"))
+                         kw.get("scaling"), keys)
     return _to_seq(out, ca.sub_mesh, inside, u, width).narrow(1, 0, local)

@@ -21,6 +21,7 @@ from ..core.support.words import count
 from ..runtime.grad_sums import sum_chunks
 from .exchange import hybrid_degree
 from .layout import SequenceLayout
+from .window import holder_keys, plan_window_keys
 
 __all__ = ["context_to_table", "divisors", "explain_context", "head_problem", "ulysses_refusal"]
 
@@ -67,11 +68,13 @@ def ulysses_refusal(heads: int, tp: int, cp: int) -> str | None:
             f"that divide them: {', '.join(map(str, divisors(local)))}")
 
 
-def _hybrid_rows(h_q: int, h_kv: int, n: int, u: int, piece: int, layers: int) -> list[dict[str, Any]]:
+def _hybrid_rows(h_q: int, h_kv: int, n: int, u: int, piece: int, layers: int, layout: SequenceLayout,
+                 window: int | None, windowed: int, key_bytes: int) -> list[dict[str, Any]]:
     """The hybrid mode's exchanges over ``n`` ranks as ``n/u`` groups of ``u``: Ulysses inside a group (its
     ``all_to_all`` over ``u`` ranks, key/value heads repeated where they do not divide over ``u``), then the
     group's keys and values, ``h_kv * rep`` heads of ``u`` pieces, gathered across the groups (their gradients
-    reduce-scattered back). An exchange over one rank sends nothing and is left out."""
+    reduce-scattered back; under a window, those the group's windows reach, ``h_kv * rep / u`` heads a rank). An
+    exchange over one rank sends nothing and is left out."""
     g, rep = n // u, 1 if h_kv % u == 0 else u // math.gcd(h_kv, u)
     inside, across = f"inside groups of {u}", f"across {g} groups"
     rows = [] if u == 1 else [
@@ -81,17 +84,50 @@ def _hybrid_rows(h_q: int, h_kv: int, n: int, u: int, piece: int, layers: int) -
          "collective": "all_to_all", "count": 4 * layers, "bytes_per_rank": 4 * layers * (u - 1) * (h_kv * rep // u)
          * piece}]
     if g > 1:
-        rows += [{"what": f"key, value (S(seq) -> R {across})", "collective": "all_gather", "count": 2 * layers,
-                  "bytes_per_rank": 2 * layers * (g - 1) * h_kv * rep * piece},
-                 {"what": f"key, value gradients (P(sum) -> S(seq) {across})", "collective": "reduce_scatter",
-                  "count": 2 * layers, "bytes_per_rank": 2 * layers * (g - 1) * h_kv * rep * piece}]
+        rows += _gather_rows(layout, window, windowed, layers, g, h_kv * rep, piece, key_bytes * h_kv * rep // u,
+                             across)
+    return rows
+
+
+def _window_rows(layout: SequenceLayout, window: int, holders: int, key_bytes: int, count: int,
+                 where: str) -> list[dict[str, Any]] | None:
+    """The exchange of the keys the windows reach over ``holders`` holders (:mod:`tplower.context.window`), for
+    ``count`` layers, of the holder that sends most per step (``key_bytes``: a key and its value on one rank);
+    ``None`` where the windows reach every key (the all-gather's rows hold)."""
+    slots, needs = holder_keys(layout, window, holders, padded=False)
+    plan = plan_window_keys(slots, needs, 0, layout.length, range(holders))
+    if plan is None:
+        return None
+    sent = [sum(row) for row in plan.matrix]
+    got = [sum(row[h] for row in plan.matrix) for h in range(holders)]
+    most = max(range(holders), key=lambda h: sent[h] + got[h])
+    at = f", {where}" if where else ""
+    return [{"what": f"key, value the windows reach (W={window}{at})", "collective": "all_to_all",
+             "count": count, "bytes_per_rank": count * sent[most] * key_bytes},
+            {"what": f"key, value gradients back to their holders (W={window}{at})", "collective": "all_to_all",
+             "count": count, "bytes_per_rank": count * got[most] * key_bytes}]
+
+
+def _gather_rows(layout: SequenceLayout, window: int | None, windowed: int, layers: int, holders: int,
+                 heads: int, piece: int, key_bytes: int, where: str) -> list[dict[str, Any]]:
+    """Keys and values ``S(seq) -> R`` over ``holders`` (gradients reduce-scattered back) for each layer, but for
+    the ``windowed`` layers with a window of ``window`` keys where it hides keys (:func:`_window_rows`)."""
+    rows = _window_rows(layout, window, holders, key_bytes, windowed, where) if window and windowed else None
+    whole = layers - windowed if rows is not None else layers
+    rows = rows or []
+    at = f" {where}" if where else ""
+    if whole:
+        rows = [{"what": f"key, value (S(seq) -> R{at})", "collective": "all_gather", "count": 2 * whole,
+                 "bytes_per_rank": 2 * whole * (holders - 1) * heads * piece},
+                {"what": f"key, value gradients (P(sum) -> S(seq){at})", "collective": "reduce_scatter",
+                 "count": 2 * whole, "bytes_per_rank": 2 * whole * (holders - 1) * heads * piece}, *rows]
     return rows
 
 
 def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int, cp: int, tp: int = 1, *,
                     layers: int = 1, head_dim: int | None = None, params: int = 0, tensors: int = 0,
-                    balance: bool = True, dtype: torch.dtype = torch.float32, ulysses: int | None = None
-                    ) -> dict[str, Any]:
+                    balance: bool = True, dtype: torch.dtype = torch.float32, ulysses: int | None = None,
+                    window: int | None = None, window_layers: int | None = None) -> dict[str, Any]:
     """The collectives and bytes each rank sends per train step under each context-parallel mode.
 
     Args:
@@ -110,6 +146,10 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
         ulysses: the hybrid mode's Ulysses degree (a divisor of ``cp``); default: the one
             :func:`tplower.parallelize` chooses from the heads
             (:func:`~tplower.context.exchange.hybrid_degree`).
+        window: a causal sliding window of this many keys on ``window_layers`` of the layers (default: every
+            layer), run on the batch's runs (``sdpa``): the all-gather mode, and the hybrid's exchange across
+            groups, send only the keys the windows reach where they hide some (:mod:`tplower.context.window`:
+            one ``all_to_all`` each way; the rank that sends most is shown, ranks differ), else every key.
 
     Returns:
         ``{"ulysses": {...}, "allgather": {...}, "hybrid": {...}, "inputs": {...}}``; each mode has ``rows``
@@ -123,8 +163,8 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
         no rows and ``step_bytes_per_rank`` ``None``; a mode that can has ``possible`` true.
 
     Raises:
-        ValueError: a size below 1, head counts no attention layer has (:func:`head_problem`), or a ``ulysses``
-            that does not divide ``cp``.
+        ValueError: a size below 1, head counts no attention layer has (:func:`head_problem`), a ``ulysses``
+            that does not divide ``cp``, or ``window_layers`` without ``window`` or above ``layers``.
     """
     _check(batch=batch, seq=seq, hidden=hidden, heads=heads, kv_heads=kv_heads, cp=cp, tp=tp, layers=layers)
     if ulysses is not None:
@@ -134,6 +174,11 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
                              f"Ulysses degree is one of {', '.join(map(str, divisors(cp)))}")
     if head_dim is not None:
         _check(head_dim=head_dim)
+    if window is not None:
+        _check(window=window)
+    if window_layers is not None and (window is None or not 0 <= window_layers <= layers):
+        raise ValueError(f"explain_context: window_layers={window_layers!r} needs a window and at most "
+                         f"layers={layers} (got window={window!r})")
     if problem := head_problem(hidden, heads, kv_heads, tp, head_dim):
         raise ValueError(f"explain_context: {problem}")
     d = head_dim if head_dim is not None else hidden // heads
@@ -152,10 +197,9 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
             "bytes_per_rank": 4 * layers * a2a(h_q)},
            {"what": "key, value" + (f" (each head repeated {rep}x)" if rep > 1 else ""), "collective": "all_to_all",
             "count": 4 * layers, "bytes_per_rank": 4 * layers * a2a(h_kv * rep)}]
-    gather = [{"what": "key, value (S(seq) -> R)", "collective": "all_gather", "count": 2 * layers,
-               "bytes_per_rank": 2 * layers * (n - 1) * h_kv * piece},
-              {"what": "key, value gradients (P(sum) -> S(seq))", "collective": "reduce_scatter", "count": 2 * layers,
-               "bytes_per_rank": 2 * layers * (n - 1) * h_kv * piece}]
+    layout, windowed = SequenceLayout(seq, n, balance), layers if window_layers is None else window_layers
+    key_bytes = 2 * batch * d * item  # a key and its value, one head
+    gather = _gather_rows(layout, window, windowed, layers, n, h_kv, piece, key_bytes * h_kv, "")
     common = [{"what": "the loss (P(sum) -> R)", "collective": "all_reduce", "count": 1,
                "bytes_per_rank": 2 * (n - 1) * 4 // n}]
     if params:
@@ -172,8 +216,8 @@ def explain_context(batch: int, seq: int, hidden: int, heads: int, kv_heads: int
                 "hybrid": None if h_q % u == 0 else f"ulysses={u} splits the {h_q} query heads per rank over {u} "
                           f"ranks, which does not divide them; degrees that divide cp={cp} and them: "
                           f"{', '.join(map(str, fits))}"}
-    for mode, rows in (("ulysses", uly), ("allgather", gather), ("hybrid", _hybrid_rows(h_q, h_kv, n, u, piece,
-                                                                                         layers))):
+    hybrid = _hybrid_rows(h_q, h_kv, n, u, piece, layers, layout, window, windowed, key_bytes)
+    for mode, rows in (("ulysses", uly), ("allgather", gather), ("hybrid", hybrid)):
         if (why := refusals[mode]) is not None:
             out[mode] = {"rows": [], "step_bytes_per_rank": None, "possible": False, "refused": why}
             continue

@@ -167,7 +167,8 @@ def _band(a: int, b: int, kl: int, kh: int, causal: bool, window: int, like: tor
 
 
 def attend_runs(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[Run], lo: int,
-                hi: int, q_at: int, scale: float | None, bands: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
+                hi: int, q_at: int, scale: float | None, bands: dict[Any, torch.Tensor] | None = None,
+                k_at: int = 0) -> torch.Tensor:
     """The attention output ``[B, hi - lo, H, D]`` of the queries at global positions ``[lo, hi)``.
 
     A run with a sliding window (:attr:`Run.window`) is computed in blocks of ``window`` queries, each against
@@ -177,11 +178,14 @@ def attend_runs(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Args:
         kernel: the model's kernel with no mask, ``causal`` or full, or with a band mask (:data:`Kernel`).
         q: ``[B, H, *, D]`` holding those queries from index ``q_at`` on.
-        k, v: ``[B, H_kv, S, D]`` every key, in global order.
+        k, v: ``[B, H_kv, *, D]`` the keys the runs see, in global order from global position ``k_at`` on (every
+            key: ``k_at=0``; the all-gather mode under a window holds only the keys its pieces reach,
+            :mod:`tplower.context.window`).
         runs: the runs of the batch clipped to ``[lo, hi)`` (:func:`~tplower.context.runs.clip`).
         scale: the softmax scale the model passes (``None``: ``1/sqrt(D)``), for the offset blocks.
         bands: the window blocks' masks made so far (one per block shape), shared by the calls of a batch (its
             layers: one mask a shape for the whole model, saved once for backward); ``None``: this call's own.
+        k_at: the global position of ``k``'s and ``v``'s first key.
     """
     batch, heads, dim = q.shape[0], q.shape[1], v.shape[3]
     pieces = []
@@ -192,13 +196,13 @@ def attend_runs(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             assert run.window is not None
             for a, b, kl, kh in blocks:
                 qs = _rows(q, run.rows).narrow(2, q_at + a - lo, b - a)
-                ks, vs = (_rows(t, run.rows).narrow(2, kl, kh - kl) for t in (k, v))
+                ks, vs = (_rows(t, run.rows).narrow(2, kl - k_at, kh - kl) for t in (k, v))
                 mask = _band(a, b, kl, kh, run.causal, run.window, q, bands)
                 pieces.append((Run(run.rows, a, b, kl, kh, run.causal, run.window), kernel(qs, ks, vs, False, mask)))
             continue
         qs = _rows(q, run.rows).narrow(2, q_at + run.start - lo, run.stop - run.start)
-        keys = (_rows(k, run.rows).narrow(2, run.key_start, run.key_stop - run.key_start),
-                _rows(v, run.rows).narrow(2, run.key_start, run.key_stop - run.key_start))
+        keys = (_rows(k, run.rows).narrow(2, run.key_start - k_at, run.key_stop - run.key_start),
+                _rows(v, run.rows).narrow(2, run.key_start - k_at, run.key_stop - run.key_start))
         if run.causal and run.start > run.key_start:
             out = offset_causal(qs, *keys, run.start - run.key_start, scale)
         else:

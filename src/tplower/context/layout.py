@@ -25,7 +25,19 @@ import torch
 from ..core.language.transitions import chunk_size_and_offset
 from ..core.support.errors import TPLowerError
 
-__all__ = ["SequenceLayout"]
+__all__ = ["SequenceLayout", "merge_spans"]
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The union of half-open spans ``[lo, hi)`` as disjoint spans, ascending (touching spans joined; empty ones
+    dropped)."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(s for s in spans if s[1] > s[0]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,12 @@ class SequenceLayout:
             n, start = chunk_size_and_offset(self.length, m, i)
             out.append((start, n))
         return tuple(out)
+
+    def reach(self, rank: int, window: int) -> tuple[tuple[int, int], ...]:
+        """The keys ``[lo, hi)`` (global positions, disjoint, ascending) that rank ``rank``'s queries can see through
+        a causal sliding window of ``window`` keys: the query at ``q`` sees at most ``[q - window + 1, q]``, so a
+        piece ``[a, b)`` reaches ``[a - window + 1, b)``; whatever documents or padding hide within it."""
+        return merge_spans([(max(0, start - window + 1), start + n) for start, n in self.pieces(rank) if n])
 
     def local_length(self, rank: int) -> int:
         """How many tokens rank ``rank`` holds."""
