@@ -1,7 +1,7 @@
 """The CPU cost of a parallelized model step beside the hand-written one, with no communication: one process.
 
-Feeds benchmarks/README.md ("The eager step": the step's CPU work per part), indexed in
-docs/benchmarks.md; ``benchmarks/ab.py --fake`` runs it.
+Feeds docs/benchmarks.md (``benchmarks/ab.py --fake``, which runs it: the step's CPU work alone before landing)
+and the eager-step history in benchmarks/README.md ("The eager step": the step's CPU work per part).
 
 The model phase's copies of all-MiniLM-L6-v2 at tp=2 (:func:`tplower.bench.model._copies`: ``tplower``,
 ``megatron``, the hand-written Megatron-style one, and ``dtensor``, ``parallelize_module``'s), built in one

@@ -55,3 +55,15 @@ def test_a_doc_page_cites_every_script(script: Path) -> None:
         f"benchmarks/{script.name}: no page of README.md or docs/ cites it; write its findings into a page and "
         "remove it, or cite it where its numbers are"
     )
+
+
+def test_the_index_of_numbers_points_at_doc_pages() -> None:
+    """docs/benchmarks.md's index names the page each number is on; ``benchmarks/README.md`` is not one of them.
+
+    A row there pointing at ``benchmarks/README.md`` would count its script as cited while no page uses its numbers.
+    """
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and " | " in line]
+    assert rows, "docs/benchmarks.md: no index table"
+    pointing = [cells[0] for cells in rows if len(cells) > 2 and "benchmarks/README.md" in cells[1]]
+    assert pointing == [], f"docs/benchmarks.md: rows whose page is benchmarks/README.md: {pointing}"
