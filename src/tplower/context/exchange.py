@@ -143,24 +143,30 @@ def kernel_call(ca: ContextAttention, module: Any, kwargs: dict[str, Any]) -> Ke
 
 def _to_heads(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, width: int) -> torch.Tensor:
     """``[B, h, s, D]`` ``S(2) -> S(1)`` over ``axis``: ``[B, h/n, n * width, D]``, the ranks' padded pieces in rank
-    order."""
-    padded = _pad_seq(t, 2, width)
-    shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
-    return redistribute_local(padded, mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
+    order.
+
+    The exchange runs on ``[B, h, 1, width, D]`` (``S(2) -> S(1)``, ``[B, h/n, n, width, D]`` after it), so the
+    dims it shards (the heads, the ranks) have sizes fixed by the model and the mesh: under ``torch.compile`` the
+    sequence length (``width``) is an unsharded dim the program is not keyed on and stays dynamic
+    (:mod:`tplower.core.lower.redistribute`).
+    """
+    padded = _pad_seq(t, 2, width).unsqueeze(2)
+    return redistribute_local(padded, mesh, {axis: "S(2)"}, {axis: "S(1)"}).flatten(2, 3)
 
 
 def _to_seq(out: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, width: int) -> torch.Tensor:
-    """The inverse: ``[B, n * width, h/n, D]`` ``S(2) -> S(1)`` over ``axis``: ``[B, width, h, D]``."""
-    shape = (out.shape[0], width * n, out.shape[2] * n, out.shape[3])
-    return redistribute_local(out, mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
+    """The inverse: ``[B, n * width, h/n, D]`` ``S(3) -> S(1)`` over ``axis`` on ``[B, n, width, h/n, D]`` (the
+    ranks' pieces a dim of their own, as :func:`_to_heads`): ``[B, width, h, D]``."""
+    pieces = out.unflatten(1, (n, width))
+    return redistribute_local(pieces, mesh, {axis: "S(3)"}, {axis: "S(1)"}).squeeze(1)
 
 
 def _gather(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, order: torch.Tensor) -> torch.Tensor:
-    """``[B, h, m, D]`` ``S(2) -> R`` over ``axis`` (gradient reduce-scattered back), then ``index_select(2, order)``:
-    every token in its own order."""
-    shape = (t.shape[0], t.shape[1], t.shape[2] * n, t.shape[3])
-    whole = redistribute_local(t, mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"}, global_shape=shape)
-    return whole.index_select(2, order.to(t.device))
+    """``[B, h, m, D]`` ``S(2) -> R`` over ``axis`` (gradient reduce-scattered back) on ``[B, h, 1, m, D]`` (the
+    ranks a dim of their own, as :func:`_to_heads`), then ``index_select(2, order)``: every token in its own
+    order."""
+    whole = redistribute_local(t.unsqueeze(2), mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"})
+    return whole.flatten(2, 3).index_select(2, order.to(t.device))
 
 
 def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: tuple[Any, ...],
