@@ -13,10 +13,9 @@ All with ``TPLOWER_SLOW=1`` (compiling takes about 10 s a case on 2 cores): a sh
 through three packed layouts in the all-gather mode, about 20 s alone), every kind in Ulysses, padded and packed in
 the all-gather and hybrid modes, and on a ``(cp=2, tp=2)`` mesh (4 ranks, the model's own tensor-parallel plan)
 packed rows in the all-gather mode and padded rows in Ulysses. Then the sequence length changing every step
-(48, 64, 40, 56 tokens; one layer): plain, padded and packed rows in Ulysses and all-gather and packed rows in the
-hybrid compile no graph after the first step (``shard_sequence`` marks the sequence dim dynamic and the compiled
-forward reads the lengths as ``DynamicInt``); lengths that leave the ranks' pieces uneven (48, then 50, 37, 61)
-compile one more graph, once (about 2 minutes for both).
+(48, 64, 50, 40, 37 tokens, the ranks' pieces even and uneven; one layer): plain, padded and packed rows in
+Ulysses and all-gather and packed rows in the hybrid compile no graph after the first step (``shard_sequence``
+marks the sequence dim dynamic and the compiled forward reads the lengths as ``DynamicInt``; about 2 minutes).
 """
 
 from __future__ import annotations
@@ -152,8 +151,9 @@ def test_cp_beside_tp_traces_once() -> None:
         _check(ranks, *case)
 
 
-#: per step, the sequence length: shorter and longer than the first, every one a multiple of the 4 pieces
-LENGTHS = (48, 64, 40, 56)
+#: per step, the sequence length: shorter and longer than the first, dividing into the 4 pieces or not (50, 37:
+#: the ranks' pieces uneven, padded for the exchanges)
+LENGTHS = (48, 64, 50, 40, 37)
 #: the length changing every step: plain rows in both modes (the one causal run, its end a symbol), padded and
 #: packed rows (the dense mask, made in the graph) in Ulysses, all-gather and the hybrid
 LENGTH_CASES = [(kind, mode, 1, len(LENGTHS)) for mode in ("ulysses", "allgather") for kind in ("plain", "padded",
@@ -168,23 +168,11 @@ def lengths_ranks() -> list[dict[tuple[str, str], Any]]:
 
 @slow
 @pytest.mark.parametrize("case", LENGTH_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
-def test_length_changes_cost_no_recompile(lengths_ranks: list[dict[tuple[str, str], Any]],
-                                          case: tuple[str, str, int, int]) -> None:
-    """48, 64, 40, 56 tokens: the sequence dim is dynamic from the first trace (``shard_sequence`` marks it and
-    carries the lengths as ``DynamicInt``), so no step after the first compiles a graph."""
+def test_length_changes_compile_nothing(lengths_ranks: list[dict[tuple[str, str], Any]],
+                                        case: tuple[str, str, int, int]) -> None:
+    """48, 64, 50, 40, 37 tokens: the sequence dim is dynamic from the first trace (``shard_sequence`` marks it and
+    a compiled forward reads the lengths as ``DynamicInt``; uneven pieces are padded with no branch on whether
+    they are), so no step after the first compiles a graph."""
     _check(lengths_ranks, *case, lengths=LENGTHS)
     for rank in lengths_ranks:
         assert sum(rank[case[0], case[1]]["graphs"][1:]) == 0, rank[case[0], case[1]]
-
-
-#: lengths that do not divide into the 4 pieces from the second step on: the ranks' pieces are padded for the
-#: exchanges from there, one more graph (the padded branch) and no other
-UNEVEN = (48, 50, 37, 61)
-UNEVEN_CASES = [("plain", "ulysses", 1, len(UNEVEN)), ("padded", "allgather", 1, len(UNEVEN))]
-
-
-@slow
-def test_uneven_lengths_recompile_at_most_once() -> None:
-    ranks = run_processes(2, _ranks, tuple(UNEVEN_CASES), False, UNEVEN, timeout=600)
-    for case in UNEVEN_CASES:
-        _check(ranks, *case, lengths=UNEVEN)

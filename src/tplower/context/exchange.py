@@ -74,12 +74,24 @@ def hybrid_degree(n: int, heads: list[tuple[int, int]]) -> int:
 
 
 def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    """``t`` with zeros after its last entry of ``dim`` up to ``width`` entries (``t`` itself when it has them).
+
+    Under ``torch.compile`` it always pads (by nothing for even pieces): a branch on whether the pieces are even,
+    or a zeros tensor of the padding's size, would guard on the length (a second graph for uneven pieces, a third
+    where the padding is one entry, which the trace specializes).
+    """
     extra = width - t.shape[dim]
-    if not extra:
+    if not torch.compiler.is_compiling() and not extra:
         return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - dim - 1) + (0, extra))
+
+
+def _first(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The first ``n`` entries of ``dim`` of ``t``: a view; under ``torch.compile`` an ``index_select`` (a view's
+    size would guard on whether ``n`` is all of ``dim``: a second graph once the pieces are uneven)."""
+    if not torch.compiler.is_compiling():
+        return t.narrow(dim, 0, n)
+    return t.index_select(dim, torch.arange(n, device=t.device))
 
 
 class _KernelView:
@@ -177,15 +189,15 @@ def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     ranks that holds no token, or only fully masked ones)."""
     layout, parts, used = split.layout, [], False
     for i, r in enumerate(ranks):
-        at = i * (width or 0)
+        at, own = i * (width or 0), []
         for start, length in layout.pieces(r):
             mine = clip(runs, start, start + length)
             used = used or bool(mine)
-            parts.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale,
-                                     split.cache.setdefault("bands", {})))
+            own.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale,
+                                   split.cache.setdefault("bands", {})))
             at += length
-        if width is not None and at < (i + 1) * width:
-            parts.append(q.new_zeros((q.shape[0], (i + 1) * width - at, q.shape[1], v.shape[3])))
+        piece = own[0] if len(own) == 1 else torch.cat(own, dim=1)
+        parts.append(piece if width is None else _pad_seq(piece, 1, width))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     if not used:  # every query here fully masked (or none held): keep q, k and v in the graph, so their gradients'
         # exchanges and the projections' gradient reductions run on this rank as on the others (exact zeros)
@@ -206,10 +218,11 @@ def ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Ten
                           kw.get("scaling"), split.cache.setdefault("bands", {}))
     else:
         out = ca.kernel(view, qh, kh, vh, mask, **kw)[0]  # [B, S, H/n, D]
-    if width * n > layout.length:  # a zero row for the padding slots (index_select saves no input; index_copy did)
+    if torch.compiler.is_compiling() or width * n > layout.length:  # a zero row for the padding slots (index_select
+        # saves no input; index_copy did); compiled, always (unused for even pieces): no guard on whether they are
         out = torch.cat([out, out.new_zeros((out.shape[0], 1, *out.shape[2:]))], dim=1)
     padded = out.index_select(1, layout.padded_source.to(out.device))
-    return _to_seq(padded, ca.mesh, axis, n, width).narrow(1, 0, local)
+    return _first(_to_seq(padded, ca.mesh, axis, n, width), 1, local)
 
 
 def allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
@@ -242,4 +255,4 @@ def hybrid(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tens
     kh, vh = (_gather(t, ca.sub_mesh, across, g, layout.padded_order) for t in (kh, vh))
     out = _attend_pieces(kernel_call(ca, view, kw), qh, kh, vh, mask, split, range(group * u, group * u + u), width,
                          kw.get("scaling"))
-    return _to_seq(out, ca.sub_mesh, inside, u, width).narrow(1, 0, local)
+    return _first(_to_seq(out, ca.sub_mesh, inside, u, width), 1, local)
