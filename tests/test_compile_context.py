@@ -12,7 +12,10 @@ the batch's tensors (the same graph for every layout), and plain batches through
 All with ``TPLOWER_SLOW=1`` (compiling takes about 10 s a case on 2 cores): a short case (a one-layer model
 through three packed layouts in the all-gather mode, about 20 s alone), every kind in Ulysses, padded and packed in
 the all-gather and hybrid modes, and on a ``(cp=2, tp=2)`` mesh (4 ranks, the model's own tensor-parallel plan)
-packed rows in the all-gather mode and padded rows in Ulysses.
+packed rows in the all-gather mode and padded rows in Ulysses. Then the sequence length changing every step
+(48, 64, 50, 40, 37 tokens, the ranks' pieces even and uneven; one layer): plain, padded and packed rows in
+Ulysses and all-gather and packed rows in the hybrid compile no graph after the first step (``shard_sequence``
+marks the sequence dim dynamic and the compiled forward reads the lengths as ``DynamicInt``; about 2 minutes).
 """
 
 from __future__ import annotations
@@ -39,20 +42,23 @@ PADDING = [((3, 0), (0, 0)), ((5, 0), (2, 4)), ((0, 6), (0, 0)), ((4, 3), (7, 0)
 CUTS = [(10,), (13, 30), (5, 9, 20), (30,), (3, 6, 9, 12)]
 
 
-def _batch(kind: str, step: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(step))
+def _batch(kind: str, step: int, lengths: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """Step ``step``'s batch of ``kind`` (``plain``, ``padded``, ``packed``): 2 rows of ``SEQ`` tokens, or of
+    ``lengths[step]`` where ``lengths`` are given."""
+    seq = lengths[step] if lengths else SEQ
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(step))
     batch = {"input_ids": ids, "labels": ids.clone()}
     if kind == "padded":
-        mask = torch.ones(2, SEQ, dtype=torch.long)
+        mask = torch.ones(2, seq, dtype=torch.long)
         for row, (left, right) in enumerate(PADDING[step]):
             mask[row, :left] = 0
-            mask[row, SEQ - right:] = 0
+            mask[row, seq - right:] = 0
         batch["attention_mask"] = mask
         batch["labels"][mask == 0] = -100
     if kind == "packed":
-        bounds = (0, *CUTS[step], SEQ)
+        bounds = (0, *CUTS[step], seq)
         positions = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(bounds)])
-        batch["position_ids"] = positions.unsqueeze(0).expand(2, SEQ)
+        batch["position_ids"] = positions.unsqueeze(0).expand(2, seq)
     return batch
 
 
@@ -66,9 +72,10 @@ def _model(layers: int) -> torch.nn.Module:
 
 
 def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...],
-           tp: bool = False) -> dict[tuple[str, str], Any]:
+           tp: bool = False, lengths: tuple[int, ...] = ()) -> dict[tuple[str, str], Any]:
     """Per ``(kind, mode, layers, steps)`` case: the graphs each step compiled, the graph breaks, the losses; on a
-    ``(cp=2, tp=2)`` mesh with the model's own tensor-parallel plan where ``tp``."""
+    ``(cp=2, tp=2)`` mesh with the model's own tensor-parallel plan where ``tp``; step ``i`` of ``lengths[i]``
+    tokens where given."""
     import torch._dynamo as dynamo
     from torch._dynamo.backends.debugging import aot_eager
 
@@ -89,7 +96,7 @@ def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...],
         losses, per_step = [], []
         for step in range(steps):
             before = len(graphs)
-            loss = compiled(**tplower.shard_sequence(_batch(kind, step), mesh, "cp")).loss
+            loss = compiled(**tplower.shard_sequence(_batch(kind, step, lengths), mesh, "cp")).loss
             loss.backward()
             losses.append(float(loss.detach()))
             per_step.append(len(graphs) - before)
@@ -98,9 +105,10 @@ def _ranks(rank: int, world: int, cases: tuple[tuple[str, str, int, int], ...],
     return out
 
 
-def _check(ranks: list[dict[tuple[str, str], Any]], kind: str, mode: str, layers: int, steps: int) -> None:
+def _check(ranks: list[dict[tuple[str, str], Any]], kind: str, mode: str, layers: int, steps: int,
+           lengths: tuple[int, ...] = ()) -> None:
     model = _model(layers)
-    want = [float(model(**_batch(kind, step)).loss) for step in range(steps)]
+    want = [float(model(**_batch(kind, step, lengths)).loss) for step in range(steps)]
     for rank in ranks:
         got = rank[kind, mode]
         assert got["breaks"] == 0, got
@@ -141,3 +149,30 @@ def test_cp_beside_tp_traces_once() -> None:
     ranks = run_processes(4, _ranks, tuple(CP_TP), True, timeout=900)
     for case in CP_TP:
         _check(ranks, *case)
+
+
+#: per step, the sequence length: shorter and longer than the first, dividing into the 4 pieces or not (50, 37:
+#: the ranks' pieces uneven, padded for the exchanges)
+LENGTHS = (48, 64, 50, 40, 37)
+#: the length changing every step: plain rows in both modes (the one causal run, its end a symbol), padded and
+#: packed rows (the dense mask, made in the graph) in Ulysses, all-gather and the hybrid
+LENGTH_CASES = [(kind, mode, 1, len(LENGTHS)) for mode in ("ulysses", "allgather") for kind in ("plain", "padded",
+                                                                                               "packed")] + \
+               [("packed", "hybrid", 1, len(LENGTHS))]
+
+
+@pytest.fixture(scope="module")
+def lengths_ranks() -> list[dict[tuple[str, str], Any]]:
+    return run_processes(2, _ranks, tuple(LENGTH_CASES), False, LENGTHS, timeout=900)
+
+
+@slow
+@pytest.mark.parametrize("case", LENGTH_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_length_changes_compile_nothing(lengths_ranks: list[dict[tuple[str, str], Any]],
+                                        case: tuple[str, str, int, int]) -> None:
+    """48, 64, 50, 40, 37 tokens: the sequence dim is dynamic from the first trace (``shard_sequence`` marks it and
+    a compiled forward reads the lengths as ``DynamicInt``; uneven pieces are padded with no branch on whether
+    they are), so no step after the first compiles a graph."""
+    _check(lengths_ranks, *case, lengths=LENGTHS)
+    for rank in lengths_ranks:
+        assert sum(rank[case[0], case[1]]["graphs"][1:]) == 0, rank[case[0], case[1]]

@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.support.errors import TPLowerError
 from .exchange import allgather, hybrid, ulysses
 from .runs import windowed
-from .sequence import SPLIT_KEY, ContextSplit
+from .sequence import SPLIT_KEY, ContextSplit, traced_split
 
 __all__ = ["ATTR", "IMPLEMENTATION", "MODES", "ContextAttention", "context_attention", "register"]
 
@@ -245,6 +245,7 @@ def context_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                            "tplower.shard_sequence(batch, mesh) (its 'context_split' entry reached no attention "
                            "call: call model(**part) with every entry of the part; a layer that drops its keyword "
                            "arguments cannot be recomputed by activation checkpointing under context parallelism)")
+    split = traced_split(split)
     if attention_mask is not None:
         raise TPLowerError(f"{type(module).__name__}: its forward passes an attention mask of its own (a "
                            f"{type(attention_mask).__name__} built from this rank's tokens, not by transformers' "

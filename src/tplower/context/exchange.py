@@ -79,12 +79,24 @@ def hybrid_degree(n: int, heads: list[tuple[int, int]]) -> int:
 
 
 def _pad_seq(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    """``t`` with zeros after its last entry of ``dim`` up to ``width`` entries (``t`` itself when it has them).
+
+    Under ``torch.compile`` it always pads (by nothing for even pieces): a branch on whether the pieces are even,
+    or a zeros tensor of the padding's size, would guard on the length (a second graph for uneven pieces, a third
+    where the padding is one entry, which the trace specializes).
+    """
     extra = width - t.shape[dim]
-    if not extra:
+    if not torch.compiler.is_compiling() and not extra:
         return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - dim - 1) + (0, extra))
+
+
+def _first(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The first ``n`` entries of ``dim`` of ``t``: a view; under ``torch.compile`` an ``index_select`` (a view's
+    size would guard on whether ``n`` is all of ``dim``: a second graph once the pieces are uneven)."""
+    if not torch.compiler.is_compiling():
+        return t.narrow(dim, 0, n)
+    return t.index_select(dim, torch.arange(n, device=t.device))
 
 
 class _KernelView:
@@ -148,24 +160,30 @@ def kernel_call(ca: ContextAttention, module: Any, kwargs: dict[str, Any]) -> Ke
 
 def _to_heads(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, width: int) -> torch.Tensor:
     """``[B, h, s, D]`` ``S(2) -> S(1)`` over ``axis``: ``[B, h/n, n * width, D]``, the ranks' padded pieces in rank
-    order."""
-    padded = _pad_seq(t, 2, width)
-    shape = (padded.shape[0], padded.shape[1], width * n, padded.shape[3])
-    return redistribute_local(padded, mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
+    order.
+
+    The exchange runs on ``[B, h, 1, width, D]`` (``S(2) -> S(1)``, ``[B, h/n, n, width, D]`` after it), so the
+    dims it shards (the heads, the ranks) have sizes fixed by the model and the mesh: under ``torch.compile`` the
+    sequence length (``width``) is an unsharded dim the program is not keyed on and stays dynamic
+    (:mod:`tplower.core.lower.redistribute`).
+    """
+    padded = _pad_seq(t, 2, width).unsqueeze(2)
+    return redistribute_local(padded, mesh, {axis: "S(2)"}, {axis: "S(1)"}).flatten(2, 3)
 
 
 def _to_seq(out: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, width: int) -> torch.Tensor:
-    """The inverse: ``[B, n * width, h/n, D]`` ``S(2) -> S(1)`` over ``axis``: ``[B, width, h, D]``."""
-    shape = (out.shape[0], width * n, out.shape[2] * n, out.shape[3])
-    return redistribute_local(out, mesh, {axis: "S(2)"}, {axis: "S(1)"}, global_shape=shape)
+    """The inverse: ``[B, n * width, h/n, D]`` ``S(3) -> S(1)`` over ``axis`` on ``[B, n, width, h/n, D]`` (the
+    ranks' pieces a dim of their own, as :func:`_to_heads`): ``[B, width, h, D]``."""
+    pieces = out.unflatten(1, (n, width))
+    return redistribute_local(pieces, mesh, {axis: "S(3)"}, {axis: "S(1)"}).squeeze(1)
 
 
 def _gather(t: torch.Tensor, mesh: DeviceMesh, axis: str, n: int, order: torch.Tensor) -> torch.Tensor:
-    """``[B, h, m, D]`` ``S(2) -> R`` over ``axis`` (gradient reduce-scattered back), then ``index_select(2, order)``:
-    every token in its own order."""
-    shape = (t.shape[0], t.shape[1], t.shape[2] * n, t.shape[3])
-    whole = redistribute_local(t, mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"}, global_shape=shape)
-    return whole.index_select(2, order.to(t.device))
+    """``[B, h, m, D]`` ``S(2) -> R`` over ``axis`` (gradient reduce-scattered back) on ``[B, h, 1, m, D]`` (the
+    ranks a dim of their own, as :func:`_to_heads`), then ``index_select(2, order)``: every token in its own
+    order."""
+    whole = redistribute_local(t.unsqueeze(2), mesh, {axis: "S(2)"}, {axis: "R"}, grad={axis: "P(sum)"})
+    return whole.flatten(2, 3).index_select(2, order.to(t.device))
 
 
 def _windowed(split: ContextSplit, runs: Any, mode: str, holders: int, me: int,
@@ -195,16 +213,16 @@ def _attend_pieces(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     key (a group of ranks that holds no token, or only fully masked ones)."""
     layout, parts, used = split.layout, [], False
     for i, r in enumerate(ranks):
-        at = i * (width or 0)
+        at, own = i * (width or 0), []
         for start, length in layout.pieces(r):
             mine = clip(runs, start, start + length)
             used = used or bool(mine)
-            parts.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale,
-                                     split.cache.setdefault("bands", {}),
-                                     keys.key_at(start) if keys is not None and length else 0))
+            own.append(attend_runs(kernel, q, k, v, mine, start, start + length, at, scale,
+                                   split.cache.setdefault("bands", {}),
+                                   keys.key_at(start) if keys is not None and length else 0))
             at += length
-        if width is not None and at < (i + 1) * width:
-            parts.append(q.new_zeros((q.shape[0], (i + 1) * width - at, q.shape[1], v.shape[3])))
+        piece = own[0] if len(own) == 1 else torch.cat(own, dim=1)
+        parts.append(piece if width is None else _pad_seq(piece, 1, width))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     if not used:  # every query here fully masked (or none held): keep q, k and v in the graph, so their gradients'
         # exchanges and the projections' gradient reductions run on this rank as on the others (exact zeros)
@@ -225,10 +243,11 @@ def ulysses(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Ten
                           kw.get("scaling"), split.cache.setdefault("bands", {}))
     else:
         out = ca.kernel(view, qh, kh, vh, mask, **kw)[0]  # [B, S, H/n, D]
-    if width * n > layout.length:  # a zero row for the padding slots (index_select saves no input; index_copy did)
+    if torch.compiler.is_compiling() or width * n > layout.length:  # a zero row for the padding slots (index_select
+        # saves no input; index_copy did); compiled, always (unused for even pieces): no guard on whether they are
         out = torch.cat([out, out.new_zeros((out.shape[0], 1, *out.shape[2:]))], dim=1)
     padded = out.index_select(1, layout.padded_source.to(out.device))
-    return _to_seq(padded, ca.mesh, axis, n, width).narrow(1, 0, local)
+    return _first(_to_seq(padded, ca.mesh, axis, n, width), 1, local)
 
 
 def allgather(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tensor, k: torch.Tensor,
@@ -271,4 +290,4 @@ def hybrid(ca: ContextAttention, split: ContextSplit, module: Any, q: torch.Tens
         kh, vh = (_gather(t, sub, across, g, layout.padded_order) for t in (kh, vh))
     out = _attend_pieces(kernel_call(ca, view, kw), qh, kh, vh, mask, split, range(group * u, group * u + u), width,
                          kw.get("scaling"), keys)
-    return _to_seq(out, ca.sub_mesh, inside, u, width).narrow(1, 0, local)
+    return _first(_to_seq(out, ca.sub_mesh, inside, u, width), 1, local)

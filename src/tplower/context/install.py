@@ -58,7 +58,7 @@ from .exchange import hybrid_axes, hybrid_degree
 from .loss import TiledLoss
 from .placeholder import drop_placeholder, placeholder
 from .rules import CAUSAL, ModelRules
-from .sequence import SPLIT_KEY, ContextSplit, _axis
+from .sequence import SPLIT_KEY, ContextSplit, _axis, traced_split
 
 __all__ = ["INNER", "INSTALL_ATTR", "ContextInstall", "install_context", "installed_context"]
 
@@ -217,6 +217,7 @@ class _Hooks:
             raise TPLowerError(f"{type(module).__name__}: the batch was split over axis {split.axis!r} "
                                f"({split.layout.size} ranks); the model runs over {self.axis!r} ({self.size}); "
                                f"call shard_sequence(batch, mesh, {self.axis!r})")
+        split = traced_split(split)
         if self.rules is not None:
             kwargs = self.rules.before(module, kwargs, split)
         if not split.layout.local_length(split.rank):
@@ -235,7 +236,7 @@ class _Hooks:
         if self.tiled is not None:
             self.tiled.finish(type(module).__name__, output)
         split = kwargs.get(SPLIT_KEY)
-        if isinstance(split, ContextSplit) and not split.layout.local_length(split.rank):
+        if isinstance(split, ContextSplit) and not traced_split(split).layout.local_length(split.rank):
             output = drop_placeholder(output)
         if isinstance(output, MutableMapping):
             if output.get("aux_loss") is not None:

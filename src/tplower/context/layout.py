@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch.fx.experimental.sym_node import DynamicInt
 
 from ..core.language.transitions import chunk_size_and_offset
 from ..core.support.errors import TPLowerError
@@ -90,6 +91,19 @@ class SequenceLayout:
         """``[local_length(rank)]`` int64: the global position of each of rank ``rank``'s tokens, in local order."""
         parts = [torch.arange(start, start + n) for start, n in self.pieces(rank)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def symbolic(self) -> SequenceLayout:
+        """This layout as a compiled forward reads it: its ``length`` and :attr:`lengths` are ``DynamicInt``
+        (``torch.compile`` traces them as symbols from the first call, so one graph serves every length), its
+        index tensors this layout's own (made once).
+
+        Eager code keeps the plain layout: a ``DynamicInt``'s arithmetic runs in Python, about 100 times an int's.
+        """
+        twin = SequenceLayout(DynamicInt(self.length), self.size, self.balance)
+        twin.__dict__["lengths"] = tuple(DynamicInt(n) for n in self.lengths)
+        for name in ("order", "padded_order", "padded_source"):
+            twin.__dict__[name] = getattr(self, name)
+        return twin
 
     @cached_property
     def lengths(self) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ with what a parallelized model needs to give one process's answer:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ from ..core.support.words import closest
 from .layout import SequenceLayout
 from .runs import Run, batch_runs
 
-__all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence"]
+__all__ = ["SPLIT_KEY", "ContextSplit", "gather_sequence", "shard_sequence", "traced_split"]
 
 #: the key of :func:`shard_sequence`'s result that carries the :class:`ContextSplit` into the model
 SPLIT_KEY = "context_split"
@@ -83,6 +84,10 @@ class ContextSplit:
             eagerly when the split is made, outside ``cache``: a compiled forward then reads no tensor values for
             them (no graph break at ``nonzero``), and one that builds the dense mask instead never looks at them
             (no guard on how many there are).
+        symbolic: this split as a compiled forward reads it (:func:`traced_split`): the same tensors and
+            ``cache``, its layout :meth:`~tplower.context.layout.SequenceLayout.symbolic` and its runs' bounds at
+            the sequence's end that layout's ``length`` (one ``DynamicInt``): the trace takes the sequence length
+            as a symbol, not a constant, and a batch of another length runs the same graph.
     """
 
     layout: SequenceLayout
@@ -95,14 +100,28 @@ class ContextSplit:
     input_ids: torch.Tensor | None = None
     given_positions: bool = True
     runs: tuple[Run, ...] | None = field(init=False, default=None)
+    symbolic: ContextSplit = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.runs = batch_runs(self.position_ids, self.attention_mask)
+        twin = copy.copy(self)  # the same tensors and cache, made without __init__
+        twin.layout = self.layout.symbolic()
+        end = twin.layout.length
+        twin.runs = None if self.runs is None else tuple(
+            Run(r.rows, *(end if v == end else v for v in (r.start, r.stop, r.key_start, r.key_stop)), r.causal,
+                r.window) for r in self.runs)
+        self.symbolic = twin.symbolic = twin
 
     @property
     def local_index(self) -> torch.Tensor:
         """``[local S]`` the global position of each of this rank's tokens, in local order."""
         return self.layout.global_index(self.rank)
+
+
+def traced_split(split: ContextSplit) -> ContextSplit:
+    """``split`` as the code running now reads it: under ``torch.compile`` its :attr:`ContextSplit.symbolic` twin
+    (the sequence length a symbol), else ``split`` itself (plain ints)."""
+    return split.symbolic if torch.compiler.is_compiling() else split
 
 
 def _hint(axis: str, names: tuple[str, ...]) -> str:
@@ -222,15 +241,36 @@ def shard_sequence(batch: Mapping[str, Any], mesh: DeviceMesh, axis: str = "cp",
             # an int a compiled step takes as a symbol from its first trace (no recompile when the count changes)
             out["num_items_in_batch"] = DynamicInt(int((shifted != ignore_index).sum()))
     mask = batch.get("attention_mask")
-    split = ContextSplit(layout, rank, axis, mask if isinstance(mask, torch.Tensor) else None, positions,
+    split = ContextSplit(layout, rank, axis, _own(mask) if isinstance(mask, torch.Tensor) else None, positions,
                          shifted=bool(shift_labels) if isinstance(labels, torch.Tensor) else None,
-                         input_ids=batch.get("input_ids"), given_positions=batch.get("position_ids") is not None)
+                         input_ids=_own(batch.get("input_ids")), given_positions=batch.get("position_ids") is not None)
     # the layout's orders, made here, eagerly (as the split's runs are): a compiled forward then takes no lock
     # (cached_property's)
     for name in ("lengths", "order", "padded_order", "padded_source"):
         getattr(layout, name)
     out[SPLIT_KEY] = split
+    _dynamic_length(out, split)
     return out
+
+
+def _own(t: Any) -> Any:
+    """A view of the caller's tensor ``t`` (a new tensor object, no copy) for the split to hold and mark, or ``t``."""
+    return t.view_as(t) if isinstance(t, torch.Tensor) else t
+
+
+def _dynamic_length(part: dict[str, Any], split: ContextSplit) -> None:
+    """Mark the sequence dim of the tensors ``part`` made and ``split`` holds as dynamic for ``torch.compile``
+    (``maybe_mark_dynamic``: a hint, never an error): a compiled step traces the sequence length as a symbol from
+    its first batch (:attr:`ContextSplit.symbolic` carries the lengths as symbols too), so a batch of another
+    length runs the same graph. The caller's own tensors are left unmarked (the split holds views of them)."""
+    seq = [t for k, t in part.items() if k in (*_SPLIT, "labels", "shift_labels") and isinstance(t, torch.Tensor)]
+    seq += [t for t in (split.attention_mask, split.position_ids, split.input_ids) if t is not None]
+    for t in seq:
+        if t.dim() >= 2:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    layout = split.layout
+    for t in (layout.order, layout.padded_order, layout.padded_source):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _split_of(split: ContextSplit | Mapping[str, Any], axis: str, n: int) -> ContextSplit:
