@@ -273,3 +273,11 @@ def test_prepare_trainer_auto_builds_the_best_fitting_mesh_and_trains(tmp_path: 
     for rank in got:
         assert math.isfinite(rank["loss"])
         assert any(f"chose {best.label()} " in line for line in rank["said"]), rank["said"]
+
+
+def test_fsdp2_beside_context_parallelism_is_traced() -> None:
+    """dp x cp on a fake group of 4 (nothing allocated): FSDP2 walks the forward's inputs, the context split
+    among them, and the trace's collectives run over both axes as the real step's do (the slow test above)."""
+    t = trace_step(_config(), {"dp": 2, "cp": 2}, dtype=torch.float32, context_mode="ulysses", **STEP)
+    assert {"dp", "cp"} <= set(t.collectives) and t.peak_bytes > 0
+    assert t.collectives["dp"]["reduce_scatter"][0] > 0 and t.collectives["cp"]["all_to_all"][0] > 0

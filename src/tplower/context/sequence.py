@@ -84,10 +84,7 @@ class ContextSplit:
             eagerly when the split is made, outside ``cache``: a compiled forward then reads no tensor values for
             them (no graph break at ``nonzero``), and one that builds the dense mask instead never looks at them
             (no guard on how many there are).
-        symbolic: this split as a compiled forward reads it (:func:`traced_split`): the same tensors and
-            ``cache``, its layout :meth:`~tplower.context.layout.SequenceLayout.symbolic` and its runs' bounds at
-            the sequence's end that layout's ``length`` (one ``DynamicInt``): the trace takes the sequence length
-            as a symbol, not a constant, and a batch of another length runs the same graph.
+        symbolic: (a property, not a field) this split as a compiled forward reads it (:func:`traced_split`).
     """
 
     layout: SequenceLayout
@@ -100,7 +97,6 @@ class ContextSplit:
     input_ids: torch.Tensor | None = None
     given_positions: bool = True
     runs: tuple[Run, ...] | None = field(init=False, default=None)
-    symbolic: ContextSplit = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.runs = batch_runs(self.position_ids, self.attention_mask)
@@ -110,7 +106,18 @@ class ContextSplit:
         twin.runs = None if self.runs is None else tuple(
             Run(r.rows, *(end if v == end else v for v in (r.start, r.stop, r.key_start, r.key_stop)), r.causal,
                 r.window) for r in self.runs)
-        self.symbolic = twin.symbolic = twin
+        # not a field: code that walks a dataclass's fields (FSDP2 looks for tensors in a module's inputs) must
+        # not meet the twin, whose own twin is itself
+        self.__dict__["_twin"] = twin.__dict__["_twin"] = twin
+
+    @property
+    def symbolic(self) -> ContextSplit:
+        """This split as a compiled forward reads it (:func:`traced_split`), made with the split: the same tensors
+        and ``cache``, its layout :meth:`~tplower.context.layout.SequenceLayout.symbolic` and its runs' bounds at
+        the sequence's end that layout's ``length`` (one ``DynamicInt``): the trace takes the sequence length as a
+        symbol, not a constant, and a batch of another length runs the same graph."""
+        twin: ContextSplit = self.__dict__["_twin"]
+        return twin
 
     @property
     def local_index(self) -> torch.Tensor:
