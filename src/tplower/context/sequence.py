@@ -103,9 +103,13 @@ class ContextSplit:
         twin = copy.copy(self)  # the same tensors and cache, made without __init__
         twin.layout = self.layout.symbolic()
         end = twin.layout.length
+
+        def ends(v: int) -> int:  # a bound at the sequence's end: the symbolic length
+            return end if v == end else v
+
         twin.runs = None if self.runs is None else tuple(
-            Run(r.rows, *(end if v == end else v for v in (r.start, r.stop, r.key_start, r.key_stop)), r.causal,
-                r.window) for r in self.runs)
+            Run(r.rows, ends(r.start), ends(r.stop), ends(r.key_start), ends(r.key_stop), r.causal, r.window)
+            for r in self.runs)
         # not a field: code that walks a dataclass's fields (FSDP2 looks for tensors in a module's inputs) must
         # not meet the twin, whose own twin is itself
         self.__dict__["_twin"] = twin.__dict__["_twin"] = twin
