@@ -301,6 +301,12 @@ def test_context_compiled_table_and_targets_read_against_the_eager_row() -> None
     assert not any("compiled" in line for line in context_table(rows[:2]) + context_targets(rows[:2]))
 
 
+def test_context_batches_option_names_an_unknown_kind(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["bench", "--phases", "context", "--context-batches", "plain,pakced", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--context-batches: 'pakced' is unknown (did you mean 'packed'?); allowed: plain,padded,packed" in err
+
+
 def test_moe_table_sets_compiled_expert_parallelism_beside_its_peers() -> None:
     from tplower.bench.phases import BenchResult
     from tplower.bench.report import moe_table, target_lines
