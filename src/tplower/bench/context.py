@@ -39,7 +39,8 @@ compiled`` and ``allgather compiled`` (``sweep.compile_modes``):
 context_mode=...), backend=...)`` on every batch, in the same interleaved
 rounds. Each compiled ``variant|batch`` runs once before the rounds, untimed
 (the first batch kind's call compiles; the row keeps its seconds, the graphs
-it compiled and its graph breaks), and its row (``table: compiled``) sets the
+it compiled and its graph breaks, and the variant's graphs compiled later, in
+the rounds), and its row (``table: compiled``) sets the
 step beside the eager row of the same mode and batch: their times' ratio
 round by round, the first step's loss of each (both start from the same
 weights and have seen the same batches by then), and both steps' peak from
@@ -246,7 +247,10 @@ def _step_rows(rank: int, world: int, seq: int, layers: int, rounds: int, sweep:
 
     v = _Variants(rank, world, seq, layers, sweep)
     first = v.first_calls()
+    graphs = {c: counter.frame_count for c, counter in v.compiled.items()}
     samples = barrier_rounds(v.keys, v.step, rounds)
+    for key in first:  # graphs compiled in the rounds (a recompile there would be timed): by variant
+        first[key]["graphs_in_rounds"] = v.compiled[key.split("|")[0]].frame_count - graphs[key.split("|")[0]]
     measured, profiled = _measure(v)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, (measured, profiled))

@@ -147,7 +147,7 @@ def _compiled_lines(rows: list[dict[str, Any]]) -> list[str]:
              "batch: time as the median of round-by-round ratios; both peaks from the profiler's memory events (they "
              "count the buffers compiled code allocates, which the live-tensor peak above does not see); the first "
              "step's loss of each; the first compiled call of each batch kind (untimed by the rounds) with the graphs "
-             "it compiled and its graph breaks:", "",
+             "it compiled (and the mode's graphs compiled later, in the timed rounds) and its graph breaks:", "",
              "| tokens | cp | mode | batch | eager ms | compiled ms | / eager | eager peak MiB (profiler) | "
              "compiled peak MiB (profiler) | / eager | loss diff | first call s | graphs | breaks |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -156,7 +156,8 @@ def _compiled_lines(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['train_step_ms']:.0f} | {_spread(r['vs_eager'])} | {_mb(r['eager_profiler_peak_bytes'])} | "
                      f"{_mb(r['profiler_peak_bytes'])} | "
                      f"{r['profiler_peak_bytes'] / r['eager_profiler_peak_bytes']:.2f} | "
-                     f"{abs(r['loss'] - r['eager_loss']):.1e} | {r['compile_s']:.1f} | {r['graphs']} | "
+                     f"{abs(r['loss'] - r['eager_loss']):.1e} | {r['compile_s']:.1f} | {r['graphs']}"
+                     f"{' (+' + str(r['graphs_in_rounds']) + ' later)' if r.get('graphs_in_rounds') else ''} | "
                      f"{r['breaks']} |")
     return lines
 
