@@ -257,6 +257,7 @@ def test_context_window_table_grows_each_mode_from_its_own_shortest_length() -> 
            "5.50 (target <= 5: missed)" in targets
 
 
+@pytest.mark.slow  # two modes compiled at cp=2, even with aot_eager: about two minutes on 2 cores
 def test_context_phase_sets_compiled_rows_beside_the_eager_ones() -> None:
     import statistics
 
@@ -278,7 +279,7 @@ def test_context_phase_sets_compiled_rows_beside_the_eager_ones() -> None:
         # both first steps start from the same weights after the same batches: the compiled loss is the eager one
         assert r["loss"] == pytest.approx(r["eager_loss"], rel=1e-5), r
         assert r["profiler_peak_bytes"] > 0 and r["eager_profiler_peak_bytes"] > 0, r
-        assert r["breaks"] == 0 and r["compile_s"] > 0 and r["graphs_in_rounds"] == 0, r  # no compile was timed
+        assert r["compile_s"] > 0 and r["graphs_in_rounds"] == 0, r  # after two untimed calls no compile is timed
     for mode in ("ulysses", "allgather"):  # the first batch kind compiles; the layout of the next one is a tensor
         assert compiled[mode, "plain"]["graphs"] >= 1, compiled[mode, "plain"]
     assert any(line.startswith("| 64 | 2 | ulysses | packed | ") for line in context_table(rows))

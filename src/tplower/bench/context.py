@@ -39,8 +39,8 @@ compiled`` and ``allgather compiled`` (``sweep.compile_modes``):
 context_mode=...), backend=...)`` on every batch, in the same interleaved
 rounds. Each compiled ``variant|batch`` runs once before the rounds, untimed
 (the first batch kind's call compiles; the row keeps its seconds, the graphs
-it compiled and its graph breaks, and the variant's graphs compiled later, in
-the rounds), and its row (``table: compiled``) sets the
+it compiled and its graph breaks), then once more (the graphs that call
+compiled), and the row counts the variant's graphs compiled in the rounds, and its row (``table: compiled``) sets the
 step beside the eager row of the same mode and batch: their times' ratio
 round by round, the first step's loss of each (both start from the same
 weights and have seen the same batches by then), and both steps' peak from
@@ -184,20 +184,26 @@ class _Variants:
         self.first_loss.setdefault(key, float(loss.detach()))
 
     def first_calls(self) -> dict[str, dict[str, Any]]:
-        """Each compiled ``variant|batch``'s first step, behind barriers: its seconds (the compile, on the first
-        batch kind), the graphs it compiled and its graph breaks."""
+        """Each compiled ``variant|batch``'s first two steps, behind barriers, before any timed one: the first's
+        seconds (the compile, on the first batch kind), the graphs it compiled and its graph breaks; the graphs
+        the second compiled (``recompiles``: the modes share the model's code, so one mode's graphs can send the
+        other's guards back to dynamo)."""
         from torch._dynamo.utils import counters
 
-        out = {}
-        for key in (k for k in self.keys if k.split("|")[0] in self.compiled):
+        out: dict[str, dict[str, Any]] = {}
+        keys = [k for k in self.keys if k.split("|")[0] in self.compiled]
+        for second, key in [(False, k) for k in keys] + [(True, k) for k in keys]:
             counter = self.compiled[key.split("|")[0]]
             graphs, breaks = counter.frame_count, sum(counters["graph_break"].values())
             dist.barrier()
             t0 = time.perf_counter()
             self.step(key)
             dist.barrier()
-            out[key] = {"compile_s": time.perf_counter() - t0, "graphs": counter.frame_count - graphs,
-                        "breaks": sum(counters["graph_break"].values()) - breaks}
+            if second:
+                out[key]["recompiles"] = counter.frame_count - graphs
+            else:
+                out[key] = {"compile_s": time.perf_counter() - t0, "graphs": counter.frame_count - graphs,
+                            "breaks": sum(counters["graph_break"].values()) - breaks}
         return out
 
 
@@ -249,7 +255,7 @@ def _step_rows(rank: int, world: int, seq: int, layers: int, rounds: int, sweep:
     first = v.first_calls()
     graphs = {c: counter.frame_count for c, counter in v.compiled.items()}
     samples = barrier_rounds(v.keys, v.step, rounds)
-    for key in first:  # graphs compiled in the rounds (a recompile there would be timed): by variant
+    for key in first:  # graphs compiled in the rounds (one there would be timed unless in the warm-up round)
         first[key]["graphs_in_rounds"] = v.compiled[key.split("|")[0]].frame_count - graphs[key.split("|")[0]]
     measured, profiled = _measure(v)
     every: list[Any] = [None] * world

@@ -139,6 +139,13 @@ def _window_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _graphs(r: dict[str, Any]) -> str:
+    """A compiled row's graphs: its first call's, then any its second call or the rounds compiled."""
+    more = [f"+{r[k]} {what}" for k, what in (("recompiles", "second call"), ("graphs_in_rounds", "in the rounds"))
+            if r.get(k)]
+    return f"{r['graphs']}" + (f" ({', '.join(more)})" if more else "")
+
+
 def _compiled_lines(rows: list[dict[str, Any]]) -> list[str]:
     found = sorted((r for r in rows if r.get("table") == "compiled"), key=lambda r: (r["seq"], r["cp"]))
     if not found:
@@ -147,7 +154,8 @@ def _compiled_lines(rows: list[dict[str, Any]]) -> list[str]:
              "batch: time as the median of round-by-round ratios; both peaks from the profiler's memory events (they "
              "count the buffers compiled code allocates, which the live-tensor peak above does not see); the first "
              "step's loss of each; the first compiled call of each batch kind (untimed by the rounds) with the graphs "
-             "it compiled (and the mode's graphs compiled later, in the timed rounds) and its graph breaks:", "",
+             "it compiled (and those its second call compiled, and the mode's compiled in the rounds) and its graph "
+             "breaks:", "",
              "| tokens | cp | mode | batch | eager ms | compiled ms | / eager | eager peak MiB (profiler) | "
              "compiled peak MiB (profiler) | / eager | loss diff | first call s | graphs | breaks |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -156,8 +164,7 @@ def _compiled_lines(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['train_step_ms']:.0f} | {_spread(r['vs_eager'])} | {_mb(r['eager_profiler_peak_bytes'])} | "
                      f"{_mb(r['profiler_peak_bytes'])} | "
                      f"{r['profiler_peak_bytes'] / r['eager_profiler_peak_bytes']:.2f} | "
-                     f"{abs(r['loss'] - r['eager_loss']):.1e} | {r['compile_s']:.1f} | {r['graphs']}"
-                     f"{' (+' + str(r['graphs_in_rounds']) + ' later)' if r.get('graphs_in_rounds') else ''} | "
+                     f"{abs(r['loss'] - r['eager_loss']):.1e} | {r['compile_s']:.1f} | {_graphs(r)} | "
                      f"{r['breaks']} |")
     return lines
 
