@@ -257,6 +257,57 @@ def test_context_window_table_grows_each_mode_from_its_own_shortest_length() -> 
            "5.50 (target <= 5: missed)" in targets
 
 
+@pytest.mark.slow  # two modes compiled at cp=2, even with aot_eager: about two minutes on 2 cores
+def test_context_phase_sets_compiled_rows_beside_the_eager_ones() -> None:
+    import statistics
+
+    from tplower.bench.context import ContextSweep, context_phase
+    from tplower.bench.context_report import context_table
+
+    sweep = ContextSweep(seqs=(64,), batches=("plain", "packed"), budget=0, loss_chunk=0, window=0,
+                         compile_backend="aot_eager")
+    rows = context_phase(2, sweep=sweep)
+    eager = {(r["variant"], r["batch"]): r for r in rows if r["table"] == "steps"}
+    compiled = {(r["variant"], r["batch"]): r for r in rows if r["table"] == "compiled"}
+    assert set(compiled) == {(m, b) for m in ("ulysses", "allgather") for b in ("plain", "packed")}
+    for key, r in compiled.items():
+        theirs = eager[key]
+        assert r["train_step_ms"] > 0 and len(r["step_samples_ms"]) == 2, r
+        assert r["eager_step_ms"] == theirs["train_step_ms"]
+        ratios = [a / b for a, b in zip(r["step_samples_ms"], theirs["step_samples_ms"], strict=True)]
+        assert r["vs_eager"] == {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
+        # both first steps start from the same weights after the same batches: the compiled loss is the eager one
+        assert r["loss"] == pytest.approx(r["eager_loss"], rel=1e-5), r
+        assert r["profiler_peak_bytes"] > 0 and r["eager_profiler_peak_bytes"] > 0, r
+        assert r["compile_s"] > 0 and r["graphs_in_rounds"] == 0, r  # after two untimed calls no compile is timed
+    for mode in ("ulysses", "allgather"):  # the first batch kind compiles; the layout of the next one is a tensor
+        assert compiled[mode, "plain"]["graphs"] >= 1, compiled[mode, "plain"]
+    assert any(line.startswith("| 64 | 2 | ulysses | packed | ") for line in context_table(rows))
+
+
+def test_context_compiled_table_and_targets_read_against_the_eager_row() -> None:
+    from tplower.bench.context_report import context_table, context_targets
+
+    slower = {"median": 1.5, "low": 1.25, "high": 1.75}
+    rows = [_step("one process", "plain", 4000.0, 160, cp=1), _step("ulysses", "plain", 2000.0, 80),
+            {"table": "compiled", "seq": 8192, "cp": 2, "variant": "ulysses", "batch": "plain",
+             "backend": "inductor", "train_step_ms": 3000.0, "eager_step_ms": 2000.0, "vs_eager": slower,
+             "profiler_peak_bytes": 60 << 20, "eager_profiler_peak_bytes": 80 << 20, "loss": 4.8500002,
+             "eager_loss": 4.85, "compile_s": 41.25, "graphs": 3, "breaks": 0, "graphs_in_rounds": 0}]
+    lines = context_table(rows)
+    assert "| 8192 | 2 | ulysses | plain | 2000 | 3000 | 1.50 (1.25-1.75) | 80.0 | 60.0 | 0.75 | 2.0e-07 | 41.2 | " \
+           "3 | 0 |" in lines
+    assert "- context ulysses cp=2 compiled (inductor), plain at 8192 tokens: step / eager (rounds 1.25-1.75) 1.50 " \
+           "(target <= 1: missed); profiler peak / eager 0.75 (target <= 1: met)" in context_targets(rows)
+    assert not any("compiled" in line for line in context_table(rows[:2]) + context_targets(rows[:2]))
+
+
+def test_context_batches_option_names_an_unknown_kind(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["bench", "--phases", "context", "--context-batches", "plain,pakced", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--context-batches: 'pakced' is unknown (did you mean 'packed'?); allowed: plain,padded,packed" in err
+
+
 def test_moe_table_sets_compiled_expert_parallelism_beside_its_peers() -> None:
     from tplower.bench.phases import BenchResult
     from tplower.bench.report import moe_table, target_lines

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 
 from .catalog import CASES, SIZES, Case
 
-__all__ = ["DEFAULT_PHASES", "PHASES", "BenchConfig"]
+__all__ = ["CONTEXT_BATCHES", "DEFAULT_PHASES", "PHASES", "BenchConfig"]
 
 #: Phases ``tplower bench`` can run.
 PHASES: tuple[str, ...] = ("micro", "fake", "memory", "model", "moe", "loss", "context", "plan")
 #: Phases it runs when none are named (``context``, minutes at 8192 tokens, and ``plan``, which calibrates and
 #: runs a dozen layouts, run when asked for)
 DEFAULT_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p not in ("context", "plan"))
+#: Kinds of batch the ``context`` phase runs (here, so that the command line names them without importing torch)
+CONTEXT_BATCHES: tuple[str, ...] = ("plain", "padded", "packed")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ class BenchConfig:
             by a few percent, which 7 rounds on a shared CPU cannot resolve
             (single runs of the MiniLM compiled forward spread 0.89-1.10).
         compile_backend: also time ``torch.compile`` of tplower's and
-            ``parallelize_module``'s model with this backend (``None``: eager only).
+            ``parallelize_module``'s model with this backend (``None``: eager only);
+            the ``moe`` phase's expert parallelism and the ``context`` phase's
+            modes too.
         multi_axis_only_at: worlds whose micro phase runs only the
             multi-axis cases (the quick preset covers the 1-D ones at world 2).
         timeout: seconds for each spawned group of ranks.
@@ -52,6 +56,7 @@ class BenchConfig:
         context_cps: its cp sizes (a spawn of that many ranks each).
         context_budget: bytes per rank of its longest-sequence search (0: none).
         context_window: the sliding window of its window rows, in keys (0: none).
+        context_batches: its kinds of batch (``plain``, ``padded``, ``packed``).
     """
 
     worlds: tuple[int, ...] = (2, 4)
@@ -76,6 +81,7 @@ class BenchConfig:
     context_cps: tuple[int, ...] = (2,)
     context_budget: int = 64 << 20
     context_window: int = 1024
+    context_batches: tuple[str, ...] = CONTEXT_BATCHES
 
     @staticmethod
     def quick() -> BenchConfig:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .config import CONTEXT_BATCHES
 from .memory import peak_tensor_bytes
 from .timing import barrier_rounds
 
@@ -35,7 +36,7 @@ __all__ = ["BATCHES", "GRAIN", "budget_rows", "context_batch", "context_model", 
 #: the lengths the budget search tries are multiples of this many tokens
 GRAIN = 512
 #: the kinds of batch the phase measures
-BATCHES = ("plain", "padded", "packed")
+BATCHES = CONTEXT_BATCHES
 _HIDDEN, _HEADS, _KV, _HEAD_DIM, _VOCAB = 64, 4, 2, 16, 128
 
 

@@ -7,6 +7,11 @@ step time with one process's step on the same batch where one process ran it
 tokens) and on the plain batch, each as the median of round-by-round ratios
 with their lowest and highest (the rounds interleave every variant, so a busy
 machine slows them alike).
+
+Compiled rows (``tplower bench --compile``) are read against the eager row of
+the same mode, batch and length: time round by round, and the peak from the
+profiler's memory events on both sides (the live-tensor peak of the steps
+table does not see the buffers inductor's code allocates).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ TIME_TARGETS = {"plain": 0.6, "packed": 1.0}
 GROWTH_TARGETS = {2: 1.8, 4: 3.5}
 #: the loss alone in chunks / with the whole logits
 LOSS_TARGET = 0.25
+#: a compiled step / the eager step of the same mode and batch: time, and peak (the profiler's on both sides)
+COMPILED_TARGET = 1.0
 
 
 def _mb(n: float) -> str:
@@ -132,11 +139,41 @@ def _window_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _graphs(r: dict[str, Any]) -> str:
+    """A compiled row's graphs: its first call's, then any its second call or the rounds compiled."""
+    more = [f"+{r[k]} {what}" for k, what in (("recompiles", "second call"), ("graphs_in_rounds", "in the rounds"))
+            if r.get(k)]
+    return f"{r['graphs']}" + (f" ({', '.join(more)})" if more else "")
+
+
+def _compiled_lines(rows: list[dict[str, Any]]) -> list[str]:
+    found = sorted((r for r in rows if r.get("table") == "compiled"), key=lambda r: (r["seq"], r["cp"]))
+    if not found:
+        return []
+    lines = [f"Compiled (`torch.compile`, backend {found[0]['backend']}) against the eager row of the same mode and "
+             "batch: time as the median of round-by-round ratios; both peaks from the profiler's memory events (they "
+             "count the buffers compiled code allocates, which the live-tensor peak above does not see); the first "
+             "step's loss of each; the first compiled call of each batch kind (untimed by the rounds) with the graphs "
+             "it compiled (and those its second call compiled, and the mode's compiled in the rounds) and its graph "
+             "breaks:", "",
+             "| tokens | cp | mode | batch | eager ms | compiled ms | / eager | eager peak MiB (profiler) | "
+             "compiled peak MiB (profiler) | / eager | loss diff | first call s | graphs | breaks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in found:
+        lines.append(f"| {r['seq']} | {r['cp']} | {r['variant']} | {r['batch']} | {r['eager_step_ms']:.0f} | "
+                     f"{r['train_step_ms']:.0f} | {_spread(r['vs_eager'])} | {_mb(r['eager_profiler_peak_bytes'])} | "
+                     f"{_mb(r['profiler_peak_bytes'])} | "
+                     f"{r['profiler_peak_bytes'] / r['eager_profiler_peak_bytes']:.2f} | "
+                     f"{abs(r['loss'] - r['eager_loss']):.1e} | {r['compile_s']:.1f} | {_graphs(r)} | "
+                     f"{r['breaks']} |")
+    return lines
+
+
 def context_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The phase's tables (steps; the longest sequence within the budget; the loss; the sliding window), Markdown
-    lines."""
+    """The phase's tables (steps; compiled against eager; the longest sequence within the budget; the loss; the
+    sliding window), Markdown lines."""
     parts = _step_lines(rows)
-    for more in (_budget_lines(rows), _loss_lines(rows), _window_lines(rows)):
+    for more in (_compiled_lines(rows), _budget_lines(rows), _loss_lines(rows), _window_lines(rows)):
         if more:
             parts += ["", *more]
     return parts
@@ -161,6 +198,12 @@ def context_targets(rows: list[dict[str, Any]]) -> list[str]:
                 out.append(f"- context ulysses cp=2 step time / one process ({kind} at {r['seq']} tokens, "
                            f"{'same batch' if r['vs_same'] else 'plain batch'}; rounds "
                            f"{ratio['low']:.2f}-{ratio['high']:.2f}): {_verdict(ratio['median'], '<=', bound)}")
+    for r in sorted((r for r in rows if r.get("table") == "compiled"), key=lambda r: (r["seq"], r["cp"])):
+        ratio = r["vs_eager"]
+        out.append(f"- context {r['variant']} cp={r['cp']} compiled ({r['backend']}), {r['batch']} at {r['seq']} "
+                   f"tokens: step / eager (rounds {ratio['low']:.2f}-{ratio['high']:.2f}) "
+                   f"{_verdict(ratio['median'], '<=', COMPILED_TARGET)}; profiler peak / eager "
+                   f"{_verdict(r['profiler_peak_bytes'] / r['eager_profiler_peak_bytes'], '<=', COMPILED_TARGET)}")
     budget = {r["cp"]: r for r in rows if r.get("table") == "budget"}
     for cp, bound in GROWTH_TARGETS.items():
         if 1 in budget and cp in budget:

@@ -23,7 +23,7 @@ from .cases import Case, dtensor_leaf, raw_call, setup
 if TYPE_CHECKING:
     from .config import BenchConfig
 
-__all__ = ["memory_rows", "peak_bytes", "peak_tensor_bytes"]
+__all__ = ["memory_rows", "peak_bytes", "peak_tensor_bytes", "profiler_peak_bytes"]
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, object]:
@@ -76,6 +76,31 @@ def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
     with mode:
         out = fn()
     return mode.peak, out
+
+
+def profiler_peak_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """Peak bytes allocated on CPU while ``fn()`` runs, above what was allocated before, and its result.
+
+    The running sum, in time order, of the torch profiler's ``[memory]``
+    events (``profile_memory=True``: each allocation's and free's bytes, as
+    the allocator reports them). Unlike :func:`peak_tensor_bytes`, which
+    sees the storages ops create at the dispatcher, it also sees the buffers
+    code compiled by inductor allocates itself; unlike :func:`peak_bytes` it
+    needs no memory timeline (no shapes or stacks recorded: cheap over a
+    long train step). Compare two calls with this function on both sides.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with filtered_stderr():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None  # set when the profile stops
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak, out
 
 
 def _memory_calls(case: Case, s: Any, impl: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:

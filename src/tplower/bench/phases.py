@@ -27,7 +27,8 @@ Phases (each optional, all written to one JSON file with every sample):
   collectives and bytes beside what ``tplower explain --context`` predicts;
   the longest sequence a per-rank budget trains; the loss of a 32000-token
   vocabulary in chunks against the whole logits). ``context_seqs``,
-  ``context_cps``, ``context_budget`` and ``context_window`` of the config set its sweep.
+  ``context_cps``, ``context_batches``, ``context_budget`` and ``context_window`` of the config set its
+  sweep; with ``compile_backend``, compiled rows of both modes beside the eager ones.
 
 Timings are never asserted anywhere; they depend on the machine.
 """
@@ -340,8 +341,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None
     if "context" in cfg.phases:
         from .context import ContextSweep, context_phase
 
-        sweep = ContextSweep(seqs=cfg.context_seqs, cps=cfg.context_cps, budget=cfg.context_budget,
-                             window=cfg.context_window)
+        sweep = ContextSweep(seqs=cfg.context_seqs, cps=cfg.context_cps, batches=cfg.context_batches,
+                             budget=cfg.context_budget, window=cfg.context_window,
+                             compile_backend=cfg.compile_backend)
         res.context = context_phase(max(2, cfg.model_steps // 3), sweep=sweep, timeout=cfg.timeout,
                                     progress=progress)
     if "plan" in cfg.phases:

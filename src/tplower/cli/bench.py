@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..bench.catalog import CASES, IMPLS
-from ..bench.config import PHASES
+from ..bench.config import CONTEXT_BATCHES, PHASES
 from ..core.support.errors import TPLowerError
 from .errors import closest, positive_int
 
@@ -113,13 +113,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor device (cuda: run under torchrun, NCCL)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                        help="model phase: also time torch.compile of tplower's and parallelize_module's model "
-                             "(backend, default inductor; compiling takes minutes on a few CPU cores)")
+                        help="model, moe and context phases: also time torch.compile of tplower's and "
+                             "parallelize_module's model, of expert parallelism, and of both context modes beside "
+                             "their eager rows (backend, default inductor; compiling takes minutes on a few CPU "
+                             "cores)")
     parser.add_argument("--context-seqs", type=_lengths, default=None, metavar="N,N",
                         help="context phase: sequence lengths in tokens (default 8192; the full sweep 8192,32768)")
     parser.add_argument("--context-cps", type=_lengths, default=None, metavar="N,N",
                         help="context phase: cp sizes, one spawn of that many gloo ranks each (default 2; the full "
                              "sweep 2,4)")
+    parser.add_argument("--context-batches", type=_csv, default=None, metavar="KIND,KIND",
+                        help="context phase: kinds of batch (default plain,padded,packed)")
     parser.add_argument("--context-budget", type=parse_size, default=None, metavar="SIZE",
                         help="context phase: bytes per rank for the longest sequence that trains within them, at "
                              "cp=1 and each cp size (default 64MiB; 0: no search)")
@@ -144,6 +148,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     changes = {k: v for k, v in (("phases", args.phases), ("worlds", args.worlds), ("sizes", args.sizes),
                                  ("cases", args.cases), ("impls", args.impls), ("reps", args.reps),
                                  ("context_seqs", args.context_seqs), ("context_cps", args.context_cps),
+                                 ("context_batches", args.context_batches),
                                  ("context_budget", args.context_budget), ("context_window", args.context_window),
                                  ("timeout", args.timeout))
                if v is not None}
@@ -180,6 +185,7 @@ def _check_options(args: argparse.Namespace, cfg: BenchConfig) -> None:
     _check_names("--phases", args.phases, PHASES)
     _check_names("--cases", args.cases, tuple(c.name for c in CASES), "; ")
     _check_names("--impls", args.impls, IMPLS)
+    _check_names("--context-batches", args.context_batches, CONTEXT_BATCHES)
     if small := [w for w in cfg.worlds if w < 2]:
         raise TPLowerError(f"--worlds: {small[0]} is below 2; a world size is at least 2 ranks (e.g. --worlds 2,4)")
     if torchrun_env() is None:  # each world size is spawned here (under torchrun the launcher's ranks run)
