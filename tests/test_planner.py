@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -206,13 +204,14 @@ def test_plan_layout_refuses_bad_arguments_by_name() -> None:
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
 
 
-def test_cli_plan_json_rows_carry_the_documented_keys(tmp_path: Any) -> None:
-    done = subprocess.run([sys.executable, "-m", "tplower", "plan", "--model", "llama-tiny", "--ranks", "2",
-                           "--memory", "4GiB", "--seq", "64", "--global-batch", "2", "--dtype", "float32",
-                           "--json", "--no-checkpointing", "--axes", "dp"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout)
+def test_cli_plan_json_rows_carry_the_documented_keys(capsys: Any) -> None:
+    from tplower.cli.main import main
+
+    code = main(["plan", "--model", "llama-tiny", "--ranks", "2", "--memory", "4GiB", "--seq", "64",
+                 "--global-batch", "2", "--dtype", "float32", "--json", "--no-checkpointing", "--axes", "dp"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    rows = json.loads(out.out)
     assert rows and all({"mesh", "fits", "peak_bytes", "collective_bytes", "predicted_step_s", "reason"} <= set(r)
                         for r in rows)
     assert rows[0]["fits"] and rows[0]["mesh"] == {"dp": 2}
