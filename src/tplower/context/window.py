@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core.lower.mesh_facts import axis_order, mesh_facts
 from ..core.ops.dispatch import all_to_all_splits
 from .layout import SequenceLayout, merge_spans
 
@@ -76,15 +77,12 @@ class WindowKeys:
 
 def axis_group_ranks(mesh: DeviceMesh, axis: str) -> tuple[int, ...]:
     """The rank in ``mesh.get_group(axis)`` of each coordinate along ``axis`` (this rank's other coordinates
-    fixed): a mesh whose ranks are not in group order still exchanges with the right peers."""
-    names = tuple(mesh.mesh_dim_names or ())
-    dim, group = names.index(axis), mesh.get_group(axis)
-    where = list(mesh.get_coordinate() or [0] * mesh.ndim)
-    out = []
-    for c in range(mesh.size(dim)):
-        where[dim] = c
-        out.append(dist.get_group_rank(group, int(mesh.mesh[tuple(where)])))
-    return tuple(out)
+    fixed): a mesh whose ranks are not in group order still exchanges with the right peers (the lowerer's own
+    reading of the mesh, :func:`~tplower.core.lower.mesh_facts.axis_order`)."""
+    dim = tuple(mesh.mesh_dim_names or ()).index(axis)
+    _, along, groups = mesh_facts(mesh)
+    order = axis_order(axis, list(along[dim]), list(groups[dim]))
+    return tuple(range(mesh.size(dim))) if order is None else order
 
 
 def holder_keys(layout: SequenceLayout, window: int, holders: int, padded: bool
