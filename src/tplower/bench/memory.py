@@ -56,11 +56,16 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, obj
                       if action.name in ("CREATE", "DESTROY") and t >= 0]
         except (AttributeError, RuntimeError, ValueError):  # coarser: each op's own net bytes at its start
             deltas = [(ev.time_range.start, int(ev.self_cpu_memory_usage)) for ev in prof.events()]
+    return _running_peak(deltas), out
+
+
+def _running_peak(deltas: list[tuple[int, int]]) -> int:
+    """The highest running sum of ``(time, bytes allocated or, negative, freed)`` in time order (0 at least)."""
     running = peak = 0
     for _, delta in sorted(deltas, key=lambda d: d[0]):
         running += delta
         peak = max(peak, running)
-    return peak, out
+    return peak
 
 
 def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
@@ -95,12 +100,8 @@ def profiler_peak_bytes(fn: Callable[[], object]) -> tuple[int, object]:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
     assert prof.profiler is not None and prof.profiler.kineto_results is not None  # set when the profile stops
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak, out
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return _running_peak(sorted(events)), out  # (at one time, frees before allocations)
 
 
 def _memory_calls(case: Case, s: Any, impl: str) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
