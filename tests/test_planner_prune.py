@@ -2,9 +2,9 @@
 times, the pruned search picks what tracing every candidate would pick.
 
 The candidates' outcomes are drawn (hypothesis) within what holds for real steps: in a group (one mesh, context
-mode and experts choice) checkpointing and loss chunks add time, and a variant without checkpointing holds more
-than the leanest (checkpointing and loss chunks). The search is driven as ``plan_layout`` drives it, tasks first in
-first out, and compared with the best of the whole table.
+mode and experts choice) checkpointing and loss chunks add time, a variant without checkpointing holds more than
+the leanest (checkpointing and loss chunks), and loss chunks add at most ``COST`` to a peak. The search is driven
+as ``plan_layout`` drives it, tasks first in first out, and compared with the best of the whole table.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from tplower.planner.prune import Bound
 from tplower.planner.search import LayoutCandidate
 
 MEMORY = 100
+#: the most a group's loss chunks add to its peak (``plan_layout``'s is :func:`tplower.planner.search.chunk_cost`)
+COST = 20
 #: the four variants of a group: (checkpointing, loss chunks)
 VARIANTS = [(False, None), (False, 64), (True, None), (True, 64)]
 
@@ -32,7 +34,8 @@ def _groups(draw: Any) -> list[tuple[LayoutCandidate, int, float]]:
         variants = VARIANTS if draw(st.booleans()) else [VARIANTS[0], VARIANTS[2]]
         refused = draw(st.integers(0, 9)) == 0
         lean = draw(st.integers(1, 200))  # (the last variant: checkpointing, and chunks where there are any)
-        ck_only = draw(st.integers(1, 300)) if len(variants) == 4 else lean  # chunks can cost memory, not save it
+        # chunks can save memory, or cost up to COST
+        ck_only = draw(st.integers(max(1, lean - COST), 300)) if len(variants) == 4 else lean
         fast_s = draw(st.floats(1, 10))
         peaks = {(True, 64): lean, (True, None): ck_only}
         peaks[(False, 64)] = lean + draw(st.integers(0, 100))  # without checkpointing more is held
@@ -65,7 +68,7 @@ def test_the_pruned_search_picks_what_tracing_everything_picks(table: list[tuple
     for row, (_, peak, seconds) in zip(every, table, strict=True):
         _trace(row, peak, seconds)
     rows = [r for r, _, _ in table]
-    bound = Bound(rows, MEMORY, True)
+    bound = Bound(rows, MEMORY, True, lambda row: COST)
     waiting, traced = deque(bound.start), set()
     while waiting:
         i = waiting.popleft()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Bound", "gib"]
@@ -20,19 +21,23 @@ class Bound:
     recomputation, more operator calls; none can be the pick); if it does not but is already slower than a
     candidate traced elsewhere that fits, so are the rest; else they are traced. Loss chunks do not always take
     memory away (a small vocabulary's chunks can cost more than they save), so a checkpointed variant is traced
-    whenever the fastest does not fit.
+    whenever the fastest does not fit, and the checkpointed one without chunks after a leanest that does not fit
+    unless the leanest's peak exceeds the memory by more than chunks can add (``chunk_cost``).
 
     Args:
         rows: every :class:`~tplower.planner.search.LayoutCandidate` to trace, in order (indices below are into it).
         memory: bytes per rank.
         on: prune (else every candidate is traced: :attr:`start` is all of them).
+        chunk_cost: the most bytes a row's loss chunks can add to its peak over the same row without them
+            (:func:`tplower.planner.search.chunk_cost`); ``None``: any amount.
 
     Attributes:
         start: the candidates to trace first.
     """
 
-    def __init__(self, rows: list[Any], memory: int, on: bool) -> None:
-        self.rows, self.memory = rows, memory
+    def __init__(self, rows: list[Any], memory: int, on: bool,
+                 chunk_cost: Callable[[Any], float] | None = None) -> None:
+        self.rows, self.memory, self.chunk_cost = rows, memory, chunk_cost
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault((tuple(r.mesh.items()), r.context_mode, r.experts), []).append(i)
@@ -68,6 +73,14 @@ class Bound:
             why = f"not traced: {lean.label()} needs {gib(lean.peak_bytes)} > {gib(self.memory)}, and without " \
                   "checkpointing more is held; plan_layout(prune=False) traces it"
             skip = [i for i in rest if not self.rows[i].checkpointing]
+            cost = self.chunk_cost(lean) if self.chunk_cost is not None and lean.loss_chunk else None
+            if cost is not None and lean.peak_bytes - cost > self.memory:  # nor the checkpointed one, chunks off
+                for i in rest:
+                    self.rows[i].reason = why if i in skip else \
+                        f"not traced: {lean.label()} needs {gib(lean.peak_bytes)}, and without loss chunks at least " \
+                        f"{gib(lean.peak_bytes - cost)} > {gib(self.memory)} is held (chunks add at most " \
+                        f"{gib(cost)}); plan_layout(prune=False) traces it"
+                return [], rest
         elif fast.fits:  # the fastest, traced because the leanest fits
             why = f"not traced: {fast.label()} fits ({gib(fast.peak_bytes)}) and is faster (checkpointing and " \
                   "loss chunks add time); plan_layout(prune=False) traces it"

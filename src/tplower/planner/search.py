@@ -44,7 +44,7 @@ from .prune import Bound, gib
 from .trace import AXES, StepTrace, trace_step
 from .worker import run_tasks
 
-__all__ = ["WHOLE_TRACE_LAYERS", "LayoutCandidate", "parse_bytes", "plan_layout", "predict_seconds"]
+__all__ = ["WHOLE_TRACE_LAYERS", "LayoutCandidate", "chunk_cost", "parse_bytes", "plan_layout", "predict_seconds"]
 
 #: models with at most this many decoder layers are traced whole by ``layers="auto"`` (counting traces 3 + 4)
 WHOLE_TRACE_LAYERS = 6
@@ -187,6 +187,25 @@ def predict_seconds(trace: StepTrace, sizes: dict[str, int], profile: DeviceProf
             steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
             seconds += count * steps * link.latency_s + nbytes / link.bandwidth
     return seconds
+
+
+def chunk_cost(config: Any, row: LayoutCandidate, seq_len: int) -> float:
+    """The most bytes the loss in chunks (:class:`tplower.context.loss.TiledLoss`) can add to ``row``'s per-rank
+    peak over the same layout without chunks (``inf`` for a config without an int ``hidden_size``).
+
+    At each point of the chunked step the step without chunks holds as much, but for two things: the gradient of
+    the final hidden states ``[B, s, H]`` (``s = seq_len / cp`` a rank's piece, ``B`` the micro-batch) arrives in
+    pieces (each chunk's is a whole ``[B, s, H]`` tensor that autograd sums: at most two alive beside the one the
+    head's backward makes), and each chunk's labels are copied (``int64 [B, s]`` over the chunks; shifted labels
+    too). A chunk's logits and their loss's temporaries are at most the whole row's, which the step without chunks
+    holds at its loss. The bound is twice that: four float32 ``[B, s, H]`` and four ``int64 [B, s]``
+    (``tests/test_planner.py`` measures the difference on a small vocabulary, where chunks cost memory).
+    """
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(hidden, bool) or not isinstance(hidden, int):
+        return math.inf
+    rows, piece = row.micro_batch, -(-seq_len // row.mesh.get("cp", 1))
+    return 4 * rows * piece * hidden * 4 + 4 * rows * piece * 8
 
 
 def _layers(config: Any, n: int) -> Any:
@@ -341,7 +360,8 @@ def plan_layout(model_or_config: Any, ranks: int, *, memory_per_rank: int | str 
     if workers < 1:
         raise TPLowerError(f"plan_layout: workers={workers!r} must be >= 1 or None")
     counted = layers == "extrapolate" or (layers == "auto" and int(config.num_hidden_layers) > WHOLE_TRACE_LAYERS)
-    bound = Bound([row for row, _ in todo], memory, counted if prune is None else bool(prune))
+    bound = Bound([row for row, _ in todo], memory, counted if prune is None else bool(prune),
+                  lambda row: chunk_cost(config, row, seq_len))
 
     def follow(index: int, outcome: StepTrace | str) -> list[int]:
         nonlocal done
