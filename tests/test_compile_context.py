@@ -16,6 +16,8 @@ packed rows in the all-gather mode and padded rows in Ulysses. Then the sequence
 (48, 64, 50, 40, 37 tokens, the ranks' pieces even and uneven; one layer): plain, padded and packed rows in
 Ulysses and all-gather and packed rows in the hybrid compile no graph after the first step (``shard_sequence``
 marks the sequence dim dynamic and the compiled forward reads the lengths as ``DynamicInt``; about 2 minutes).
+And inductor with ``bucket_all_reduces_fx="all"`` (what ``prepare_trainer`` sets under ``torch_compile``): the
+backward's per-parameter gradient sums over cp become one ``all_reduce``, the gradients one process's (1 minute).
 """
 
 from __future__ import annotations
@@ -176,3 +178,42 @@ def test_length_changes_compile_nothing(lengths_ranks: list[dict[tuple[str, str]
     _check(lengths_ranks, *case, lengths=LENGTHS)
     for rank in lengths_ranks:
         assert sum(rank[case[0], case[1]]["graphs"][1:]) == 0, rank[case[0], case[1]]
+
+
+def _bucketed(rank: int, world: int) -> dict[str, Any]:
+    """Inductor's compiled step of a one-layer model at cp=2 with ``bucket_all_reduces_fx`` off and on: the
+    ``all_reduce`` calls in each piece of code it generated, and the gradients (whole)."""
+    from torch._inductor.utils import run_and_get_code
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    out: dict[str, Any] = {}
+    for bucket in ("none", "all"):
+        torch._dynamo.reset()
+        model = tplower.parallelize(_model(1), mesh, None, context="cp")
+        compiled = torch.compile(model, options={"bucket_all_reduces_fx": bucket})
+
+        def step(fn: Any) -> None:
+            fn(**tplower.shard_sequence(_batch("plain", 0), mesh, "cp")).loss.backward()
+
+        _, code = run_and_get_code(step, compiled)
+        out[bucket] = {"all_reduces": [c.count("_c10d_functional.all_reduce_.default(") for c in code],
+                       "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+    return out
+
+
+@slow
+def test_inductor_buckets_the_gradient_sums_and_keeps_one_process_gradients() -> None:
+    """``bucket_all_reduces_fx="all"`` (what ``prepare_trainer`` sets under ``torch_compile``): the compiled
+    backward's per-parameter sums over cp become one ``all_reduce``; the gradients stay one process's."""
+    model = _model(1)
+    model(**_batch("plain", 0)).loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for rank in run_processes(2, _bucketed, timeout=900):
+        off, on = rank["none"]["all_reduces"], rank["all"]["all_reduces"]
+        moved = [i for i, (a, b) in enumerate(zip(off, on, strict=True)) if a != b]
+        # one piece of code changed (the backward: one a parameter -> one); the others' (the loss's sums) as they were
+        assert len(moved) == 1 and off[moved[0]] >= len(want) - 1 and on[moved[0]] == 1, (off, on)
+        for bucket in ("none", "all"):
+            for name, grad in rank[bucket]["grads"].items():
+                torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-5, msg=f"{bucket} {name}")

@@ -182,3 +182,18 @@ def test_compiled_trainer_traces_once_with_one_process_losses(ranks: list[dict[t
         (loss, norm), (want_loss, want_norm) = got["got"], got["want"]
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
         torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=0)
+
+
+def test_a_compiled_cp_trainer_asks_inductor_for_bucketed_sums() -> None:
+    """``prepare_trainer``'s setting for ``torch_compile`` on a cp mesh (run by it before the trainer compiles):
+    inductor's all-reduce bucketing, only under inductor (transformers' default backend) and only where unset."""
+    import torch._inductor.config as inductor
+
+    from tplower.hf.model import bucket_compiled_sums
+
+    with inductor.patch(bucket_all_reduces_fx="none"):
+        assert not bucket_compiled_sums("aot_eager") and inductor.bucket_all_reduces_fx == "none"
+        assert bucket_compiled_sums(None) and inductor.bucket_all_reduces_fx == "all"
+    with inductor.patch(bucket_all_reduces_fx="all"):
+        assert not bucket_compiled_sums("inductor")  # set already (a user's own choice stays)
+    assert inductor.bucket_all_reduces_fx == "none"

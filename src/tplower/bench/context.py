@@ -36,7 +36,9 @@ chunks (``context_loss_chunk``), and the sliding-window rows: a window of
 With ``sweep.compile_backend`` (``tplower bench --compile``), also ``ulysses
 compiled`` and ``allgather compiled`` (``sweep.compile_modes``):
 ``torch.compile(parallelize(model, mesh, None, context="cp",
-context_mode=...), backend=...)`` on every batch, in the same interleaved
+context_mode=...), backend=...)`` (inductor's ``bucket_all_reduces_fx = "all"``:
+the gradient sums over cp in one ``all_reduce``, as docs/context.md tells users
+to compile) on every batch, in the same interleaved
 rounds. Each compiled ``variant|batch`` runs once before the rounds, untimed
 (the first batch kind's call compiles; the row keeps its seconds, the graphs
 it compiled and its graph breaks), then once more (the graphs that call
@@ -151,6 +153,12 @@ class _Variants:
             from torch._dynamo.testing import CompileCounterWithBackend
 
             torch._dynamo.reset()  # each length compiles afresh: its first call is the compile its rows report
+            # the context axis' gradient sums are one all_reduce each in the compiled backward (eager runs them as
+            # one pass at its end); inductor's bucketing joins them, as docs/context.md tells users to (this
+            # process is a spawned rank: the setting ends with it)
+            import torch._inductor.config as inductor
+
+            inductor.bucket_all_reduces_fx = "all"
             for m in (m for m in self.modes if m in sweep.compile_modes):
                 self.compiled[f"{m} compiled"] = counter = CompileCounterWithBackend(sweep.compile_backend)
                 compiled: Any = torch.compile(parallelize(copy.deepcopy(ref), self.cp_mesh, None, context="cp",

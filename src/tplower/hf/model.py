@@ -6,6 +6,7 @@ Shared by :func:`tplower.hf.prepare_trainer` and :func:`tplower.hf.prepare_accel
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,10 @@ from ..state.full_state import placed_by_tplower, register_full_load
 from .batches import SequenceSplit
 from .layout import DataLayout
 
-__all__ = ["ORDER", "TrainingModel", "model_axis", "parallelize_beside", "parallelize_for_training", "shard_over_dp"]
+__all__ = ["ORDER", "TrainingModel", "bucket_compiled_sums", "model_axis", "parallelize_beside",
+           "parallelize_for_training", "shard_over_dp"]
+
+logger = logging.getLogger("tplower.hf")
 
 #: the order of calls each entry needs, as its refusals say it
 ORDER = {"prepare_trainer": "build the trainer with the model as loaded, then call prepare_trainer(trainer, mesh, "
@@ -228,3 +232,32 @@ def parallelize_beside(model: nn.Module, tm: TrainingModel, plan: Any, *, expert
         # shard them again, so the reference's parameters are the trained model's layout between steps
         model.register_forward_hook(lambda module, args, output: module.reshard())  # type: ignore[operator]
     register_full_load(model)
+
+
+def bucket_compiled_sums(backend: str | None) -> bool:
+    """Let inductor join a compiled context-parallel step's gradient sums into buckets.
+
+    Eager, the sums over ``cp`` run as one pass at the end of backward (:mod:`tplower.runtime.grad_sums`); in a
+    compiled step each parameter's sum is an ``all_reduce`` of its own in the backward graph (38 in the bench's 4-layer
+    Llama), each paying a collective's latency. Inductor's ``bucket_all_reduces_fx = "all"`` joins independent
+    ones into buckets (a sum is elementwise: the same gradients). It is a process-wide setting of
+    ``torch._inductor.config``: set here only where it is still ``"none"`` (a user's own choice stays), and
+    logged. Users of a plain ``torch.compile`` pass ``options={"bucket_all_reduces_fx": "all"}`` instead.
+
+    Args:
+        backend: the compile backend (``TrainingArguments.torch_compile_backend``; ``None``: inductor, as
+            transformers defaults it).
+
+    Returns:
+        Whether the setting was changed (``False`` for another backend or a setting made already).
+    """
+    if (backend or "inductor") != "inductor":
+        return False
+    import torch._inductor.config as inductor
+
+    if inductor.bucket_all_reduces_fx != "none":
+        return False
+    inductor.bucket_all_reduces_fx = "all"
+    logger.info("tplower: torch._inductor.config.bucket_all_reduces_fx = 'all' (a compiled context-parallel "
+                "step's per-parameter gradient sums over cp go as buckets)")
+    return True

@@ -66,7 +66,7 @@ from .callbacks import guard_callbacks
 from .generation import check_generation, fit_generation
 from .layout import DataLayout
 from .losses import LossRule, Smoother, is_causal_lm
-from .model import ORDER, TrainingModel, parallelize_beside, parallelize_for_training
+from .model import ORDER, TrainingModel, bucket_compiled_sums, parallelize_beside, parallelize_for_training
 from .saving import (
     OPTIMIZER_FILE,
     OPTIMIZER_FOLDER,
@@ -325,6 +325,8 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh | str, plan: Any = "auto", *,
         context: ``"cp"`` (the mesh's context-parallel axis; required when it has one) or ``None``: every
             batch the model is called with is cut by :func:`tplower.shard_sequence` (padded, packed with
             ``position_ids``, TRL's padding-free batches); the trainer's ``compute_loss`` gets the cut batch.
+            With ``torch_compile`` (inductor) it sets ``torch._inductor.config.bucket_all_reduces_fx = "all"``
+            where unset (:func:`~tplower.hf.model.bucket_compiled_sums`: the gradient sums over cp in buckets).
         context_mode: ``"ulysses"`` or ``"allgather"`` (:func:`tplower.parallelize`).
         experts: ``"ep"`` (expert parallelism over the ``tp``/``ep`` axis), ``"tp"``, or ``None``: ``"ep"`` on an
             ``ep`` axis, else ``"tp"``.
@@ -379,6 +381,8 @@ def prepare_trainer(trainer: Any, mesh: DeviceMesh | str, plan: Any = "auto", *,
         other = getattr(trainer, name, None)
         if isinstance(other, nn.Module) and other is not tm.model:
             parallelize_beside(other, tm, plan, experts=experts, where="prepare_trainer", **options)
+    if context is not None and getattr(trainer.args, "torch_compile", False):
+        bucket_compiled_sums(trainer.args.torch_compile_backend)
     patch_accelerator(trainer.accelerator, tm.layout, tm.model)
     count_data_processes(trainer.accelerator, tm.layout)
     fit_generation(trainer.args, tm.layout)
