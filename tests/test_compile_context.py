@@ -217,3 +217,27 @@ def test_inductor_buckets_the_gradient_sums_and_keeps_one_process_gradients() ->
         for bucket in ("none", "all"):
             for name, grad in rank[bucket]["grads"].items():
                 torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-5, msg=f"{bucket} {name}")
+
+
+def _two_models(rank: int, world: int) -> list[int]:
+    """Two models compiled in one process, one a mode (the same hook code, other numbers): graph breaks each."""
+    import torch._dynamo as dynamo
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    dynamo.reset()
+    breaks = []
+    for mode in ("ulysses", "allgather"):
+        dynamo.utils.counters.clear()
+        model = torch.compile(tplower.parallelize(_model(1), mesh, None, context="cp", context_mode=mode),
+                              backend="aot_eager")
+        model(**tplower.shard_sequence(_batch("plain", 0), mesh, "cp")).loss.backward()
+        breaks.append(sum(dynamo.utils.counters["graph_break"].values()))
+    return breaks
+
+
+@slow
+def test_a_second_model_compiles_without_a_graph_break() -> None:
+    """A hook's number for :func:`tplower.runtime.interned.traced` is a string: an int attribute that a second
+    value reaches through the same code becomes dynamic, and the second model's hooks broke the graph (2 breaks)."""
+    assert run_processes(2, _two_models, timeout=600) == [[0, 0], [0, 0]]

@@ -25,7 +25,7 @@ from ..families.conv1d import is_conv1d
 from ..plans.entries import BoundaryEntry
 from ..plans.forms import BoundaryForm, Placements
 from .dropout import DropoutStreams
-from .interned import intern, traced
+from .interned import intern, slot_key, traced
 from .movers import _dtensor, _lowered, _Move, _Mover
 from .overlap import can_overlap, overlapped_call
 from .params import ParamLayout, local_parameter, local_parameters
@@ -170,13 +170,14 @@ class _Boundary:
     calls are followed.
 
     A call reads its layout from one shared :class:`_Static` (``static``);
-    under ``torch.compile`` the trace finds it by number (``static_key``), so
-    the graph guards on one integer per boundary and on each distinct layout
+    under ``torch.compile`` the trace finds it by number (``static_key``, kept
+    as a string: :func:`~tplower.runtime.interned.traced`), so the graph
+    guards on one value per boundary and on each distinct layout
     once, as DTensor's hooks guard on their shared closures.
     """
 
     static: _Static
-    static_key: int
+    static_key: str
 
     def __init__(self, info: InstalledBoundary, owner: nn.Module, compute: Callable[..., Any],
                  ins: tuple[_Move, ...], outs: tuple[_Move, ...], lowerer: MeshLowerer,
@@ -227,7 +228,7 @@ class _Boundary:
                              self.share, self.share_n, func, self.tie, self.region,
                              like, overlap))
         object.__setattr__(self, "static", st)
-        object.__setattr__(self, "static_key", st.key)
+        object.__setattr__(self, "static_key", slot_key(st.key))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()

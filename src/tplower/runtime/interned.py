@@ -28,7 +28,7 @@ import torch
 
 from ..core.lower.traced import _TRACED, _slot
 
-__all__ = ["intern", "register", "traced"]
+__all__ = ["intern", "register", "slot_key", "traced"]
 
 
 class _Keyed(Protocol):
@@ -72,11 +72,20 @@ def intern(value: T) -> T:
 
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
-def _traced_slot(key: int) -> str:
+def _traced_slot(key: int | str) -> str:
     """The attribute of the trace's kept objects that holds object ``key`` (runs at trace time, untraced)."""
-    return _slot(_BY_KEY[key])
+    return _slot(_BY_KEY[int(key)])
 
 
-def traced(key: int) -> Any:
-    """The object numbered ``key``, for code running under ``torch.compile`` (read from one guarded place)."""
+def traced(key: int | str) -> Any:
+    """The object numbered ``key``, for code running under ``torch.compile`` (read from one guarded place).
+
+    A hook keeps the number as a string (:func:`slot_key`): dynamo specializes a string attribute on its value,
+    while an int attribute that a second value reaches through the same code (the same hook class on a second
+    model) becomes dynamic, which this lookup cannot take (a graph break)."""
     return getattr(_TRACED, _traced_slot(key))
+
+
+def slot_key(key: int) -> str:
+    """``key`` as the string a hook keeps for :func:`traced`."""
+    return str(key)

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..core.lower.redistribute import mesh_lowerer
-from .interned import intern, register, traced
+from .interned import intern, register, slot_key, traced
 from .params import ParamLayout, local_parameter, local_parameters, param_layout, shard_parameter
 
 __all__ = ["RestParams", "place_rest"]
@@ -127,7 +127,7 @@ class _Swap:
 
     def _set(self, stack: _Stack, slots: tuple[tuple[str | None, str, ParamLayout], ...]) -> None:
         self.static = intern(_SwapStatic(stack.key, slots))
-        self.static_key = self.static.key
+        self.static_key = slot_key(self.static.key)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Swap:
         new = _Swap.__new__(_Swap)
@@ -174,7 +174,7 @@ class _Restore:
     """
 
     def __init__(self, stack: _Stack) -> None:
-        self.stack, self.key = stack, stack.key
+        self.stack, self.key = stack, slot_key(stack.key)
 
     def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
         stack: _Stack = traced(self.key) if torch.compiler.is_compiling() else self.stack
