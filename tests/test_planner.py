@@ -196,20 +196,18 @@ def test_pruning_leaves_out_only_variants_that_cannot_be_the_pick() -> None:
 
 
 def test_loss_chunks_add_at_most_chunk_cost_to_the_peak() -> None:
-    """Where loss chunks cost memory (a vocabulary smaller than or near the hidden size: the chunks' gradient
-    pieces outweigh the logits they save) the chunked step's peak exceeds the unchunked one's by no more than
+    """Where loss chunks cost memory (a small vocabulary, 128 and 1000 at hidden 64: the chunks' gradient pieces
+    outweigh the logits they save) the chunked step's peak exceeds the unchunked one's by no more than
     :func:`~tplower.planner.search.chunk_cost`, which the pruning leaves out the unchunked variant by."""
     kw: dict[str, Any] = dict(seq_len=128, micro_batch=1, dtype=torch.float32)
-    for vocab, sizes, mode, ck in ((128, {"cp": 2}, "allgather", False), (1000, {"dp": 2, "cp": 2}, "ulysses", False),
-                                   (128, {"cp": 2}, "allgather", True)):
+    for vocab, sizes, mode, ck in ((128, {"cp": 2}, "allgather", False), (1000, {"dp": 2, "cp": 2}, "ulysses", False)):
         config = _config()
         config.vocab_size = vocab
         chunked = trace_step(config, sizes, loss_chunk=16, context_mode=mode, checkpointing=ck, **kw).peak_bytes
         whole = trace_step(config, sizes, loss_chunk=None, context_mode=mode, checkpointing=ck, **kw).peak_bytes
         cost = chunk_cost(config, LayoutCandidate(sizes, ck, mode, 16, 1, 1), kw["seq_len"])
-        assert chunked - whole <= cost, (vocab, sizes, mode, ck, chunked - whole, cost)
-        if not ck:  # (measured: 13-21 KiB more with chunks, a third of the bound at most)
-            assert chunked > whole, (vocab, sizes, mode)
+        # more with chunks here (so the case is real: 21 KiB measured), a third of the bound
+        assert 0 < chunked - whole <= cost, (vocab, sizes, mode, ck, chunked - whole, cost)
 
 
 def test_plan_layout_refuses_bad_arguments_by_name() -> None:
