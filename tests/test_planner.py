@@ -103,13 +103,20 @@ def test_one_process_is_predicted_exactly() -> None:
 
 def test_counted_layers_equal_a_whole_trace() -> None:
     """Six layers traced whole against three and four traced and the rest counted (``layers="auto"``), the peak
-    phase by phase: with checkpointing the step's peak moves from one phase to another as layers are added."""
+    phase by phase: with checkpointing the step's peak moves from one phase to another as layers are added. And
+    eight layers of dp2 x cp2 without checkpointing, where within backward the end (gradients piled up) overtakes
+    the start by eight layers: counted phase by phase alone, the peak came 2,692,575 bytes (3.2%) short; counted
+    place by place (the first, second, penultimate and last layer, before and after them) it is the whole trace's."""
     six = _config(6)
-    slow = (({"dp": 2}, False), ({"cp": 2}, True)) if os.environ.get("TPLOWER_SLOW") else ()
-    for sizes, ck in (({"dp": 2}, True), *slow):
-        kw = dict(dtype=torch.float32, checkpointing=ck, **STEP)
-        whole = trace_step(six, sizes, **kw)
-        counted = trace_step(_layers(six, 3), sizes, **kw).scaled(trace_step(_layers(six, 4), sizes, **kw), 3)
+    eight = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    slow = ((six, {"dp": 2}, False, STEP), (six, {"cp": 2}, True, STEP)) if os.environ.get("TPLOWER_SLOW") else ()
+    for config, sizes, ck, step in ((six, {"dp": 2}, True, STEP), *slow,
+                                    (eight, {"dp": 2, "cp": 2}, False, {"seq_len": 512, "micro_batch": 1})):
+        kw = dict(dtype=torch.float32, checkpointing=ck, context_mode="allgather" if "cp" in sizes else None, **step)
+        whole = trace_step(config, sizes, **kw)
+        n = config.num_hidden_layers - 3
+        counted = trace_step(_layers(config, 3), sizes, **kw).scaled(trace_step(_layers(config, 4), sizes, **kw), n)
         assert (counted.peak_bytes, counted.flops, counted.collectives, counted.ops, counted.totals) == (
             whole.peak_bytes, whole.flops, whole.collectives, whole.ops, whole.totals), sizes
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["KINDS", "LiveTensors"]
+__all__ = ["KINDS", "LiveTensors", "layer_places"]
 
 #: the kinds a peak is split into (bytes of each, in :attr:`LiveTensors.peak_split`)
 KINDS = ("parameters", "gradients", "optimizer", "batch", "activations")
@@ -63,7 +64,9 @@ class LiveTensors(TorchDispatchMode):
     Use as ``t = LiveTensors(kinds); t.hold(tensors); with t: step()``; then ``t.peak`` (bytes) and
     ``t.peak_split`` (``{kind: bytes}``, summing to ``t.peak``). :meth:`reset_peak` starts a new peak from the
     bytes alive now. Setting :attr:`phase` (``"forward"``, ``"backward"``, ...) keeps each phase's own peak too,
-    split, in :attr:`phases`.
+    split, in :attr:`phases`; setting :attr:`places` as well keeps the phase's peak at those places too (under
+    ``"<phase> <place>"``: a decoder layer's place, ``"first"``, ``"second"``, ..., or ``"start"``/``"end"``:
+    :func:`layer_places`).
     """
 
     def __init__(self, kinds: dict[str, Callable[[], Iterable[Any]]] | None = None) -> None:
@@ -78,6 +81,8 @@ class LiveTensors(TorchDispatchMode):
         #: the phase the step is in (set by the caller); ``phases[phase]`` is its own peak, split
         self.phase: str | None = None
         self.phases: dict[str, dict[str, int]] = {}
+        #: where in the phase the step is (set by the caller; :func:`tplower.planner.trace.run_step`'s layer hooks)
+        self.places: tuple[str, ...] = ()
         self._resize: Any = None
 
     def hold(self, tensors: Iterable[Any]) -> None:
@@ -106,8 +111,9 @@ class LiveTensors(TorchDispatchMode):
         self.live -= self.sizes.pop(key, 0)
 
     def _note_peak(self) -> None:
-        phase = self.phases.get(self.phase) if self.phase is not None else None
-        if self.live <= self.peak and (self.phase is None or (phase is not None and self.live <= sum(phase.values()))):
+        keys = () if self.phase is None else (self.phase, *(f"{self.phase} {p}" for p in self.places))
+        higher = [k for k in keys if k not in self.phases or self.live > sum(self.phases[k].values())]
+        if self.live <= self.peak and not higher:
             return
         split = dict.fromkeys(KINDS, 0)
         seen: set[int] = set()
@@ -118,8 +124,8 @@ class LiveTensors(TorchDispatchMode):
                     seen.add(id(st))
                     split[kind] += self.sizes[id(st)]
         split["activations"] = self.live - sum(split.values())
-        if self.phase is not None and (phase is None or self.live > sum(phase.values())):
-            self.phases[self.phase] = split
+        for k in higher:
+            self.phases[k] = split
         if self.live > self.peak:
             self.peak = self.live
             self.peak_split = split
@@ -159,3 +165,54 @@ class LiveTensors(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+
+
+def layer_places(model: nn.Module, tracker: LiveTensors) -> list[Any]:
+    """Hooks that keep ``tracker.places`` at the decoder layer the step is in, by its place: ``first``, ``second``,
+    ``penultimate``, ``last`` (layers ``0``, ``1``, ``n - 2``, ``n - 1``; a layer can hold two), else ``middle``;
+    ``start`` before the phase's first layer and ``end`` after its last (the caller sets ``start`` as a phase
+    begins). In forward from each layer's hooks; in backward from gradient hooks on its output (its backward
+    starts) and on the first layer's input (the last layer's backward ends). Returns the handles (none for a model
+    without transformers' decoder layers, or with fewer than 3).
+
+    Why: a phase's peak over its moments is the largest of lines in the layer count, so the peaks of three and
+    four layers counted on can miss a moment that overtakes at more layers (the end of backward, where gradients
+    pile up, overtaking its start). The peak at each place is one such line (the middle layers lie between the
+    second and the penultimate), so :meth:`tplower.planner.trace.StepTrace.scaled` counts each on and takes the largest.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    n = len(layers)
+    if n < 3:
+        return []
+
+    def at(here: tuple[str, ...]) -> Callable[[Any], None]:
+        def hook(grad: Any) -> None:
+            tracker.places = here
+        return hook
+
+    handles = []
+    for j, layer in enumerate(layers):
+        here = tuple(name for name, k in (("first", 0), ("second", 1), ("penultimate", n - 2), ("last", n - 1))
+                     if j == k) or ("middle",)
+
+        def pre(module: nn.Module, args: Any, kwargs: Any, here: tuple[str, ...] = here, j: int = j) -> None:
+            tracker.places = here  # (in backward too: checkpointing's recomputation)
+            x = args[0] if args else kwargs.get("hidden_states")
+            if j == 0 and tracker.phase == "forward" and isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(at(("end",)))
+
+        def post(module: nn.Module, args: Any, output: Any, here: tuple[str, ...] = here, j: int = j) -> None:
+            if tracker.phase != "forward":
+                return  # (a recomputation in backward: its layer's backward goes on)
+            if j == n - 1:
+                tracker.places = ("end",)  # (between two layers: still the one before)
+            y = output[0] if isinstance(output, tuple) else output
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                y.register_hook(at(here))
+
+        handles += [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post)]
+    return handles

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .memory import LiveTensors, _storage
+from .memory import LiveTensors, _storage, layer_places
 
 __all__ = ["StepTrace", "fake_world", "measure_step", "run_step", "trace_step"]
 
@@ -230,6 +230,7 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
     tracker = _Meter({"parameters": lambda: params, "gradients": lambda: (p.grad for p in params),
                       "optimizer": states, "batch": lambda: batch.values()})
     tracker.hold([*params, *model.buffers(), *(v for v in batch.values() if isinstance(v, torch.Tensor))])
+    hooks = layer_places(model, tracker)
     with fake if fake is not None else contextlib.nullcontext(), _no_gc():
         if cheap_first:
             with tracker:
@@ -241,16 +242,18 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str
             if placed is not None:
                 placed.forget()  # the losses recorded for the trainer, as prepare_trainer's loop drops them
             with tracker:
-                tracker.phase = "forward" if last else None
+                tracker.phase, tracker.places = "forward" if last else None, ("start",)
                 loss = model(**batch).loss
-                tracker.phase = "backward" if last else None
+                tracker.phase, tracker.places = "backward" if last else None, ("start",)
                 loss.backward()
                 del loss
                 grads = _bytes(p.grad for p in params)
-                tracker.phase = "optimizer" if last else None
+                tracker.phase, tracker.places = "optimizer" if last else None, ("start",)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             tracker.hold(states())
+    for h in hooks:
+        h.remove()
     axes = _axis_names(mesh) if mesh is not None else {}
     cols: dict[str, dict[str, tuple[int, int]]] = {}
     for (group, kind), (count, nbytes) in tracker.traffic.by_group.items():
