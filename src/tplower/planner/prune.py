@@ -71,7 +71,7 @@ class Bound:
             if not lean.peak_bytes:  # not traced (refused, or failed): the others say why for themselves
                 return rest, []
             why = f"not traced: {lean.label()} needs {gib(lean.peak_bytes)} > {gib(self.memory)}, and without " \
-                  "checkpointing more is held; plan_layout(prune=False) traces it"
+                  "checkpointing at least as much is held; plan_layout(prune=False) traces it"
             skip = [i for i in rest if not self.rows[i].checkpointing]
             cost = self.chunk_cost(lean) if self.chunk_cost is not None and lean.loss_chunk else None
             if cost is not None and lean.peak_bytes - cost > self.memory:  # nor the checkpointed one, chunks off

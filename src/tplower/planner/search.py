@@ -22,7 +22,8 @@ the layer count when the layers are alike, and so is each phase's peak (forward,
 largest is the step's, once the first and last layers (FSDP2 prefetches a neighbour) are apart from a middle one:
 from three and four layers (``tests/test_planner.py`` checks it against a whole trace of six layers, with FSDP2 and
 checkpointing, where the step's peak moves from one phase to another as layers are added; two and three were 10%
-off there).
+off there). Within a phase the peak can move as well, so each phase's peak is kept place by place too (each
+decoder layer's place: :func:`tplower.planner.memory.layer_places`), each counted on, the largest taken.
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ class StepTrace:
         totals: bytes of the rank's ``parameters``, its ``gradients`` as backward leaves them and the
             ``optimizer``'s state after its step (the measured step's; each storage once).
         phases: the measured step's peak within each phase (``forward``, ``backward``, ``optimizer``), split as
-            ``split``: where a step's peak lies moves with the layer count, each phase's grows linearly.
+            ``split``, and within each at each decoder layer's place (``"backward second"``, ...:
+            :func:`tplower.planner.memory.layer_places`): where a step's peak lies moves with the layer count, the
+            peak at one place grows linearly.
     """
 
     peak_bytes: int
