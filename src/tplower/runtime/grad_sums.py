@@ -110,7 +110,7 @@ class GradientSums:
     def __init__(self, axis: str) -> None:
         self.axis = axis
         self.number = next(_numbers)  # the order in which the sums of several models run, the same on every rank
-        self.entries: list[tuple[weakref.ref[nn.Parameter], Callable[[], ParamLayout]]] = []
+        self.entries: list[tuple[Callable[[], nn.Parameter | None], Callable[[], ParamLayout]]] = []
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # by graph task, by entry
         self.open: int | None = None
         self.empty: set[int] = set()  # graph tasks whose forwards all ran this rank on a placeholder token alone
@@ -380,4 +380,17 @@ def sum_context_in_fsdp(model: nn.Module, mesh: Any, axis: str = "cp") -> int:
                 if isinstance(p, DTensor):
                     setattr(p, _FOLDED, axis)
             m.reshard()
+    # the end-of-backward pass no longer takes the parameters FSDP2 replaced (it sums their gradients now): left in,
+    # the pass summed zeros for each of them, whole, every step (a buffer of the whole model's unsharded gradients
+    # and an all_reduce of it over the axis); entries keep their places (owners index them)
+    current = {id(p) for p in model.parameters()}
+    for hook in list(model._forward_hooks.values()):
+        sums = getattr(hook, "sums", None)
+        if isinstance(sums, GradientSums):
+            sums.entries = [(ref, lay) if id(ref()) in current else (_gone, lay) for ref, lay in sums.entries]
     return len(groups)
+
+
+def _gone() -> None:
+    """A dropped entry's reference: no parameter."""
+    return None
