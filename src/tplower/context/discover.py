@@ -47,8 +47,8 @@ from torch import nn
 
 from ..core.support.errors import TPLowerError
 
-__all__ = ["ATTENTION_LAYERS", "TOKEN_WISE_LAYERS", "attention_modules", "check_mixers", "eager_kernel",
-           "own_config", "text_config"]
+__all__ = ["ATTENTION_LAYERS", "TOKEN_WISE_LAYERS", "attention_modules", "check_mixers", "decoder_layers",
+           "eager_kernel", "own_config", "text_config"]
 
 #: ``layer_types`` entries that are softmax attention with a mask transformers builds for the whole sequence
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -135,8 +135,10 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in _in_scope(model) if path and is_attention(m)]
 
 
-def _decoder_layers(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
-    """``(path, index, layer)`` of every transformers decoder layer in scope, with its index in its list."""
+def decoder_layers(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
+    """``(path, index, layer)`` of every transformers decoder layer in scope (the text decoder's, those
+    ``num_hidden_layers`` counts), with its index in its list, in model order; ``[]`` without transformers'
+    ``GradientCheckpointingLayer``."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # older transformers: no common base class to recognize a layer by
@@ -159,7 +161,7 @@ def check_mixers(model: nn.Module, found: list[tuple[str, nn.Module]]) -> None:
     """
     config = text_config(model)
     kinds = list(getattr(config, "layer_types", None) or ())
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     by_index = {i: (path, layer) for path, i, layer in layers}
     for i, kind in enumerate(kinds):
         if kind not in ATTENTION_LAYERS + TOKEN_WISE_LAYERS:

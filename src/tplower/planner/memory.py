@@ -78,12 +78,35 @@ class LiveTensors(TorchDispatchMode):
         self.live = self.peak = 0
         self.sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self.peak_split: dict[str, int] = dict.fromkeys(KINDS, 0)
-        #: the phase the step is in (set by the caller); ``phases[phase]`` is its own peak, split
-        self.phase: str | None = None
+        self._phase: str | None = None
         self.phases: dict[str, dict[str, int]] = {}
-        #: where in the phase the step is (set by the caller; :func:`tplower.planner.trace.run_step`'s layer hooks)
-        self.places: tuple[str, ...] = ()
+        self._places: tuple[str, ...] = ()
+        self._keys: tuple[str, ...] = ()  # the phases keys the running place updates (set with phase and places)
         self._resize: Any = None
+
+    @property
+    def phase(self) -> str | None:
+        """The phase the step is in (set by the caller); ``phases[phase]`` is its own peak, split."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str | None) -> None:
+        self._phase = value
+        self._rekey()
+
+    @property
+    def places(self) -> tuple[str, ...]:
+        """Where in the phase the step is (set by the caller; :func:`layer_places`' hooks)."""
+        return self._places
+
+    @places.setter
+    def places(self, value: tuple[str, ...]) -> None:
+        self._places = value
+        self._rekey()
+
+    def _rekey(self) -> None:
+        p = self._phase
+        self._keys = () if p is None else (p, *(f"{p} {q}" for q in self._places))
 
     def hold(self, tensors: Iterable[Any]) -> None:
         """Count the storages of ``tensors`` (DTensors by their local tensor; ``None`` and meta skipped) as alive."""
@@ -111,8 +134,7 @@ class LiveTensors(TorchDispatchMode):
         self.live -= self.sizes.pop(key, 0)
 
     def _note_peak(self) -> None:
-        keys = () if self.phase is None else (self.phase, *(f"{self.phase} {p}" for p in self.places))
-        higher = [k for k in keys if k not in self.phases or self.live > sum(self.phases[k].values())]
+        higher = [k for k in self._keys if k not in self.phases or self.live > sum(self.phases[k].values())]
         if self.live <= self.peak and not higher:
             return
         split = dict.fromkeys(KINDS, 0)
@@ -180,11 +202,9 @@ def layer_places(model: nn.Module, tracker: LiveTensors) -> list[Any]:
     pile up, overtaking its start). The peak at each place is one such line (the middle layers lie between the
     second and the penultimate), so :meth:`tplower.planner.trace.StepTrace.scaled` counts each on and takes the largest.
     """
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return []
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    from ..context.discover import decoder_layers
+
+    layers = [layer for _, _, layer in decoder_layers(model)]
     n = len(layers)
     if n < 3:
         return []
