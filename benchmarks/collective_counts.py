@@ -9,17 +9,23 @@ tokens, counted at the dispatcher (``tplower.core.lower.traffic.CollectiveTraffi
 both libraries). tplower's query, key and value share one move of their input (one all_reduce of the summed
 gradient where ``parallelize_module`` sends three).
 
+The collectives are counted as the lowering names them, as NCCL runs them: gloo's small all_reduces run
+natively here (``TPLOWER_GLOO_EXCHANGE_BYTES=0``); by default gloo carries each of these as one ``all_to_all``
+of the same bytes at tp=2 (docs/design.md, "Which collective carries a step").
+
 Run: python benchmarks/collective_counts.py   (2 local gloo ranks; prints a Markdown table)
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
+from tplower.core.lower.backends import EXCHANGE_ENV
 from tplower.core.lower.traffic import CollectiveTraffic
 from tplower.run.models import MINILM, MINILM_TP_PLAN, load_model, sentences
 from tplower.run.paths import parallelize_dtensor
@@ -47,6 +53,7 @@ def _body(rank: int, world: int) -> dict[str, dict[str, Any]]:
 
 
 def main() -> None:
+    os.environ[EXCHANGE_ENV] = "0"  # the spawned ranks inherit it
     res = run_processes(2, _body)[0]
     print(f"all-MiniLM-L6-v2, tp=2, batch {BATCH}x{TOKENS}, one forward and backward, per rank\n")
     print("| library | collectives | bytes sent |\n|---|---|---|")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -79,3 +80,19 @@ def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(tplower.testing, "run_processes", spawned)
     monkeypatch.setattr(tplower.run.launch, "run_processes", spawned)
+
+
+@pytest.fixture(scope="module")
+def native_all_reduce() -> Iterator[None]:
+    """gloo's small all_reduces run natively in the ranks a module spawns (``TPLOWER_GLOO_EXCHANGE_BYTES=0``).
+
+    For modules that count collectives by kind against what the lowering names (``tplower explain``, the
+    planner's prediction, the overlapped backward): on gloo a small ``all_reduce`` is otherwise carried by one
+    ``all_to_all`` (:mod:`tplower.core.lower.exchange`, tested on its own in ``tests/test_exchange.py``).
+    A module asks for it with an autouse module fixture, so its other module fixtures spawn after it is set.
+    """
+    from tplower.core.lower.backends import EXCHANGE_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EXCHANGE_ENV, "0")
+        yield

@@ -261,3 +261,8 @@ def test_a_rank_whose_size_is_not_its_piece_says_so() -> None:
         known_global_shape(torch.zeros(5, 4), (Shard(0),), lowerer, "experts", cut_from=tokens)
     with pytest.raises(TPLowerError, match="input it was cut from, which was not given as a tensor of 2 dims"):
         known_global_shape(torch.zeros(4, 4), (Shard(0),), lowerer, "experts", cut_from=None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

@@ -8,11 +8,17 @@ count the graphs' operators. The ideal, which DTensor's traced
 ``wait_tensor`` per communicating direction, no copy (``clone``, ``copy``,
 ``new_empty`` + ``copy_``, pads) around it, nothing else. The values are
 checked against the global tensor each rank builds from the same seeds.
+
+gloo's small all_reduces run as one ``all_to_all`` (:mod:`tplower.core.lower.exchange`): the graphs above are
+counted with that turned off (``TPLOWER_GLOO_EXCHANGE_BYTES=0``), and the exchange's own graph is counted
+beside them.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import os
 
 import pytest
 import torch
@@ -20,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import tplower
 from tplower.bench.graphs import GraphCapture, copies_around_collectives, op_counts
+from tplower.core.lower.backends import EXCHANGE_ENV
 from tplower.testing import run_processes
 
 # (src, dst, grad, local shape): even shards of a [4, 6] global tensor on 2 ranks.
@@ -75,16 +82,34 @@ def _run(cases: tuple[tuple[str, str, str | None, tuple[int, ...]], ...], mesh: 
             "backward_near": copies_around_collectives(cap.backward[0])}
 
 
-def _body(rank: int, world: int) -> dict[str, Any]:
+def _body(rank: int, world: int, exchange: str | None) -> dict[str, Any]:
+    if exchange is not None:
+        os.environ[EXCHANGE_ENV] = exchange
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    return _run((*EVEN, DIM1), mesh, rank, world)
+    return _run((*EVEN, DIM1) if exchange == "0" else SMALL, mesh, rank, world)
+
+
+#: P(sum) -> R with an R and a P gradient: each all_reduce of 96 bytes a rank runs as the exchange.
+SMALL = (("P(sum)", "R", None, (4, 6)), ("P(sum)", "R", "P(sum)", (4, 6)))
 
 
 @pytest.fixture(scope="module")
 def graphs() -> dict[str, Any]:
-    res: list[dict[str, Any]] = run_processes(2, _body, timeout=300)
+    res: list[dict[str, Any]] = run_processes(2, _body, "0", timeout=300)
     assert res[0] == res[1]
     return res[0]
+
+
+def test_a_small_all_reduce_on_gloo_traces_to_one_all_to_all() -> None:
+    """By default (no ``TPLOWER_GLOO_EXCHANGE_BYTES``): each all_reduce is one ``all_to_all_single`` and its wait,
+    beside the local work (the copies out, the sum of the two that came back), forward and backward; the
+    values and gradients are checked in ``_run`` against the global tensor and eager."""
+    for g in run_processes(2, _body, None, timeout=300):
+        assert g["frames"] == 1 and g["graphs"] == (1, 1), g
+        for side, want in (("forward", 2), ("backward", 1)):
+            names = [name.rpartition(".")[2] for name, _ in g[f"{side}_near"]]
+            assert names == ["all_to_all_single"] * want, (side, names)
+            assert g[side]["collective"] == g[side]["wait"] == want, (side, g[side])
 
 
 def test_even_transitions_trace_to_the_collectives_alone(graphs: dict[str, Any]) -> None:

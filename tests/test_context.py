@@ -324,3 +324,8 @@ def test_refusals_name_the_fix(ranks: list[dict[str, Any]], name: str) -> None:
         message = r["refusals"][name]
         for part in REFUSED[name]:
             assert part in message, (name, message)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

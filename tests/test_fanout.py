@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -208,3 +209,8 @@ def test_siblings_share_one_move_eager_and_compiled_as_one_process() -> None:
         assert plain_counts.get("all_reduce") == 2 and sp_counts.get("all_gather") == 10, res["inference"]
         assert comp["grads"] < 1e-5 and comp["input_grad"] < 1e-5, comp
         assert (comp["forward_all_reduce"], comp["backward_all_reduce"]) == (2, 2), comp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

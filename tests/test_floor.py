@@ -148,3 +148,8 @@ def test_model_table_reads_each_copy_against_its_floor() -> None:
         "- m communication share of the eager train step, (step - floor) / floor: tplower +0.200, "
         "dtensor +0.500; tplower's the smallest of tplower, dtensor: met"
     ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

@@ -373,3 +373,8 @@ def test_under_fsdp2_the_sum_over_cp_folds_into_fsdp2s(pattern: str) -> None:
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["params"][name], p.detach(), **PARAM_TOL,
                                        msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

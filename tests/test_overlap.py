@@ -259,3 +259,8 @@ def test_a_backward_after_the_groups_were_released_says_so() -> None:
 
     for msg in run_threaded(2, _released):
         assert msg.startswith("TPLowerError: this tplower program's process groups were destroyed"), msg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

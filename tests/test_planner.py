@@ -303,3 +303,8 @@ def test_fsdp2_beside_context_parallelism_is_traced() -> None:
     t = trace_step(_config(), {"dp": 2, "cp": 2}, dtype=torch.float32, context_mode="ulysses", **STEP)
     assert {"dp", "cp"} <= set(t.collectives) and t.peak_bytes > 0
     assert t.collectives["dp"]["reduce_scatter"][0] > 0 and t.collectives["cp"]["all_to_all"][0] > 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

@@ -103,3 +103,8 @@ def test_plan_layout_searches_the_experts_over_tp_and_gives_parallelize_s_refusa
     assert by["tp"].fits and by["tp"].peak_bytes > 0
     assert not by["ep"].fits and "3 experts do not divide over the 2 ranks" in by["ep"].reason, by["ep"].reason
     assert 'experts="tp"' in by["tp"].code().replace("'", '"')
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_all_reduce(native_all_reduce: None) -> None:
+    """This module counts collectives by the names the lowering gives them: gloo's small all_reduces run natively."""

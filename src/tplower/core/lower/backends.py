@@ -8,12 +8,13 @@ picks the backend of a ``cpu:gloo,cuda:nccl`` group that carries a device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["BackendCaps", "backend_caps", "backend_for_device", "backend_name_for", "check_device"]
+__all__ = ["EXCHANGE_ENV", "BackendCaps", "backend_caps", "backend_for_device", "backend_name_for", "check_device"]
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,16 @@ class BackendCaps:
         reduce_scatter_ops: reduce ops with a native ``reduce_scatter``.
         all_reduce_ops: reduce ops with a native ``all_reduce``.
         all_to_all: whether ``all_to_all_single`` exists.
+        exchange_bytes: an ``all_reduce`` of a CPU tensor whose every rank's copy together (group size times its
+            bytes) is at most this many bytes runs as one ``all_to_all`` that hands each rank every copy, reduced
+            locally (:func:`tplower.core.lower.collectives.all_reduce`); ``0``: never.
     """
 
     name: str
     reduce_scatter_ops: frozenset[str]
     all_reduce_ops: frozenset[str]
     all_to_all: bool
+    exchange_bytes: int = 0
 
 
 _ALL = frozenset(("sum", "avg", "max", "min"))
@@ -48,15 +53,46 @@ _CAPS: dict[str, BackendCaps] = {
 }
 
 
+#: Environment variable: gloo's ``exchange_bytes`` (default 1 MiB; ``0`` turns the exchange off). It must be the
+#: same on every rank: it decides which collective each rank calls.
+EXCHANGE_ENV = "TPLOWER_GLOO_EXCHANGE_BYTES"
+# Measured on 2 and 4 gloo processes sharing 2 CPU cores (medians, per all_reduce of float32, in microseconds):
+# a native all_reduce took 1,550-2,100 at 64-512 KiB a rank (2 ranks) where one all_to_all of the copies plus
+# the local sum took 370-1,010; the two meet between 768 KiB and 1 MiB a rank at 2 ranks, between 384 KiB and
+# 1 MiB at 4 (5,480-6,040 against 2,860-3,880 below). docs/design.md, "Which collective carries a step".
+_EXCHANGE_DEFAULT = 1 << 20
+
+
+def _exchange_bytes() -> int:
+    from ..support.errors import TPLowerError
+
+    raw = os.environ.get(EXCHANGE_ENV, "").strip()
+    if not raw:
+        return _EXCHANGE_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise TPLowerError(f"{EXCHANGE_ENV}={raw!r}: expected a whole number of bytes, 0 or more (0: off)")
+    return value
+
+
 def backend_caps(name: str) -> BackendCaps:
     """Capabilities of a backend by name; an unknown name gets the safe minimum.
 
     The safe minimum (``all_reduce`` of sum/max/min only, no native
     ``reduce_scatter`` or ``all_to_all``) is correct on any backend that
-    has ``all_reduce`` and ``all_gather``.
+    has ``all_reduce`` and ``all_gather``. gloo's ``exchange_bytes`` is read
+    from ``TPLOWER_GLOO_EXCHANGE_BYTES`` at each call (default 1 MiB).
+
+    Raises:
+        TPLowerError: ``TPLOWER_GLOO_EXCHANGE_BYTES`` is not a whole number of bytes, 0 or more.
     """
     caps = _CAPS.get(name.lower())
-    return caps if caps is not None else BackendCaps(name, frozenset(), _NO_AVG, False)
+    if caps is None:
+        return BackendCaps(name, frozenset(), _NO_AVG, False)
+    return replace(caps, exchange_bytes=_exchange_bytes()) if caps.name == "gloo" else caps
 
 
 def backend_name_for(group: ProcessGroup, device_type: str) -> str:

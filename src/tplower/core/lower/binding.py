@@ -2,7 +2,7 @@
 
 :func:`bind_step` is where a backend's capabilities (:func:`tplower.core.lower.collectives.backend_caps`)
 decide how a step runs: natively, or remapped (``reduce_scatter`` as ``all_reduce`` + chunk, ``all_to_all``
-as ``all_gather`` + chunk, ``avg`` as sum + divide). :class:`~tplower.core.lower.redistribute.MeshLowerer` and
+as ``all_gather`` + chunk, ``avg`` as sum + divide, a small ``all_reduce`` on gloo as one ``all_to_all``). :class:`~tplower.core.lower.redistribute.MeshLowerer` and
 :class:`~tplower.core.lower.lowering.TPExecutionOp` bind every step through it.
 """
 
@@ -24,7 +24,8 @@ def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
 
     The remap for a backend without a native collective is chosen here,
     once, from ``caps``: ``reduce_scatter`` becomes ``all_reduce`` + chunk,
-    ``all_to_all`` becomes ``all_gather`` + chunk, ``avg`` becomes sum + divide.
+    ``all_to_all`` becomes ``all_gather`` + chunk, ``avg`` becomes sum + divide; an ``all_reduce`` carries
+    ``caps.exchange_bytes`` (the size below which it runs as one ``all_to_all``, decided per call).
     ``order[c]`` is the group rank of mesh coordinate ``c`` when the group
     orders its ranks unlike the mesh (``None`` when they agree). ``group``
     may be ``None`` only for steps that do not communicate.
@@ -46,7 +47,8 @@ def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
         assert d is not None
         return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d], order=order)
     if kind == "all_reduce":
-        return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops)
+        return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops,
+                                 exchange=caps.exchange_bytes if caps.all_to_all and n > 1 else 0)
     if kind == "reduce_scatter":
         assert d is not None
         if not force_all_reduce_shard and op in caps.reduce_scatter_ops:

@@ -12,7 +12,8 @@ Which collective carries a step is chosen once per backend and device by
 :func:`~tplower.core.lower.backends.backend_caps` (re-exported here), never on the hot path: a backend without a native
 collective gets an equivalent (``reduce_scatter`` as ``all_reduce`` plus the
 local piece, ``all_to_all`` as ``all_gather`` plus the local piece, ``avg``
-as ``sum`` then a division).
+as ``sum`` then a division), and gloo's small ``all_reduce`` runs as one
+``all_to_all`` (:mod:`~tplower.core.lower.exchange`).
 
 :class:`LoweredTransition` is the one autograd Function: forward runs a
 list of bound steps, backward runs the bound steps of the backward
@@ -29,13 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .backends import (  # re-exported: the names collectives always had
-    BackendCaps,
-    backend_caps,
-    backend_for_device,
-    backend_name_for,
-    check_device,
-)
+from .backends import BackendCaps, backend_caps, backend_for_device, backend_name_for, check_device  # re-exported
+from .exchange import exchange_reduce
 
 __all__ = [
     "BackendCaps",
@@ -162,13 +158,18 @@ def all_gather(x: torch.Tensor, *, group: ProcessGroup, n: int, dim: int, size: 
 
 
 def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True,
-               inplace: bool = False) -> torch.Tensor:
+               inplace: bool = False, exchange: int = 0) -> torch.Tensor:
     """``P(op) -> R``: reduce every rank's value; shape unchanged.
 
     With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``. ``inplace``: reduce a contiguous ``x`` itself
     and return it (its caller owns it: :meth:`tplower.core.lower.program.Program.run_owned`); by default ``x``
-    is never modified. Backward: identity (gradient ``R``) or ``all_reduce`` (gradient ``P``).
+    is never modified. ``exchange`` (bytes, :attr:`BackendCaps.exchange_bytes`): a CPU tensor whose ``n`` copies
+    take at most that many bytes together (sizes known when traced) runs as
+    :func:`~tplower.core.lower.exchange.exchange_reduce`. Backward: identity (gradient ``R``) or ``all_reduce``
+    (gradient ``P``).
     """
+    if exchange and x.is_cpu and type(numel := x.numel()) is int and 0 < n * numel * x.element_size() <= exchange:
+        return exchange_reduce(x, op=op, n=n, group=group)
     if _tracing() and x.numel():
         if op == "avg" and not native:
             return _fc_all_reduce(x, "sum", group) / n

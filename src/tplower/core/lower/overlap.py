@@ -58,14 +58,17 @@ class PendingReduce:
         return self._out.div_(self._divide) if self._divide > 1 else self._out
 
 
-def all_reduce_start(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True) -> PendingReduce:
+def all_reduce_start(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native: bool = True,
+                     exchange: int = 0) -> PendingReduce:
     """``P(op) -> R`` started, not waited for: :func:`tplower.core.lower.collectives.all_reduce` with ``async_op``.
 
     Unlike ``all_reduce``, ``x`` is reduced in place: the caller hands over a
     contiguous tensor of its own (a freshly computed gradient). Arguments as
     ``all_reduce`` binds them; ``native=False`` runs ``avg`` as ``sum``, then
-    ``/ n`` at :meth:`PendingReduce.wait`.
+    ``/ n`` at :meth:`PendingReduce.wait`. ``exchange`` is ignored: the
+    native ``all_reduce`` is the one that runs beside compute.
     """
+    del exchange
     if not x.numel():
         return PendingReduce(x, None, 1)
     divide = n if op == "avg" and not native else 1
