@@ -16,9 +16,8 @@ beside them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
+from typing import Any
 
 import pytest
 import torch

@@ -2,7 +2,8 @@
 
 :func:`bind_step` is where a backend's capabilities (:func:`tplower.core.lower.collectives.backend_caps`)
 decide how a step runs: natively, or remapped (``reduce_scatter`` as ``all_reduce`` + chunk, ``all_to_all``
-as ``all_gather`` + chunk, ``avg`` as sum + divide, a small ``all_reduce`` on gloo as one ``all_to_all``). :class:`~tplower.core.lower.redistribute.MeshLowerer` and
+as ``all_gather`` + chunk, ``avg`` as sum + divide, a small ``all_reduce`` on gloo as one ``all_to_all``).
+:class:`~tplower.core.lower.redistribute.MeshLowerer` and
 :class:`~tplower.core.lower.lowering.TPExecutionOp` bind every step through it.
 """
 
