@@ -39,4 +39,4 @@ def exchange_reduce(x: torch.Tensor, *, op: str, n: int, group: ProcessGroup) ->
     if op == "min":
         return got.amin(0)
     out = got[0] + got[1] if n == 2 else got.sum(0)
-    return out / n if op == "avg" else out
+    return out.div_(n) if op == "avg" else out  # a fresh sum: divided in place, in its own dtype
