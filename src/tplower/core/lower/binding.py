@@ -18,6 +18,10 @@ from . import collectives as C
 
 __all__ = ["bind_step"]
 
+# The reductions gloo's small all_reduce hands to the exchange; max and min keep the native one (its NaN and
+# signed-zero rules differ from torch.amax's).
+_SUMS = frozenset(("sum", "avg"))
+
 
 def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
               force_all_reduce_shard: bool = False, order: tuple[int, ...] | None = None) -> C.BoundStep:
@@ -49,7 +53,7 @@ def bind_step(step: Step, group: ProcessGroup | None, caps: C.BackendCaps, *,
         return functools.partial(C.all_gather, group=group, n=n, dim=d, size=ls[d], order=order)
     if kind == "all_reduce":
         return functools.partial(C.all_reduce, group=group, op=op, n=n, native=op in caps.all_reduce_ops,
-                                 exchange=caps.exchange_bytes if caps.all_to_all and n > 1 else 0)
+                                 exchange=caps.exchange_bytes if caps.all_to_all and n > 1 and op in _SUMS else 0)
     if kind == "reduce_scatter":
         assert d is not None
         if not force_all_reduce_shard and op in caps.reduce_scatter_ops:

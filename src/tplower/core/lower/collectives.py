@@ -10,10 +10,9 @@ no elements are skipped on every rank alike (gloo can abort on them).
 
 Which collective carries a step is chosen once per backend and device by
 :func:`~tplower.core.lower.backends.backend_caps` (re-exported here), never on the hot path: a backend without a native
-collective gets an equivalent (``reduce_scatter`` as ``all_reduce`` plus the
-local piece, ``all_to_all`` as ``all_gather`` plus the local piece, ``avg``
-as ``sum`` then a division), and gloo's small ``all_reduce`` runs as one
-``all_to_all`` (:mod:`~tplower.core.lower.exchange`).
+collective gets an equivalent (``reduce_scatter`` as ``all_reduce`` plus the local piece, ``all_to_all`` as
+``all_gather`` plus the local piece, ``avg`` as ``sum`` then a division); gloo's ``all_reduce`` also carries a
+size below which a call runs as one ``all_to_all`` (:mod:`~tplower.core.lower.exchange`).
 
 :class:`LoweredTransition` is the one autograd Function: forward runs a
 list of bound steps, backward runs the bound steps of the backward
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.fx.experimental.symbolic_shapes import statically_known_true as _known
 
 from .backends import BackendCaps, backend_caps, backend_for_device, backend_name_for, check_device  # re-exported
 from .exchange import exchange_reduce
@@ -164,11 +164,11 @@ def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native:
     With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``. ``inplace``: reduce a contiguous ``x`` itself
     and return it (its caller owns it: :meth:`tplower.core.lower.program.Program.run_owned`); by default ``x``
     is never modified. ``exchange`` (bytes, :attr:`BackendCaps.exchange_bytes`): a CPU tensor whose ``n`` copies
-    take at most that many bytes together (sizes known when traced) runs as
+    take at most that many bytes together (known without a guard: a symbolic size runs natively) runs as
     :func:`~tplower.core.lower.exchange.exchange_reduce`. Backward: identity (gradient ``R``) or ``all_reduce``
     (gradient ``P``).
     """
-    if exchange and x.is_cpu and type(numel := x.numel()) is int and 0 < n * numel * x.element_size() <= exchange:
+    if exchange and x.is_cpu and _known(0 < (size := n * x.numel() * x.element_size())) and _known(size <= exchange):
         return exchange_reduce(x, op=op, n=n, group=group)
     if _tracing() and x.numel():
         if op == "avg" and not native:

@@ -18,13 +18,14 @@ _tracing = torch.compiler.is_compiling
 
 
 def exchange_reduce(x: torch.Tensor, *, op: str, n: int, group: ProcessGroup) -> torch.Tensor:
-    """``P(op) -> R`` by one ``all_to_all_single``: ``x`` (any shape, ``m`` elements) in, its reduction out.
+    """``P(op) -> R`` for ``op`` ``sum`` or ``avg`` by one ``all_to_all_single``: ``x`` (any shape, ``m``
+    elements) in, the sum (or the sum ``/ n``) of every rank's ``x`` out, a new tensor of ``x``'s shape and dtype.
 
     Each rank sends ``n`` copies of ``x`` (``[n, m]``, row ``k`` to group rank ``k``) and receives every
-    rank's copy (row ``k`` from group rank ``k``), then reduces the ``[n, m]`` rows over dim 0 in group-rank
-    order (``sum`` at ``n = 2`` as ``a + b``, the native sum's bits; ``avg`` as the sum ``/ n``; ``max``,
-    ``min``). Every rank computes the same bits from the same blocks. Traced, a functional ``all_to_all_single``
-    and its wait. ``x`` is never modified; the result is a new contiguous tensor of ``x``'s shape.
+    rank's copy (row ``k`` from group rank ``k``), then sums the rows: at ``n = 2`` as ``a + b``, the native
+    sum's bits; beyond, ``torch.sum`` over dim 0 (its own order and, for half types, float32 accumulation: the
+    rounding may differ from gloo's ring, which rounds at each add). Every rank computes the same bits from the
+    same rows. Traced, a functional ``all_to_all_single`` and its wait. ``x`` is never modified.
     """
     send = x.reshape(1, -1).repeat(n, 1)  # [n, m]: row k to group rank k
     if _tracing():
@@ -33,10 +34,6 @@ def exchange_reduce(x: torch.Tensor, *, op: str, n: int, group: ProcessGroup) ->
     else:
         got = torch.empty_like(send)
         dist.all_to_all_single(got, send, group=group)
-    got = got.view(n, *x.shape)  # the reductions below make fresh tensors of x's shape, not views
-    if op == "max":
-        return got.amax(0)
-    if op == "min":
-        return got.amin(0)
-    out = got[0] + got[1] if n == 2 else got.sum(0)
-    return out.div_(n) if op == "avg" else out  # a fresh sum: divided in place, in its own dtype
+    got = got.view(n, *x.shape)  # the sums below make fresh tensors of x's shape and dtype, not views
+    out = got[0] + got[1] if n == 2 else got.sum(0, dtype=x.dtype)
+    return out.div_(n) if op == "avg" else out
