@@ -183,15 +183,18 @@ def test_length_changes_compile_nothing(lengths_ranks: list[dict[tuple[str, str]
 def _bucketed(rank: int, world: int) -> dict[str, Any]:
     """Inductor's compiled step of a one-layer model at cp=2 with ``bucket_all_reduces_fx`` off and on: the
     ``all_reduce`` calls in each piece of code it generated, and the gradients (whole)."""
+    import torch._inductor.config as inductor
     from torch._inductor.utils import run_and_get_code
 
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TPLOWER_GLOO_EXCHANGE_BYTES"] = "0"  # unbucketed, each sum its own all_reduce (not an exchange)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     out: dict[str, Any] = {}
     for bucket in ("none", "all"):
         torch._dynamo.reset()
         model = tplower.parallelize(_model(1), mesh, None, context="cp")
-        compiled = torch.compile(model, options={"bucket_all_reduces_fx": bucket})
+        inductor.bucket_all_reduces_fx = bucket  # the global setting, as prepare_trainer makes it
+        compiled = torch.compile(model)
 
         def step(fn: Any) -> None:
             fn(**tplower.shard_sequence(_batch("plain", 0), mesh, "cp")).loss.backward()

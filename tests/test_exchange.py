@@ -133,14 +133,24 @@ def _dynamic(rank: int, world: int) -> dict[str, Any]:
         torch._dynamo.mark_dynamic(x, 0, min=2, max=4096)
         right.append(torch.equal(f(x), DTensor.from_local(x, mesh, [Partial()]).redistribute(
             mesh, [Replicate()]).to_local()))
+    # static sizes while inductor is set to bucket all_reduces (what prepare_trainer sets under cp): native, so
+    # the compiler can join them
+    from torch._inductor import config
+
+    with config.patch(bucket_all_reduces_fx="all"):
+        torch._dynamo.reset()
+        g = torch.compile(lambda t: tplower.redistribute_local(t * 1.0, mesh, "P(sum)", "R"),
+                          backend=aot_autograd(fw_compiler=keep), fullgraph=True)
+        g(torch.randn(8, 256))
     return {"graphs": graphs, "right": right}
 
 
-def test_a_symbolic_size_runs_the_native_all_reduce_with_no_guard_on_it() -> None:
+def test_a_symbolic_size_or_inductors_bucketing_runs_the_native_all_reduce() -> None:
     """The limit is decided only on sizes known without a guard: a dynamic dim (even one whose range spans the limit)
-    compiles once to the native all_reduce, where a guard on the size would have refused the range."""
+    compiles once to the native all_reduce, where a guard on the size would have refused the range. A static size
+    traced while inductor buckets all_reduces compiles to the native one too."""
     for res in run_processes(2, _dynamic, timeout=300):
-        assert res["graphs"] == [["_c10d_functional.all_reduce.default"]] and res["right"] == [True, True], res
+        assert res["graphs"] == [["_c10d_functional.all_reduce.default"]] * 2 and res["right"] == [True, True], res
 
 
 @pytest.mark.parametrize("raw", ["-1", "1MiB", "0.5"])

@@ -242,7 +242,9 @@ def bucket_compiled_sums(backend: str | None) -> bool:
     Llama), each paying a collective's latency. Inductor's ``bucket_all_reduces_fx = "all"`` joins independent
     ones into buckets (a sum is elementwise: the same gradients). It is a process-wide setting of
     ``torch._inductor.config``: set here only where it is still ``"none"`` (a user's own choice stays), and
-    logged. Users of a plain ``torch.compile`` pass ``options={"bucket_all_reduces_fx": "all"}`` instead.
+    logged. Users of a plain ``torch.compile`` set it the same way before compiling: a compile's ``options`` are
+    not seen while the step is traced, and on gloo a small sum then runs as one ``all_to_all``
+    (:mod:`tplower.core.lower.exchange`), which inductor does not join.
 
     Args:
         backend: the compile backend (``TrainingArguments.torch_compile_backend``; ``None``: inductor, as

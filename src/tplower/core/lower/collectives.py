@@ -28,10 +28,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.fx.experimental.symbolic_shapes import statically_known_true as _known
 
 from .backends import BackendCaps, backend_caps, backend_for_device, backend_name_for, check_device  # re-exported
-from .exchange import exchange_reduce
+from .exchange import exchange_fits, exchange_reduce
 
 __all__ = [
     "BackendCaps",
@@ -163,12 +162,12 @@ def all_reduce(x: torch.Tensor, *, group: ProcessGroup, op: str, n: int, native:
 
     With ``native=False`` an ``avg`` runs as ``sum`` then ``/ n``. ``inplace``: reduce a contiguous ``x`` itself
     and return it (its caller owns it: :meth:`tplower.core.lower.program.Program.run_owned`); by default ``x``
-    is never modified. ``exchange`` (bytes, :attr:`BackendCaps.exchange_bytes`): a CPU tensor whose ``n`` copies
-    take at most that many bytes together (known without a guard: a symbolic size runs natively) runs as
+    is never modified. ``exchange`` (bytes, :attr:`BackendCaps.exchange_bytes`): where
+    :func:`~tplower.core.lower.exchange.exchange_fits`, runs as
     :func:`~tplower.core.lower.exchange.exchange_reduce`. Backward: identity (gradient ``R``) or ``all_reduce``
     (gradient ``P``).
     """
-    if exchange and x.is_cpu and _known(0 < (size := n * x.numel() * x.element_size())) and _known(size <= exchange):
+    if exchange and exchange_fits(x, n, exchange):
         return exchange_reduce(x, op=op, n=n, group=group)
     if _tracing() and x.numel():
         if op == "avg" and not native:

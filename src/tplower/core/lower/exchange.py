@@ -10,11 +10,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["exchange_reduce"]
+__all__ = ["exchange_fits", "exchange_reduce"]
 
 _FC = torch.ops._c10d_functional
 _tracing = torch.compiler.is_compiling
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _inductor_buckets() -> bool:
+    """Whether inductor is set to join independent all_reduces (``bucket_all_reduces_fx``, global or a compile's
+    ``options``): read once a trace."""
+    from torch._inductor import config
+
+    return getattr(config, "bucket_all_reduces_fx", "none") not in (None, "", "none")
+
+
+def exchange_fits(x: torch.Tensor, n: int, limit: int) -> bool:
+    """Whether an ``all_reduce`` of ``x`` over ``n`` ranks runs as :func:`exchange_reduce` under ``limit`` bytes.
+
+    ``x`` must be a CPU tensor whose ``n`` copies take between 1 and ``limit`` bytes together, a size known
+    without a guard (a dynamic dim's symbolic size runs the native ``all_reduce``, so a dynamic range may span
+    the limit), and not traced while inductor buckets all_reduces (``bucket_all_reduces_fx``, which
+    ``prepare_trainer`` sets for context parallelism: one bucketed all_reduce beats an exchange a parameter).
+    """
+    if not x.is_cpu or (_tracing() and _inductor_buckets()):
+        return False
+    size = n * x.numel() * x.element_size()
+    return statically_known_true(0 < size) and statically_known_true(size <= limit)
 
 
 def exchange_reduce(x: torch.Tensor, *, op: str, n: int, group: ProcessGroup) -> torch.Tensor:
