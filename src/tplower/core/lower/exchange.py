@@ -20,8 +20,8 @@ _tracing = torch.compiler.is_compiling
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def _inductor_buckets() -> bool:
-    """Whether inductor is set to join independent all_reduces (``bucket_all_reduces_fx``, global or a compile's
-    ``options``): read once a trace."""
+    """Whether inductor is set to join independent all_reduces: the global ``bucket_all_reduces_fx`` (a compile's
+    ``options`` are not seen while tracing), read once a trace."""
     from torch._inductor import config
 
     return getattr(config, "bucket_all_reduces_fx", "none") not in (None, "", "none")
